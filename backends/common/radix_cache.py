@@ -1,0 +1,142 @@
+"""Radix tree over int64 token ids mapping prefixes to KV slots (page size 1), with reference counts and LRU
+eviction of unreferenced leaves. Pure Python over integers.
+
+The tree owns the slots stored in it. A holder that uses a matched prefix must `lock` the returned node before
+the slots are used and `unlock` it when done; locked nodes and their ancestors are never evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from .kv_pool import KVPool
+
+
+class Node:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, parent: Node | None, key: list[int], value: list[int], last_access: int):
+        self.children: dict[int, Node] = {}
+        self.parent = parent
+        self.key = key  # token ids of this edge
+        self.value = value  # slots of those tokens, same length
+        self.lock_ref = 0
+        self.last_access = last_access
+
+
+class RadixCache:
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self._clock = itertools.count()
+        self.root = Node(None, [], [], 0)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.cached_size = 0  # slots held by the tree
+        self.protected_size = 0  # of those, slots under a locked node
+
+    @property
+    def evictable_size(self) -> int:
+        return self.cached_size - self.protected_size
+
+    def _touch(self, node: Node) -> None:
+        t = next(self._clock)
+        while node is not None:
+            node.last_access = t
+            node = node.parent
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Split node's edge at `at`; returns the new upper node holding key[:at]."""
+        upper = Node(node.parent, node.key[:at], node.value[:at], node.last_access)
+        upper.lock_ref = node.lock_ref
+        upper.children = {node.key[at]: node}
+        node.parent.children[node.key[0]] = upper
+        node.parent = upper
+        node.key, node.value = node.key[at:], node.value[at:]
+        return upper
+
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
+        """Slots of the longest cached prefix of tokens, and the node where it ends (lock it before use)."""
+        node, slots, i = self.root, [], 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            n = 0
+            key = child.key
+            while n < len(key) and i + n < len(tokens) and key[n] == tokens[i + n]:
+                n += 1
+            if n < len(key):
+                child = self._split(child, n)
+            slots.extend(child.value)
+            node, i = child, i + n
+        self._touch(node)
+        return slots, node
+
+    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
+        """Store slots for tokens. Returns how many leading tokens were already cached: the caller still owns
+        slots[:that] (duplicates of the tree's own, to be freed by the caller) and the tree now owns the rest."""
+        assert len(tokens) == len(slots)
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                leaf = Node(node, list(tokens[i:]), list(slots[i:]), 0)
+                node.children[tokens[i]] = leaf
+                self.cached_size += len(leaf.key)
+                node = leaf
+                break
+            n = 0
+            key = child.key
+            while n < len(key) and i + n < len(tokens) and key[n] == tokens[i + n]:
+                n += 1
+            if n < len(key):
+                child = self._split(child, n)
+            node, i = child, i + n
+        self._touch(node)
+        return i
+
+    def lock(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("radix node unlocked more often than locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_slots: int) -> int:
+        """Free at least num_slots slots from unreferenced leaves, least recently used first (fewer if the tree
+        has fewer to give). Returns the number freed."""
+        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_slots and leaves:
+            _, _, node = heapq.heappop(leaves)
+            self.pool.free(node.value)
+            freed += len(node.value)
+            self.cached_size -= len(node.value)
+            parent = node.parent
+            del parent.children[node.key[0]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root:
+                yield node
+            stack.extend(node.children.values())
+
+    def clear(self) -> int:
+        """Evict everything unreferenced (used at shutdown and by tests)."""
+        return self.evict(self.cached_size)

@@ -1,0 +1,70 @@
+"""ModelRunner: the only piece that touches a device. It owns the weights and the KV store, turns scheduled
+(token ids, start position, slots) spans into one ragged ForwardBatch, and returns logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import loader
+from .kv_store import KVStore
+from .model import ForwardBatch, LlamaModel
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class Span:
+    """Compute K/V and logits for tokens at positions [start, start + len(token_ids)); slots covers [0, end)."""
+
+    token_ids: list[int]
+    start: int
+    slots: list[int]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}") from None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ModelRunner:
+    def __init__(self, model_spec: str, dtype: str = "float32", device: str | None = None, kv_tokens: int = 16384,
+                 kv_shm_name: str | None = None):
+        self.device = torch.device(device or default_device())
+        self.dtype = parse_dtype(dtype)
+        self.source = loader.resolve(model_spec)
+        self.cfg = loader.load_config(self.source)
+        self.tokenizer = loader.load_tokenizer(self.source)
+        self.model = LlamaModel(self.cfg, loader.load_weights(self.source, self.dtype, self.device))
+        cfg = self.cfg
+        self.kv = KVStore.allocate(cfg.num_layers, kv_tokens, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                   self.device, shm_name=kv_shm_name)
+
+    def build_batch(self, spans: list[Span]) -> ForwardBatch:
+        ids, pos, out, starts, new_lens, ctx = [], [], [], [], [], []
+        for s in spans:
+            n, end = len(s.token_ids), s.start + len(s.token_ids)
+            starts.append(len(ids))
+            new_lens.append(n)
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start, end))
+            out.extend(s.slots[s.start : end])
+            ctx.append(torch.tensor(s.slots[:end], dtype=torch.int64, device=self.device))
+        rows = [st + n - 1 for st, n in zip(starts, new_lens)]
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows))
+
+    def forward(self, spans: list[Span]) -> torch.Tensor:
+        """float32 logits [len(spans), vocab]: the next-token logits after each span's last token."""
+        return self.model.forward(self.build_batch(spans), self.kv)

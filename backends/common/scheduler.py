@@ -1,0 +1,154 @@
+"""Offline continuous-batching scheduler: every request's computed-token count catches up with its total, so
+chunked prefill, prefix hits and recompute after preemption are one rule. Plain Python over integers."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_pool import KVPool
+from .radix_cache import RadixCache
+from .request import InferReq, ReqState
+
+
+@dataclass(slots=True)
+class ScheduledSpan:
+    req: InferReq
+    start: int  # first position computed this step
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this span reaches the end of the request's tokens, so its logits give the next token."""
+        return self.start + self.num_new == self.req.num_tokens
+
+
+class KVAccounting:
+    """Slot ownership for requests that hold KV in one pool: `release`, `cache_unfinished`, `alloc`."""
+
+    def __init__(self, pool: KVPool, radix: RadixCache):
+        self.pool, self.radix = pool, radix
+
+    def alloc(self, n: int) -> list[int] | None:
+        slots = self.pool.alloc(n)
+        if slots is None:
+            self.radix.evict(n - self.pool.num_free)
+            slots = self.pool.alloc(n)
+        return slots
+
+    def match(self, req: InferReq, limit: int) -> None:
+        """Adopt the longest cached prefix of the request's tokens (at most `limit`)."""
+        slots, node = self.radix.match_prefix(req.all_ids[:limit])
+        self.radix.lock(node)
+        req.slots, req.cached_len, req.last_node = slots, len(slots), node
+
+    def release(self, req: InferReq, keep_in_cache: bool = True) -> None:
+        """Give back the request's KV: into the radix cache as unreferenced entries, or straight to the pool."""
+        own = req.slots[req.cached_len :]
+        if keep_in_cache and req.slots:
+            present = self.radix.insert(req.all_ids[: len(req.slots)], req.slots)
+            self.pool.free(req.slots[req.cached_len : present])  # duplicates of slots the tree already had
+        else:
+            self.pool.free(own)
+        if req.last_node is not None:
+            self.radix.unlock(req.last_node)
+        req.slots, req.cached_len, req.last_node = [], 0, None
+
+    def cache_unfinished(self, req: InferReq) -> None:
+        """Move the request's computed KV into the tree (still locked) so concurrent requests can share it."""
+        n = len(req.slots)
+        present = self.radix.insert(req.all_ids[:n], req.slots)
+        self.pool.free(req.slots[req.cached_len : present])
+        slots, node = self.radix.match_prefix(req.all_ids[:n])
+        self.radix.lock(node)
+        if req.last_node is not None:
+            self.radix.unlock(req.last_node)
+        req.slots, req.cached_len, req.last_node = slots, n, node
+
+    def used_by_requests(self, reqs) -> int:
+        return sum(len(r.slots) - r.cached_len for r in reqs)
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, max_batch: int = 64, chunk_size: int = 512, max_batch_tokens: int = 2048):
+        self.pool = pool
+        self.radix = RadixCache(pool)
+        self.kv = KVAccounting(pool, self.radix)
+        self.max_batch, self.chunk_size, self.max_batch_tokens = max_batch, chunk_size, max_batch_tokens
+        self.waiting: deque[InferReq] = deque()
+        self.running: list[InferReq] = []  # in admission order
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the radix cache at admission
+
+    def add(self, req: InferReq) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSpan]:
+        plan: list[ScheduledSpan] = []
+        budget = self.max_batch_tokens
+        for req in list(self.running):
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - len(req.slots), self.chunk_size, budget)
+            if n <= 0:
+                continue
+            if not self._grow(req, n, plan):
+                continue
+            plan.append(ScheduledSpan(req, len(req.slots) - n, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            self.kv.match(req, req.num_tokens - 1)  # keep one token to compute: it yields the next logits
+            self.num_cached_tokens += len(req.slots)
+            n = min(req.num_tokens - len(req.slots), self.chunk_size, budget)
+            slots = self.kv.alloc(n)
+            if slots is None:
+                self.kv.release(req)
+                break
+            self.waiting.popleft()
+            req.slots += slots
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+            plan.append(ScheduledSpan(req, len(req.slots) - n, n))
+            budget -= n
+        return plan
+
+    def _grow(self, req: InferReq, n: int, plan: list[ScheduledSpan]) -> bool:
+        """Allocate n slots for req, preempting the latest-admitted unplanned requests if needed."""
+        planned = {id(s.req) for s in plan}
+        while (slots := self.kv.alloc(n)) is None:
+            victims = [r for r in self.running if id(r) not in planned]
+            victim = victims[-1]  # req itself is unplanned, so there is always one
+            self.preempt(victim)
+            if victim is req:
+                return False
+        req.slots += slots
+        return True
+
+    def preempt(self, req: InferReq) -> None:
+        self.kv.release(req, keep_in_cache=True)
+        self.running.remove(req)
+        req.state = ReqState.WAITING
+        req.num_pauses += 1
+        self.num_preemptions += 1
+        # back to the front, oldest first, so the preempted request resumes before new admissions
+        self.waiting.appendleft(req)
+
+    def after_forward(self, plan: list[ScheduledSpan]) -> None:
+        for span in plan:
+            req = span.req
+            if not span.samples and req.state is ReqState.RUNNING:
+                self.kv.cache_unfinished(req)
+
+    def finish(self, req: InferReq, reason: str) -> None:
+        req.finish_reason = reason
+        req.state = ReqState.FINISHED
+        self.kv.release(req, keep_in_cache=True)
+        self.running.remove(req)
+
+    def accounting(self) -> tuple[int, int, int]:
+        """(free, used by requests, held by cache); their sum is the pool size."""
+        return self.pool.num_free, self.kv.used_by_requests(self.running), self.radix.cached_size

@@ -1,0 +1,140 @@
+"""The offline engine against transformers, and against itself under batching, chunking, caching, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.common.engine import Engine
+from backends.common.request import SamplingParams
+from tests.conftest import hf_greedy
+
+PROMPTS = [
+    ("plain", "The history of the Roman Empire"),
+    ("plain", "def fibonacci(n):"),
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a haiku about the sea."),
+]
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def encode(engine, kind, text):
+    return engine.tokenizer.encode_chat(text) if kind == "chat" else engine.tokenizer.encode(text)
+
+
+def assert_idle(engine: Engine):
+    free, used, cached = engine.scheduler.accounting()
+    assert used == 0 and free + cached == engine.scheduler.pool.num_slots
+    assert engine.scheduler.radix.protected_size == 0
+
+
+@pytest.mark.parametrize("kind,text", PROMPTS)
+def test_greedy_48_tokens_equal_transformers(engine, hf_model, kind, text):
+    ids = encode(engine, kind, text)
+    out = engine.generate([ids], greedy(48))[0]
+    assert out.output_ids == hf_greedy(hf_model, ids, 48)
+    assert out.finish_reason == "length"
+    assert_idle(engine)
+
+
+def test_chat_answer_is_paris(engine):
+    out = engine.generate([engine.tokenizer.encode_chat("What is the capital of France?")],
+                          SamplingParams(max_tokens=30, temperature=0))[0]
+    assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
+    assert out.output_ids[-1] in engine.cfg.eos_token_ids
+
+
+def _batch_prompts(engine):
+    shared = engine.tokenizer.encode("You are a careful assistant. Answer briefly and precisely. " * 3)
+    tails = ["Name a prime.", "What is 2+2?", "Define entropy.", "Who wrote Hamlet?", "Say hi.",
+             "List three colours of the rainbow, please, in order.", "Why is the sky blue?", "Count to five."]
+    prompts = [shared + engine.tokenizer.encode(t) for t in tails[:5]]
+    prompts += [engine.tokenizer.encode(t) for t in tails[5:]]  # no shared prefix
+    return prompts
+
+
+def test_batched_ragged_shared_prefix_equals_alone(engine):
+    prompts = _batch_prompts(engine)
+    lens = [5 + 3 * i for i in range(8)]  # ragged output lengths too
+    alone = [engine.generate([p], greedy(n))[0].output_ids for p, n in zip(prompts, lens)]
+    engine.scheduler.radix.clear()
+    small = Engine.__new__(Engine)  # same runner, a scheduler that admits a few prompt tokens per step
+    small.__dict__.update(engine.__dict__)
+    from backends.common.scheduler import Scheduler
+
+    small.scheduler = Scheduler(engine.scheduler.pool, max_batch=8, chunk_size=64, max_batch_tokens=64)
+    batched = small.generate(prompts, [greedy(n) for n in lens])
+    assert [o.output_ids for o in batched] == alone
+    assert small.scheduler.num_cached_tokens > 0  # later prompts were served through the radix cache
+    assert_idle(small)
+    small.scheduler.radix.clear()
+
+
+def test_chunked_prefill_and_prefix_hit_equal_whole_prefill(engine):
+    ids = engine.tokenizer.encode("In the beginning the universe was created. This has made a lot of people "
+                                  "very angry and been widely regarded as a bad move. " * 2)
+    engine.scheduler.radix.clear()
+    whole = engine.generate([ids], greedy(24))[0].output_ids
+    engine.scheduler.radix.clear()
+    chunk, budget = engine.scheduler.chunk_size, engine.scheduler.max_batch_tokens
+    engine.scheduler.chunk_size = engine.scheduler.max_batch_tokens = 16
+    try:
+        chunked = engine.generate([ids], greedy(24))[0].output_ids
+        before = engine.scheduler.num_cached_tokens
+        hit = engine.generate([ids[:-3] + ids[-3:]], greedy(24))[0].output_ids  # whole prompt now cached
+        assert engine.scheduler.num_cached_tokens - before == len(ids) - 1
+    finally:
+        engine.scheduler.chunk_size, engine.scheduler.max_batch_tokens = chunk, budget
+    assert chunked == whole and hit == whole
+    assert_idle(engine)
+
+
+def test_preemption_under_tiny_pool_keeps_tokens(engine):
+    """A pool too small for all requests at once: preempted requests recompute and still match."""
+    prompts = _batch_prompts(engine)[:4]
+    expected = [engine.generate([p], greedy(40))[0].output_ids for p in prompts]
+    tiny = Engine.__new__(Engine)
+    tiny.__dict__.update(engine.__dict__)
+    from backends.common.kv_pool import KVPool
+    from backends.common.scheduler import Scheduler
+
+    tiny.scheduler = Scheduler(KVPool(160), max_batch=4, chunk_size=64, max_batch_tokens=256)
+    got = tiny.generate(prompts, greedy(40))
+    assert [o.output_ids for o in got] == expected
+    assert tiny.scheduler.num_preemptions > 0
+    assert_idle(tiny)
+
+
+def test_seeded_sampling_batch_invariant_and_reproducible(engine):
+    ids = engine.tokenizer.encode_chat("Tell me a short story about a cat.")
+    p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate([ids], p)[0].output_ids
+    others = [engine.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "Numbers: 1 2 3")]
+    mixed = engine.generate(others + [ids], [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)]
+                            + [p])[-1].output_ids
+    assert mixed == alone
+    other_seed = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=99,
+                                                       ignore_eos=True))[0].output_ids
+    assert other_seed != alone
+    g = engine.generate([ids], greedy(24))[0].output_ids
+    k1 = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0.7, top_k=1, seed=5,
+                                               ignore_eos=True))[0].output_ids
+    assert k1 == g
+    assert_idle(engine)
+
+
+def test_min_tokens_and_stop_ids(engine):
+    ids = engine.tokenizer.encode_chat("What is the capital of France?")
+    free = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0))[0]
+    eos = free.output_ids[-1]
+    longer = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, min_tokens=len(free.output_ids) + 2))[0]
+    assert len(longer.output_ids) >= len(free.output_ids) + 2
+    assert eos not in longer.output_ids[: len(free.output_ids) + 1]
+    stop_at = free.output_ids[2]
+    stopped = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert stopped.output_ids == free.output_ids[:3] and stopped.finish_reason == "stop"
+    ignored = engine.generate([ids], SamplingParams(max_tokens=len(free.output_ids) + 3, temperature=0,
+                                                    ignore_eos=True))[0]
+    assert ignored.output_ids[: len(free.output_ids)] == free.output_ids and ignored.finish_reason == "length"

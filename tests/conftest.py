@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    from backends.common import loader
+
+    return loader.resolve("smollm2")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """A shared fp32 SmolLM2 engine; tests must leave it idle (every request finished)."""
+    from backends.common.engine import Engine
+
+    return Engine("smollm2", dtype="float32", device="cpu", kv_tokens=8192)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_source):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_source.folder), dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy decoding with transformers' own KV cache and no EOS stop."""
+    out_ids = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(out.logits[0, -1].argmax())
+            out_ids.append(tok)
+            out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return out_ids

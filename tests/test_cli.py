@@ -1,0 +1,57 @@
+"""`triton-pd generate --offline`: JSON output, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backends.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_offline_generate_json_chat():
+    r = run_cli("generate", "--offline", "--model", "smollm2", "--prompt", "What is the capital of France?", "--chat",
+                "--max-tokens", "30", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["text"] == "The capital of France is Paris."
+    assert out["finish_reason"] == "stop" and out["output_ids"][-1] == 2
+
+
+def test_offline_generate_plain_length():
+    r = run_cli("generate", "--offline", "--prompt", "1, 2, 3, 4,", "--max-tokens", "5", "--temperature", "0.8",
+                "--top-p", "0.9", "--top-k", "40", "--seed", "7", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["output_ids"]) == 5 and out["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--model", "/nonexistent/model.gguf"], "GGUF file not found: /nonexistent/model.gguf"),
+        (["--model", "random:gpt-17"], "unknown random shape 'gpt-17'"),
+        (["--max-tokens", "0"], "max_tokens: must be > 0"),
+        (["--top-p", "1.5"], "top_p: must be in (0, 1]"),
+        (["--top-p", "0"], "top_p: must be in (0, 1]"),
+        (["--temperature", "-1"], "temperature: must be a number >= 0"),
+        (["--prompt-file-too-long"], "prompt: has"),
+    ],
+)
+def test_bad_input_one_line_error(args, needle):
+    base = ["generate", "--offline", "--max-tokens", "4"]
+    if args == ["--prompt-file-too-long"]:
+        args = ["--prompt", "word " * 9000]
+    else:
+        args = ["--prompt", "hi", *args]
+    r = run_cli(*base, *args)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("[triton-pd]")]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and needle in lines[0]
