@@ -35,9 +35,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.offline:
         result = generate_offline(a, params)
     else:
-        from .client import generate_remote
+        from .client import ClientError, generate_remote
 
-        result = generate_remote(a.url, a.prompt, params, chat=a.chat, protocol=a.protocol, echo=not a.json)
+        try:
+            result = generate_remote(a.url, a.prompt, params, chat=a.chat, protocol=a.protocol, echo=not a.json)
+        except ClientError as e:
+            raise CLIError(f"server: {e}") from None
     if a.json:
         print(json.dumps(result, ensure_ascii=False))
     elif a.offline:

@@ -1,19 +1,61 @@
 """The tensor that holds every layer's K and V rows, indexed by slot. One buffer, so that a single handle
-(a CUDA IPC handle or a shared-memory name) lets another process write into it."""
+(a CUDA IPC handle or a shared-memory file name) lets another process write into it."""
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
+import mmap
+import os
+import re
 
 import torch
+
+SHM_DIR = "/dev/shm"
+_SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class SharedFile:
+    """A file in /dev/shm mapped into memory. Plain os/mmap rather than multiprocessing.shared_memory: no
+    resource-tracker process, which also misbehaves inside Triton's stub when its libpython and stdlib differ."""
+
+    def __init__(self, name: str, nbytes: int | None = None):
+        if not _SAFE.match(name):
+            raise ValueError(f"unsafe shared-memory name {name!r}")
+        self.name, self.path = name, os.path.join(SHM_DIR, name)
+        create = nbytes is not None
+        fd = os.open(self.path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, max(nbytes, 1))
+            size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def close(self, unlink: bool = False) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a tensor still views the mapping; it goes away with the process
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def tensor_on(buf, dtype: torch.dtype, shape) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(shape))
 
 
 class KVStore:
     """buffer: [num_layers, 2 (k, v), num_slots, num_kv_heads, head_dim]."""
 
-    def __init__(self, buffer: torch.Tensor, shm: shared_memory.SharedMemory | None = None):
+    def __init__(self, buffer: torch.Tensor, shm: SharedFile | None = None):
         self.buffer = buffer
-        self.shm = shm  # keeps a shared-memory segment alive as long as the store
+        self.shm = shm  # keeps a shared-memory mapping alive as long as the store
         self.num_layers, _, self.num_slots, self.num_kv_heads, self.head_dim = buffer.shape
 
     @classmethod
@@ -21,12 +63,9 @@ class KVStore:
         shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
         if shm_name is None:
             return cls(torch.zeros(shape, dtype=dtype, device=device))
-        numel = num_layers * 2 * num_slots * num_kv_heads * head_dim
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        shm = shared_memory.SharedMemory(name=shm_name, create=True, size=max(nbytes, 1))
-        buf = torch.frombuffer(shm.buf, dtype=dtype, count=numel).view(shape)
-        buf.zero_()
-        return cls(buf, shm)
+        nbytes = num_layers * 2 * num_slots * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        shm = SharedFile(shm_name, nbytes)  # a fresh file reads as zeros
+        return cls(tensor_on(shm.map, dtype, shape), shm)
 
     def k(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]
@@ -41,7 +80,5 @@ class KVStore:
     def close(self, unlink: bool = False) -> None:
         if self.shm is not None:
             self.buffer = None
-            self.shm.close()
-            if unlink:
-                self.shm.unlink()
+            self.shm.close(unlink)
             self.shm = None

@@ -1,0 +1,105 @@
+"""KV hand-off: a decode instance exports its KV store as plain fields; a prefill instance opens it once and
+copies rows into the slots decode chose. Handles are JSON (names, numbers, base64 bytes), never pickled.
+
+On CPU the store lives in a named shared-memory segment; on GPU it is shared through a CUDA IPC handle (peer
+copies when the two instances sit on different GPUs)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import torch
+
+from .kv_store import KVStore, SharedFile, tensor_on
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def export_handle(store: KVStore, instance_id: str, generation: int = 0) -> str:
+    buf = store.buffer
+    desc = {"instance": instance_id, "generation": generation, "dtype": str(buf.dtype), "shape": list(buf.shape)}
+    if buf.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(buf)
+        # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset,
+        #  requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
+        desc.update(kind="cuda_ipc", device=args[6], stride=list(args[2]), offset=args[3],
+                    handle=base64.b64encode(args[7]).decode(), storage_size=args[8], storage_offset=args[9],
+                    ref_counter_handle=base64.b64encode(args[11]).decode(), ref_counter_offset=args[12],
+                    event_handle=base64.b64encode(args[13] or b"").decode(), event_sync_required=args[14])
+    elif store.shm is not None:
+        desc.update(kind="shm", name=store.shm.name)
+    else:
+        raise ValueError("this KV store is not shareable (allocate it with a shared-memory name or on CUDA)")
+    return json.dumps(desc)
+
+
+def _open_cuda(desc: dict) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    ev = base64.b64decode(desc["event_handle"]) or None
+    return rebuild_cuda_tensor(
+        torch.Tensor, tuple(desc["shape"]), tuple(desc["stride"]), desc["offset"], torch.storage.TypedStorage,
+        _DTYPES[desc["dtype"]], desc["device"], base64.b64decode(desc["handle"]), desc["storage_size"],
+        desc["storage_offset"], False, base64.b64decode(desc["ref_counter_handle"]), desc["ref_counter_offset"],
+        ev, desc["event_sync_required"],
+    )
+
+
+class RemoteKV:
+    """A peer's KV store opened from its handle; kept open for the peer's (instance, generation)."""
+
+    def __init__(self, desc: dict):
+        self.key = (desc["instance"], desc["generation"])
+        self.shm = None
+        if desc["kind"] == "shm":
+            self.shm = SharedFile(desc["name"])  # opened, not created: the decode instance owns the file
+            self.buffer = tensor_on(self.shm.map, _DTYPES[desc["dtype"]], desc["shape"])
+        elif desc["kind"] == "cuda_ipc":
+            self.buffer = _open_cuda(desc)
+        else:
+            raise ValueError(f"unknown KV handle kind {desc['kind']!r}")
+
+    def close(self) -> None:
+        self.buffer = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+
+
+class HandoffCache:
+    """Opened peers by instance id; a new generation of the same instance replaces the old mapping."""
+
+    def __init__(self):
+        self._peers: dict[str, RemoteKV] = {}
+
+    def open(self, handle_json: str) -> RemoteKV:
+        desc = json.loads(handle_json)
+        cur = self._peers.get(desc["instance"])
+        if cur is None or cur.key != (desc["instance"], desc["generation"]):
+            if cur is not None:
+                cur.close()
+            cur = self._peers[desc["instance"]] = RemoteKV(desc)
+        return cur
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.close()
+        self._peers.clear()
+
+
+def copy_rows(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int]) -> None:
+    """dst[:, :, dst_slots] = src[:, :, src_slots] for every layer and both K and V ([layers, 2, slots, H, D])."""
+    if len(src_slots) != len(dst_slots):
+        raise ValueError(f"hand-off of {len(src_slots)} rows into {len(dst_slots)} slots")
+    if not src_slots:
+        return
+    si = torch.tensor(src_slots, dtype=torch.int64, device=src.device)
+    rows = src.index_select(2, si)
+    if rows.device != dst.device:
+        rows = rows.to(dst.device, non_blocking=True)
+    di = torch.tensor(dst_slots, dtype=torch.int64, device=dst.device)
+    dst.index_copy_(2, di, rows)
+    if dst.is_cuda:
+        torch.cuda.current_stream(dst.device).synchronize()  # the peer reads these rows right after we answer

@@ -1,0 +1,70 @@
+"""Helpers for Triton Python-backend requests and responses (used inside the stub only: pb_utils is imported
+lazily so the rest of the package works without Triton)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+
+def pb():
+    import triton_python_backend_utils as pb_utils
+
+    return pb_utils
+
+
+def model_params(args: dict) -> dict[str, str]:
+    cfg = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+
+
+def input_array(request, name: str) -> np.ndarray | None:
+    t = pb().get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def input_str(request, name: str) -> str | None:
+    a = input_array(request, name)
+    if a is None or a.size == 0:
+        return None
+    v = a.reshape(-1)[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+def input_bool(request, name: str, default: bool = False) -> bool:
+    a = input_array(request, name)
+    return default if a is None or a.size == 0 else bool(a.reshape(-1)[0])
+
+
+def input_ids(request, name: str) -> list[int] | None:
+    a = input_array(request, name)
+    return None if a is None else [int(x) for x in a.reshape(-1)]
+
+
+def tensor(name: str, value) -> object:
+    if isinstance(value, str):
+        return pb().Tensor(name, np.array([value.encode("utf-8")], dtype=np.object_))
+    if isinstance(value, (list, tuple)):
+        return pb().Tensor(name, np.array(value, dtype=np.int64))
+    if isinstance(value, np.ndarray):
+        return pb().Tensor(name, value)
+    if isinstance(value, bool):
+        return pb().Tensor(name, np.array([value], dtype=np.bool_))
+    return pb().Tensor(name, np.array([value], dtype=np.int64))
+
+
+def error(message: str, code: str = "INTERNAL"):
+    """A TritonError with one of INVALID_ARG, UNAVAILABLE, INTERNAL, CANCELLED, UNKNOWN..."""
+    e = pb().TritonError
+    return e(message, getattr(e, code, e.INTERNAL))
+
+
+def check_key(request, expected: str) -> str | None:
+    """None when the request carries the deployment's internal key; else the refusal message."""
+    got = input_str(request, "internal_key")
+    if got is None:
+        return "this is an internal model of the deployment: requests must carry its internal_key"
+    if got != expected:
+        return "internal_key does not match this deployment"
+    return None

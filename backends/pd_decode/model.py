@@ -1,0 +1,257 @@
+"""pd_decode (decoupled): admits requests from master, asks prefill for their prompt KV, runs continuous-batching
+decode, pauses requests when the KV pool runs out and recovers them (local radix hit, or prefill recompute under a
+new epoch). One scheduler thread owns all request state; Triton's execute() only enqueues."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from backends.common import triton_io as tio
+from backends.common.engine import finish_reason, sample_requests
+from backends.common.kv_handoff import export_handle
+from backends.common.kv_pool import KVPool
+from backends.common.mailbox import Mailbox
+from backends.common.metrics import Metrics
+from backends.common.request import InferReq, ParamError, ReqState, SamplingParams
+from backends.common.runner import ModelRunner, Span
+from backends.common.streaming import Item, Stream, StreamSender
+
+from .scheduler import DecodeScheduler, TransferJob
+
+
+class DecodeModel:
+    def __init__(self, args: dict):
+        p = tio.model_params(args)
+        self.instance = args.get("model_instance_name", "pd_decode")
+        gpu = args.get("model_instance_kind") == "GPU"
+        device = f"cuda:{args.get('model_instance_device_id', 0)}" if gpu else "cpu"
+        if gpu:
+            import torch
+
+            torch.cuda.set_device(device)
+        kv_tokens = int(p["kv_tokens"])
+        shm = None if gpu else f"tpd_{p['deployment']}_{self.instance}"
+        self.runner = ModelRunner(p["model"], p["dtype"], device, kv_tokens, kv_shm_name=shm)
+        self.eos = self.runner.cfg.eos_token_ids
+        self.max_context = self.runner.cfg.max_position_embeddings
+        self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
+        self.sched = DecodeScheduler(KVPool(kv_tokens), max_running=int(p["max_batch"]),
+                                     pause_policy=p.get("pause_policy", "latest"),
+                                     on_oom=p.get("on_decode_oom", "pause"))
+        self.key = open(p["internal_key_file"]).read().strip()
+        self.mailbox = Mailbox(p["mailbox_dir"])
+        self.events: queue.Queue = queue.Queue()
+        self.streams: dict[str, Stream] = {}
+        self.sender = StreamSender(self._send)
+        self.transfers = ThreadPoolExecutor(max_workers=int(p.get("prefill_concurrency", "16")),
+                                            thread_name_prefix="pd-transfer")
+        self._metrics(args)
+        self.stop = threading.Event()
+        self.loop = threading.Thread(target=self._run, name="pd-decode-loop", daemon=True)
+        self.loop.start()
+
+    def _metrics(self, args) -> None:
+        m = self.metrics = Metrics({"model": "pd_decode", "instance": self.instance})
+        g = m.gauge
+        self.g = {
+            "running": g("pd_decode_running_requests", "Requests in the decode batch"),
+            "queued": g("pd_decode_queued_requests", "Requests waiting for admission or for their prompt KV"),
+            "paused": g("pd_decode_paused_requests", "Requests paused for lack of KV slots"),
+            "recovering": g("pd_decode_recovering_requests", "Paused requests whose KV prefill is recomputing"),
+            "used": g("pd_kv_slots_used", "KV slots held by requests"),
+            "cached": g("pd_kv_slots_cached", "KV slots held by the radix prefix cache"),
+            "total": g("pd_kv_slots_total", "KV slots in the decode pool"),
+            "epoch": g("pd_recovery_epoch_max", "Highest recovery epoch reached by any request"),
+        }
+        self.c_pauses = m.counter("pd_pauses_total", "Requests paused for lack of KV slots")
+        self.c_recover = {k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k)
+                          for k in ("local", "prefill")}
+        self.c_stale = m.counter("pd_stale_messages_total", "Transfer completions from a stale epoch, dropped")
+        self.c_restarts = m.counter("pd_decode_restarts_total", "Segments ended for lack of KV (on_oom=restart)")
+        self.h_recovery = m.histogram("pd_recovery_seconds", "Time from pause to resumed decoding")
+        self.g["total"].set(self.sched.pool.num_slots)
+        self._last_gauges = 0.0
+
+    # ---- Triton entry points -----------------------------------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                refusal = tio.check_key(request, self.key)
+                if refusal:
+                    raise ParamError("internal_key", refusal)
+                rid = tio.input_str(request, "request_id")
+                ids = tio.input_ids(request, "input_ids")
+                if not rid or not ids:
+                    raise ParamError("input_ids", "request_id and input_ids are required")
+                params = SamplingParams.from_json(tio.input_str(request, "sampling_parameters") or "{}")
+            except ParamError as e:
+                pb = tio.pb()
+                sender.send(pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), "INVALID_ARG")),
+                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            self.events.put(("new", InferReq(rid, ids, params), sender))
+        return None
+
+    def finalize(self):
+        self.stop.set()
+        self.events.put(("wake",))
+        self.loop.join(timeout=10)
+        self.transfers.shutdown(wait=False, cancel_futures=True)
+        self.sender.close()
+        self.runner.kv.close(unlink=True)
+
+    # ---- the scheduler loop ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_cancel_poll = 0.0
+        while not self.stop.is_set():
+            try:
+                self._drain(block=not self.sched.by_state(ReqState.RUNNING))
+                now = time.monotonic()
+                self._take_cancels(poll_senders=now - last_cancel_poll > 0.5)
+                if now - last_cancel_poll > 0.5:
+                    last_cancel_poll = now
+                plan = self.sched.schedule()
+                for req in plan.paused:
+                    req.paused_at = time.monotonic()
+                    self.c_pauses.increment(1)
+                for req in plan.resumed_local:
+                    self.c_recover["local"].increment(1)
+                    self.h_recovery.observe(time.monotonic() - getattr(req, "paused_at", time.monotonic()))
+                for req in plan.restarted:
+                    self.c_restarts.increment(1)
+                    self._emit(req, [], "restart")
+                for job in plan.transfers:
+                    req = self.sched.reqs[job.rid]
+                    self.transfers.submit(self._transfer, job, {**req.params.to_dict(), "seed": req.seed})
+                if plan.decode:
+                    self._decode_step(plan.decode)
+                self._gauges()
+            except Exception as e:  # never let the loop die silently: fail what is running, keep serving
+                self._fail_all(f"decode loop error: {e!r}")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            ev = self.events.get(timeout=0.05) if block else self.events.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(ev)
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, ev) -> None:
+        kind = ev[0]
+        if kind == "new":
+            _, req, sender = ev
+            if req.rid in self.sched.reqs:
+                self.sender.push(Item(Stream(req.rid, sender), error=f"request_id {req.rid}: duplicate",
+                                      error_code="INVALID_ARG"))
+                return
+            self.streams[req.rid] = Stream(req.rid, sender)
+            self.sched.add(req)
+        elif kind == "done":
+            _, rid, epoch, ok, token, error = ev
+            c = self.sched.on_transfer_done(rid, epoch, ok, token, error)
+            if c.stale:
+                self.c_stale.increment(1)
+            elif c.failed:
+                self._emit(c.req, [], None, error=c.failed)
+            elif c.first_token is not None:
+                self._after_token(c.req, c.first_token)
+            elif c.recovered:
+                self.c_recover["prefill"].increment(1)
+                self.h_recovery.observe(time.monotonic() - getattr(c.req, "paused_at", time.monotonic()))
+
+    def _take_cancels(self, poll_senders: bool) -> None:
+        for rid, reason in self.mailbox.take(self.sched.reqs):
+            self._cancel(rid, reason)
+        if poll_senders:  # fallback: the caller's side of the BLS stream went away
+            for rid, st in list(self.streams.items()):
+                try:
+                    gone = st.sender.is_cancelled()
+                except Exception:
+                    gone = False
+                if gone:
+                    self._cancel(rid, "cancelled")
+
+    def _cancel(self, rid: str, reason: str) -> None:
+        req = self.sched.cancel(rid, reason)
+        if req is not None:
+            self._emit(req, [], reason)
+
+    def _transfer(self, job: TransferJob, params: dict) -> None:
+        """Runs on a transfer thread: one BLS call to pd_prefill; the answer goes back to the loop as an event."""
+        try:
+            inputs = [tio.tensor("input_ids", job.ids), tio.tensor("start", [job.start]),
+                      tio.tensor("dst_slots", job.dst_slots), tio.tensor("epoch", [job.epoch]),
+                      tio.tensor("request_id", job.rid), tio.tensor("sample", job.sample),
+                      tio.tensor("sampling_parameters", json.dumps(params)),
+                      tio.tensor("kv_handle", self.handle), tio.tensor("internal_key", self.key)]
+            pb = tio.pb()
+            resp = pb.InferenceRequest(model_name="pd_prefill", inputs=inputs,
+                                       requested_output_names=["first_token", "epoch"]).exec()
+            if resp.has_error():
+                self.events.put(("done", job.rid, job.epoch, False, None, f"prefill: {resp.error().message()}"))
+                return
+            token = int(pb.get_output_tensor_by_name(resp, "first_token").as_numpy().reshape(-1)[0])
+            self.events.put(("done", job.rid, job.epoch, True, token, None))
+        except Exception as e:
+            self.events.put(("done", job.rid, job.epoch, False, None, f"prefill call failed: {e}"))
+
+    def _decode_step(self, reqs: list[InferReq]) -> None:
+        spans = [Span([r.all_ids[-1]], r.num_tokens - 1, r.slots) for r in reqs]
+        logits = self.runner.forward(spans)
+        for req, token in zip(reqs, sample_requests(logits, reqs, self.eos)):
+            self.sched.after_decode(req, token)
+            self._after_token(req, token)
+
+    def _after_token(self, req: InferReq, token: int) -> None:
+        reason = finish_reason(req, token, self.eos, self.max_context)
+        if reason:
+            self.sched.finish(req, reason)
+        self._emit(req, [token], reason)
+
+    def _emit(self, req: InferReq, ids: list[int], reason: str | None, error: str | None = None) -> None:
+        final = reason is not None or error is not None
+        stream = self.streams.pop(req.rid, None) if final else self.streams.get(req.rid)
+        if stream is not None:
+            self.sender.push(Item(stream, ids, reason, error, num_pauses=req.num_pauses))
+
+    def _send(self, stream: Stream, ids, reason, error, code, num_pauses, final) -> None:
+        pb = tio.pb()
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if error is not None:
+            resp = pb.InferenceResponse(output_tensors=[], error=tio.error(error, code))
+        else:
+            resp = pb.InferenceResponse(output_tensors=[
+                tio.tensor("output_ids", ids), tio.tensor("finish_reason", reason or ""),
+                tio.tensor("num_pauses", [num_pauses])])
+        stream.sender.send(resp, flags=flags)
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self.sched.reqs):
+            req = self.sched.cancel(rid, "error")
+            if req is not None:
+                self._emit(req, [], None, error=message)
+
+    def _gauges(self) -> None:
+        now = time.monotonic()
+        if now - self._last_gauges < 0.05:
+            return
+        self._last_gauges = now
+        s = self.sched
+        self.g["running"].set(s.count(ReqState.RUNNING))
+        self.g["queued"].set(s.count(ReqState.WAITING) + s.count(ReqState.WAITING_KV))
+        self.g["paused"].set(s.count(ReqState.PAUSED))
+        self.g["recovering"].set(s.count(ReqState.RECOVERING))
+        free, used, cached = s.accounting()
+        self.g["used"].set(used)
+        self.g["cached"].set(cached)
+        self.g["epoch"].set(s.max_epoch)

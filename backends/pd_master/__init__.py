@@ -1,0 +1,1 @@
+"""Master role: client API, tokenisation, admission, deadline, detokenisation and relay."""

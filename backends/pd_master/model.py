@@ -1,0 +1,329 @@
+"""pd_master (KIND_CPU, decoupled): the client-facing model. Parses and validates a request, tokenises it, opens a
+BLS decoupled stream to pd_decode, detokenises what comes back and streams it to the client. A watchdog thread
+enforces the total deadline and notices client cancellation, even while decode has the request paused."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from backends.common import triton_io as tio
+from backends.common.loader import load_config, load_tokenizer, resolve
+from backends.common.mailbox import Mailbox
+from backends.common.metrics import Metrics
+from backends.common.request import ParamError, SamplingParams
+
+from .text import IncrementalDetokenizer, StopStrings
+
+SAMPLING_KEYS = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "stop",
+}
+
+
+@dataclass
+class ClientRequest:
+    rid: str
+    sender: object
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    stream: bool
+    exclude_input: bool
+    started: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+    ended: threading.Event = field(default_factory=threading.Event)  # the client got its final response
+    abort_reason: str | None = None  # set by the watchdog: "cancelled" or "timeout"
+    current_rid: str = ""  # the decode request of the current segment (restart mode adds segments)
+
+
+class MasterModel:
+    def __init__(self, args: dict):
+        p = tio.model_params(args)
+        src = resolve(p["model"])
+        self.tokenizer = load_tokenizer(src)
+        cfg = load_config(src)
+        self.max_context, self.vocab_size = cfg.max_position_embeddings, cfg.vocab_size
+        self.key = open(p["internal_key_file"]).read().strip()
+        self.mailbox = Mailbox(p["mailbox_dir"])
+        self.max_inflight = int(p.get("max_inflight", "1024"))
+        timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", p.get("request_timeout_seconds", "1800")))
+        self.timeout = timeout if timeout >= 0 else None
+        self.active: dict[str, ClientRequest] = {}
+        self.lock = threading.Lock()
+        m = self.metrics = Metrics({"model": "pd_master", "instance": args.get("model_instance_name", "pd_master")})
+        self.m_ttft = m.histogram("pd_time_to_first_token_seconds", "Time from arrival to the first token")
+        self.m_itl = m.histogram(
+            "pd_inter_token_latency_seconds",
+            "Time between two responses of one stream",
+            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10],
+        )
+        self.m_requests = m.counter("pd_requests_total", "Client requests by outcome", outcome="ok")
+        self.m_rejected = m.counter("pd_requests_total", "Client requests by outcome", outcome="rejected")
+        self.m_failed = m.counter("pd_requests_total", "Client requests by outcome", outcome="error")
+        self.m_restarts = m.counter("pd_restarts_total", "Segments re-submitted by master (on_decode_oom=restart)")
+        self.m_inflight = m.gauge("pd_master_inflight_requests", "Requests being answered")
+        self.stop_event = threading.Event()
+        self.watchdog = threading.Thread(target=self._watch, name="pd-master-watchdog", daemon=True)
+        self.watchdog.start()
+
+    # ---- request parsing ---------------------------------------------------------------------------------
+    def parse(self, request) -> ClientRequest:
+        text = tio.input_str(request, "text_input")
+        ids = tio.input_ids(request, "input_ids")
+        if (text is None) == (ids is None):
+            raise ParamError("text_input", "give exactly one of text_input and input_ids")
+        raw = {}
+        sp = tio.input_str(request, "sampling_parameters")
+        if sp:
+            try:
+                raw = json.loads(sp)
+            except ValueError as e:
+                raise ParamError("sampling_parameters", f"malformed JSON ({e})") from None
+            if not isinstance(raw, dict):
+                raise ParamError("sampling_parameters", "must be a JSON object")
+        try:  # request parameters (HTTP generate's "parameters", gRPC parameters) also carry sampling keys
+            rp = json.loads(request.parameters() or "{}")
+        except (AttributeError, ValueError):
+            rp = {}
+        for k, v in rp.items():
+            if k in SAMPLING_KEYS:
+                raw.setdefault(k, v)
+        params = SamplingParams.from_json(json.dumps(raw))
+        stream = tio.input_bool(request, "stream", bool(rp.get("stream", False)))
+        exclude = tio.input_bool(request, "exclude_input_in_output", bool(rp.get("exclude_input_in_output", False)))
+        chat = tio.input_bool(request, "apply_chat_template", bool(rp.get("apply_chat_template", False)))
+        if text is not None:
+            ids = self.tokenizer.encode_chat(text) if chat else self.tokenizer.encode(text)
+            field_name = "text_input"
+        else:
+            field_name = "input_ids"
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ParamError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ParamError(field_name, "the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise ParamError(
+                field_name,
+                f"the prompt has {len(ids)} tokens; the model's context is "
+                f"{self.max_context} (prompt + output must fit)",
+            )
+        rid = uuid.uuid4().hex[:16]
+        req = ClientRequest(rid, request.get_response_sender(), ids, text, params, stream, exclude, current_rid=rid)
+        if self.timeout is not None:
+            req.deadline = req.started + self.timeout
+        return req
+
+    # ---- Triton entry points -----------------------------------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req = self.parse(request)
+            except ParamError as e:
+                self._final_error(sender, str(e), "INVALID_ARG")
+                self.m_failed.increment(1)
+                continue
+            with self.lock:
+                if len(self.active) >= self.max_inflight:
+                    req = None
+                else:
+                    self.active[req.rid] = req
+            if req is None:
+                self.m_rejected.increment(1)
+                self._final_error(sender, f"server busy, retry: {self.max_inflight} requests in flight", "UNAVAILABLE")
+                continue
+            self.m_inflight.set(len(self.active))
+            threading.Thread(target=self._serve, args=(req,), name=f"pd-master-{req.rid}", daemon=True).start()
+        return None
+
+    def finalize(self):
+        self.stop_event.set()
+        for rid in list(self.active):
+            self.mailbox.post(rid, "shutdown")
+
+    # ---- one request -------------------------------------------------------------------------------------
+    def _serve(self, req: ClientRequest) -> None:
+        try:
+            self._relay(req)
+        except Exception as e:  # a bug or a lost decode instance: the client gets an error, never a hang
+            self._finish_with_error(req, f"internal error: {e}", "INTERNAL")
+        finally:
+            with self.lock:
+                self.active.pop(req.rid, None)
+                self.m_inflight.set(len(self.active))
+            self.mailbox.discard(req.current_rid or req.rid)
+
+    def _decode_stream(self, req: ClientRequest, rid: str, prompt_ids: list[int], params: SamplingParams):
+        pb = tio.pb()
+        inputs = [
+            tio.tensor("input_ids", prompt_ids),
+            tio.tensor("sampling_parameters", json.dumps(params.to_dict())),
+            tio.tensor("request_id", rid),
+            tio.tensor("internal_key", self.key),
+        ]
+        bls = pb.InferenceRequest(
+            model_name="pd_decode", inputs=inputs, requested_output_names=["output_ids", "finish_reason", "num_pauses"]
+        )
+        return bls.exec(decoupled=True)
+
+    def _relay(self, req: ClientRequest) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStrings(req.params.stop)
+        all_ids: list[int] = []
+        text_parts: list[str] = []
+        last = req.started
+        prompt_ids, params, segment = req.prompt_ids, req.params, 0
+        finish = None
+        while finish is None:
+            seg_rid = req.current_rid = req.rid if segment == 0 else f"{req.rid}.{segment}"
+            for resp in self._decode_stream(req, seg_rid, prompt_ids, params):
+                if req.abort_reason:
+                    continue  # drain what decode still sends after a cancel; the client is done
+                if resp.has_error():
+                    self._finish_with_error(req, resp.error().message(), "INTERNAL")
+                    return
+                ids_t = tio.pb().get_output_tensor_by_name(resp, "output_ids")
+                if ids_t is None:
+                    continue  # the empty closing response of the stream
+                new_ids = [int(x) for x in ids_t.as_numpy().reshape(-1)]
+                reason_t = tio.pb().get_output_tensor_by_name(resp, "finish_reason")
+                reason = reason_t.as_numpy().reshape(-1)[0].decode() if reason_t is not None else ""
+                if not new_ids and not reason:
+                    continue
+                all_ids.extend(new_ids)
+                delta = stops.feed(detok.add(new_ids))
+                if stops.stopped:
+                    reason = "stop"
+                    self.mailbox.post(seg_rid, "stop")
+                elif reason and reason != "restart":
+                    delta += stops.feed(detok.flush()) + stops.flush()
+                now = time.monotonic()
+                if new_ids:
+                    (self.m_ttft if last == req.started else self.m_itl).observe(now - last)
+                    last = now
+                text_parts.append(delta)
+                if reason == "restart":
+                    break
+                final = bool(reason)
+                if req.stream and (new_ids or final):
+                    self._send(req, delta, new_ids, reason if final else None, len(all_ids), final)
+                if final:
+                    finish = reason
+                    if stops.stopped:
+                        req.abort_reason = "stop"  # keep draining quietly
+            else:
+                if finish is None and not req.abort_reason:
+                    raise RuntimeError("decode closed the stream without a final response")
+            if req.abort_reason and finish is None:
+                return  # the watchdog already answered the client (cancel or deadline)
+            if finish is None:  # restart: end of segment; re-submit prompt + text so far, re-tokenised
+                self.m_restarts.increment(1)
+                segment += 1
+                text_so_far = "".join(text_parts)
+                base = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(req.prompt_ids)
+                prompt_ids = self.tokenizer.encode(base + text_so_far)
+                left = req.params.max_tokens - len(all_ids)
+                if left <= 0 or len(prompt_ids) >= self.max_context:
+                    finish = "length"
+                    if req.stream:
+                        self._send(req, "", [], finish, len(all_ids), True)
+                    break
+                params = SamplingParams(
+                    **{
+                        **req.params.to_dict(),
+                        "max_tokens": left,
+                        "min_tokens": max(0, req.params.min_tokens - len(all_ids)),
+                    }
+                )
+        if not req.stream:
+            text = "".join(text_parts)
+            ids = all_ids
+            if not req.exclude_input:
+                prompt_text = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(req.prompt_ids)
+                text, ids = prompt_text + text, req.prompt_ids + all_ids
+            self._send(req, text, ids, finish, len(all_ids), True)
+        self.m_requests.increment(1)
+
+    def _send(self, req: ClientRequest, text: str, ids: list[int], reason: str | None, n_out: int, final: bool):
+        if req.ended.is_set():
+            return
+        pb = tio.pb()
+        outputs = [tio.tensor("text_output", text), tio.tensor("output_ids", ids)]
+        if final:
+            outputs += [
+                tio.tensor("finish_reason", reason or ""),
+                tio.tensor("num_input_tokens", len(req.prompt_ids)),
+                tio.tensor("num_output_tokens", n_out),
+            ]
+            req.ended.set()
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        try:
+            req.sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
+        except Exception:
+            req.abort_reason = req.abort_reason or "cancelled"  # the client is gone
+
+    def _final_error(self, sender, message: str, code: str) -> None:
+        pb = tio.pb()
+        sender.send(
+            pb.InferenceResponse(output_tensors=[], error=tio.error(message, code)),
+            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def _finish_with_error(self, req: ClientRequest, message: str, code: str) -> None:
+        self.m_failed.increment(1)
+        if req.ended.is_set():
+            return
+        req.ended.set()
+        try:
+            self._final_error(req.sender, message, code)
+        except Exception:
+            pass
+
+    # ---- watchdog: deadline and client cancellation ------------------------------------------------------
+    def _watch(self) -> None:
+        while not self.stop_event.wait(0.1):
+            now = time.monotonic()
+            with self.lock:
+                reqs = list(self.active.values())
+            for req in reqs:
+                try:
+                    self._check(req, now)
+                except Exception:
+                    pass  # one request's failure must not stop the watchdog
+
+    def _check(self, req: ClientRequest, now: float) -> None:
+        if req.abort_reason or req.ended.is_set():
+            return
+        if req.deadline is not None and now > req.deadline:
+            req.abort_reason = "timeout"
+            self._cancel_everywhere(req, "timeout")
+            self._finish_with_error(
+                req, f"request timed out after {self.timeout:g} s (PD_REQUEST_TIMEOUT_SECONDS)", "DEADLINE_EXCEEDED"
+            )
+        elif self._client_cancelled(req):
+            req.abort_reason = "cancelled"
+            self._cancel_everywhere(req, "cancelled")
+            req.ended.set()
+
+    def _client_cancelled(self, req: ClientRequest) -> bool:
+        try:
+            return bool(req.sender.is_cancelled())
+        except Exception:
+            return False
+
+    def _cancel_everywhere(self, req: ClientRequest, reason: str) -> None:
+        """Decode drops the request, releases its KV and tells prefill; the notice reaches every instance."""
+        self.mailbox.post(req.current_rid, reason)

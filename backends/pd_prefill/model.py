@@ -1,0 +1,130 @@
+"""pd_prefill: computes K/V for the positions decode asks for (a prompt at epoch 0, the missing history of a
+paused request at epoch > 0) with chunked prefill over its own radix cache, writes them into decode's slots through
+the KV hand-off and answers with the first sampled token (recovery samples are discarded).
+
+Triton hands each execute() call a list of requests; all of them run as one continuous batch, recovery jobs
+first. Recovery jobs are never refused for queue limits: they carry work that is already streaming."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from backends.common import triton_io as tio
+from backends.common.engine import Engine
+from backends.common.kv_handoff import HandoffCache, copy_rows
+from backends.common.metrics import Metrics
+from backends.common.request import ParamError, SamplingParams
+
+
+class PrefillJob:
+    def __init__(self, request, key: str):
+        refusal = tio.check_key(request, key)
+        if refusal:
+            raise ParamError("internal_key", refusal)
+        self.rid = tio.input_str(request, "request_id") or "?"
+        self.ids = tio.input_ids(request, "input_ids") or []
+        self.start = int(tio.input_ids(request, "start")[0])
+        self.dst_slots = tio.input_ids(request, "dst_slots") or []
+        self.epoch = int(tio.input_ids(request, "epoch")[0])
+        self.sample = tio.input_bool(request, "sample", True)
+        self.handle = tio.input_str(request, "kv_handle")
+        self.params = SamplingParams.from_json(tio.input_str(request, "sampling_parameters") or "{}")
+        if not 0 <= self.start < len(self.ids) or len(self.dst_slots) != len(self.ids) - self.start:
+            raise ParamError("dst_slots", f"{len(self.dst_slots)} slots for positions [{self.start}, {len(self.ids)})")
+        self.first_token: int | None = None
+        self.error: str | None = None
+
+
+class PrefillModel:
+    def __init__(self, args: dict):
+        p = tio.model_params(args)
+        device = "cuda" if args.get("model_instance_kind") == "GPU" else "cpu"
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(int(args.get("model_instance_device_id", 0)))
+        self.engine = Engine(p["model"], dtype=p["dtype"], device=device, kv_tokens=int(p["prefill_kv_tokens"]),
+                             max_batch=int(p.get("prefill_max_batch", "64")), chunk_size=int(p["chunk_size"]),
+                             max_batch_tokens=int(p["max_prefill_tokens"]))
+        self.key = open(p["internal_key_file"]).read().strip()
+        self.peers = HandoffCache()
+        self.lock = threading.Lock()
+        m = self.metrics = Metrics({"model": "pd_prefill", "instance": args.get("model_instance_name", "pd_prefill")})
+        self.m_jobs = {k: m.counter("pd_prefill_jobs_total", "Prefill jobs by kind", kind=k)
+                       for k in ("prompt", "recovery")}
+        self.m_tokens = m.counter("pd_prefill_computed_tokens_total", "Positions computed by prefill")
+        self.m_cached = m.counter("pd_prefill_cached_tokens_total", "Positions served by prefill's radix cache")
+        self.m_queue = m.gauge("pd_prefill_queue_depth", "Prefill jobs in the current batch")
+
+    def execute(self, requests):
+        pb = tio.pb()
+        jobs: list[PrefillJob | None] = []
+        responses = [None] * len(requests)
+        for i, request in enumerate(requests):
+            try:
+                jobs.append(PrefillJob(request, self.key))
+            except (ParamError, TypeError, IndexError) as e:
+                jobs.append(None)
+                code = "UNAVAILABLE" if "internal_key" in str(e) else "INVALID_ARG"
+                responses[i] = pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), code))
+        valid = [j for j in jobs if j is not None]
+        if valid:
+            with self.lock:
+                self._run(sorted(valid, key=lambda j: j.sample))  # recovery (sample=False) first
+        for i, job in enumerate(jobs):
+            if job is None:
+                continue
+            if job.error:
+                responses[i] = pb.InferenceResponse(output_tensors=[], error=tio.error(job.error, "INTERNAL"))
+            else:
+                responses[i] = pb.InferenceResponse(output_tensors=[
+                    tio.tensor("first_token", [job.first_token if job.first_token is not None else -1]),
+                    tio.tensor("epoch", [job.epoch])])
+        return responses
+
+    def _run(self, jobs: list[PrefillJob]) -> None:
+        self.m_queue.set(len(jobs))
+        by_req = {}
+        sched = self.engine.scheduler
+        for job in jobs:
+            # one token (it obeys min_tokens: no EOS if the answer needs more); decode resolved the seed
+            params = SamplingParams(**{**job.params.to_dict(), "max_tokens": 1,
+                                       "min_tokens": min(1, job.params.min_tokens), "stop": []})
+            try:
+                req = self.engine.add_request(job.ids, params)
+            except ParamError as e:
+                job.error = str(e)
+                continue
+            by_req[id(req)] = (req, job)
+            (self.m_jobs["recovery" if not job.sample else "prompt"]).increment(1)
+        cached_before = sched.num_cached_tokens
+        try:
+            while sched.has_work():
+                for req in self.engine.step():
+                    self._hand_off(*by_req[id(req)])
+        except Exception as e:  # fail every unfinished job; free whatever they held
+            for req, job in by_req.values():
+                if not req.finished:
+                    job.error = f"prefill failed: {e}"
+                    if req in sched.running:
+                        sched.finish(req, "error")
+            sched.waiting.clear()
+        self.m_cached.increment(sched.num_cached_tokens - cached_before)
+        self.m_queue.set(0)
+
+    def _hand_off(self, req, job: PrefillJob) -> None:
+        """Copy positions [start, end) from this instance's cache into decode's slots."""
+        try:
+            slots, node = self.engine.scheduler.radix.match_prefix(job.ids)
+            if len(slots) != len(job.ids):
+                raise RuntimeError(f"prefill cache lost positions ({len(slots)} of {len(job.ids)})")
+            peer = self.peers.open(job.handle)
+            copy_rows(self.engine.runner.kv.buffer, slots[job.start :], peer.buffer, job.dst_slots)
+            self.m_tokens.increment(len(job.ids) - job.start)
+            job.first_token = req.output_ids[0] if job.sample else None
+        except Exception as e:
+            job.error = f"KV hand-off failed: {e}"
+
+    def finalize(self):
+        self.peers.close()

@@ -1,0 +1,264 @@
+"""`triton-pd serve`: lay out the Python backend, render the model repository with this deployment's settings,
+start tritonserver, show progress until every model is ready, and shut down cleanly on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import secrets
+import shutil
+import signal
+import string
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("pd_master", "pd_decode", "pd_prefill")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model with prefill/decode disaggregation on tritonserver",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2, a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--dtype", default=None, help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="where prefill and decode instances run (auto: GPU when one exists)")
+    p.add_argument("--prefill-instances", type=int, default=1, help="prefill model instances")
+    p.add_argument("--decode-instances", type=int, default=1, help="decode model instances")
+    p.add_argument("--prefill-gpus", default="0", help="comma-separated GPU ids for prefill instances (round robin)")
+    p.add_argument("--decode-gpus", default="0", help="comma-separated GPU ids for decode instances (round robin)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="decode KV pool size in tokens per instance (default: 16384 on CPU; on GPU from "
+                        "--kv-memory-fraction)")
+    p.add_argument("--kv-memory-fraction", type=float, default=0.5,
+                   help="GPU only: fraction of the GPU's memory for one decode instance's KV pool")
+    p.add_argument("--prefill-kv-tokens", type=int, default=None,
+                   help="prefill's own KV pool (its prefix cache) in tokens (default: max(8192, 2 x context) on "
+                        "CPU, 131072 on GPU)")
+    p.add_argument("--max-batch", type=int, default=256, help="decode: requests decoded together at most")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill: chunk size in tokens")
+    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prefill: tokens per forward pass at most")
+    p.add_argument("--max-inflight", type=int, default=1024,
+                   help="master: requests in flight before new ones are answered UNAVAILABLE (server busy)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="total deadline per request in seconds, pauses included; negative disables (default: "
+                        "$PD_REQUEST_TIMEOUT_SECONDS or 1800)")
+    p.add_argument("--on-decode-oom", choices=["pause", "restart"], default="pause",
+                   help="when decode runs out of KV: pause and recover (default), or end the segment and let master "
+                        "re-submit prompt + text so far (the naive baseline, for comparisons)")
+    p.add_argument("--pause-policy", choices=["latest", "oldest", "longest"], default="latest",
+                   help="which running request decode pauses first")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--tritonserver", default=None,
+                   help="tritonserver binary (default: the one bundled in the nvidia-pytriton wheel)")
+    p.add_argument("--backend-dir", default=None,
+                   help="Triton backends folder holding python/ (default: laid out from nvidia-pytriton)")
+    p.add_argument("--workdir", default=None, help="deployment folder (default: .run/serve-<http port>)")
+    p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every model to be ready")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.set_defaults(func=cmd_serve)
+
+
+@dataclass
+class Layout:
+    tritonserver: Path
+    backend_dir: Path
+    lib_dirs: list[Path]
+
+
+def pytriton_layout(workdir: Path) -> Layout:
+    """The tritonserver bundled in nvidia-pytriton, with a backends/python/ folder for the running Python."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("triton-pd: error: nvidia-pytriton is not installed (run `make setup`) and no "
+                         "--tritonserver was given")
+    base = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    libs = base.parent.parent / "nvidia_pytriton.libs"
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = base / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.exists():
+        raise SystemExit(f"triton-pd: error: no Python backend stub for Python {ver} in {base}")
+    be = workdir / "backends"
+    py = be / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    for src in (base / "backends/python/libtriton_python.so", base / "backends/python/triton_python_backend_utils.py",
+                stub):
+        dst = py / src.name
+        if not dst.exists():
+            shutil.copy2(src, dst)
+    return Layout(base / "bin" / "tritonserver", be, [libs])
+
+
+def render(workdir: Path, values: dict[str, str]) -> Path:
+    repo = workdir / "models"
+    if repo.exists():
+        shutil.rmtree(repo)
+    for name in MODELS:
+        src = PROJECT_ROOT / "model_repository" / name
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copy2(src / "1" / "model.py", repo / name / "1" / "model.py")
+        text = string.Template((src / "config.pbtxt").read_text()).substitute(values)
+        (repo / name / "config.pbtxt").write_text(text)
+    return repo
+
+
+def instance_groups(count: int, gpu: bool, gpus: str) -> str:
+    if not gpu:
+        return f"{{ count: {count} kind: KIND_CPU }}"
+    ids = [int(g) for g in gpus.split(",") if g.strip()]
+    per = {g: 0 for g in ids}
+    for i in range(count):
+        per[ids[i % len(ids)]] += 1
+    return ", ".join(f"{{ count: {n} kind: KIND_GPU gpus: [ {g} ] }}" for g, n in per.items() if n)
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def kv_tokens_for_gpu(model: str, dtype: str, fraction: float) -> int:
+    import torch
+
+    from .common import loader
+
+    cfg = loader.load_config(loader.resolve(model))
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=getattr(
+        torch, {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[dtype])).element_size()
+    return int(torch.cuda.get_device_properties(0).total_memory * fraction // per_token)
+
+
+def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path) -> None:
+    t0, shown = time.monotonic(), set()
+    url = f"http://127.0.0.1:{http_port}"
+    while True:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-30:]
+            raise SystemExit("triton-pd: error: tritonserver exited with status "
+                             f"{proc.returncode} before it was ready; last log lines:\n" + "\n".join(tail))
+        for m in MODELS:
+            if m not in shown and _ok(f"{url}/v2/models/{m}/ready"):
+                shown.add(m)
+                print(f"[triton-pd] {m} ready ({time.monotonic() - t0:.0f} s)", flush=True)
+        if len(shown) == len(MODELS) and _ok(f"{url}/v2/health/ready"):
+            return
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"triton-pd: error: models not ready after {timeout:.0f} s (see {log_path})")
+        time.sleep(0.5)
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .common import loader
+
+    loader.resolve(a.model)  # validate and convert once, before several processes want it
+    gpu = a.device == "gpu" or (a.device == "auto" and gpu_count() > 0)
+    dtype = a.dtype or ("bfloat16" if gpu else "float32")
+    workdir = Path(a.workdir or PROJECT_ROOT / ".run" / f"serve-{a.http_port}").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    deployment = secrets.token_hex(4)
+    key_file = workdir / "internal_key"
+    key_file.write_text(secrets.token_hex(24))
+    key_file.chmod(0o600)
+    mailbox = Path("/dev/shm") / f"triton-pd-{deployment}"
+    cfg = loader.load_config(loader.resolve(a.model))
+    kv_tokens = a.kv_tokens or (kv_tokens_for_gpu(a.model, dtype, a.kv_memory_fraction) if gpu else 16384)
+    prefill_kv = a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings))
+    timeout = a.request_timeout if a.request_timeout is not None else float(
+        os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
+    values = {
+        "PROJECT_ROOT": str(PROJECT_ROOT), "MODEL": a.model, "DTYPE": dtype, "DEPLOYMENT": deployment,
+        "KEY_FILE": str(key_file), "MAILBOX_DIR": str(mailbox), "KV_TOKENS": str(kv_tokens),
+        "PREFILL_KV_TOKENS": str(prefill_kv), "MAX_BATCH": str(a.max_batch), "CHUNK_SIZE": str(a.chunk_size),
+        "MAX_PREFILL_TOKENS": str(a.max_prefill_tokens), "MAX_INFLIGHT": str(a.max_inflight),
+        "REQUEST_TIMEOUT": str(timeout), "ON_DECODE_OOM": a.on_decode_oom, "PAUSE_POLICY": a.pause_policy,
+        "MASTER_INSTANCES": "1",
+        "DECODE_GROUPS": instance_groups(a.decode_instances, gpu, a.decode_gpus),
+        "PREFILL_GROUPS": instance_groups(a.prefill_instances, gpu, a.prefill_gpus),
+    }
+    repo = render(workdir, values)
+    if a.tritonserver:
+        layout = Layout(Path(a.tritonserver), Path(a.backend_dir or "/opt/tritonserver/backends"), [])
+    else:
+        layout = pytriton_layout(workdir)
+        if a.backend_dir:
+            layout.backend_dir = Path(a.backend_dir)
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub takes the first python3
+    env["LD_LIBRARY_PATH"] = ":".join([str(p) for p in layout.lib_dirs] + [env.get("LD_LIBRARY_PATH", "")])
+    env["PD_REQUEST_TIMEOUT_SECONDS"] = str(timeout)
+    cmd = [str(layout.tritonserver), f"--model-repository={repo}", f"--backend-directory={layout.backend_dir}",
+           f"--http-port={a.http_port}", f"--grpc-port={a.grpc_port}", f"--metrics-port={a.metrics_port}",
+           "--allow-metrics=true", "--exit-on-error=true", "--strict-readiness=true", "--exit-timeout-secs=20",
+           f"--log-verbose={a.log_verbose}"]
+    log_path = workdir / "tritonserver.log"
+    print(f"[triton-pd] model {a.model} ({dtype}, {'GPU' if gpu else 'CPU'}), {a.prefill_instances} prefill + "
+          f"{a.decode_instances} decode instance(s), decode KV pool {kv_tokens} tokens, on_decode_oom="
+          f"{a.on_decode_oom}", flush=True)
+    print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(signum=None, frame=None):
+        if proc.poll() is None:
+            print("\n[triton-pd] shutting down", flush=True)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        cleanup(deployment, mailbox)
+        raise SystemExit(0 if signum in (signal.SIGINT, signal.SIGTERM) else proc.returncode or 0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        wait_ready(proc, a.http_port, a.ready_timeout, log_path)
+    except SystemExit:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        cleanup(deployment, mailbox)
+        raise
+    print(f"[triton-pd] ready: HTTP :{a.http_port}  gRPC :{a.grpc_port}  metrics :{a.metrics_port}/metrics", flush=True)
+    print("[triton-pd] try:\n"
+          f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{a.grpc_port} --chat "
+          '--prompt "What is the capital of France?" --temperature 0\n'
+          f"  curl -s -X POST 127.0.0.1:{a.http_port}/v2/models/pd_master/generate_stream "
+          '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
+          '"sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'', flush=True)
+    rc = proc.wait()
+    cleanup(deployment, mailbox)
+    if rc != 0:
+        print(f"triton-pd: error: tritonserver exited with status {rc} (see {log_path})", file=sys.stderr)
+    return rc
+
+
+def cleanup(deployment: str, mailbox: Path) -> None:
+    """Shared-memory segments and the mailbox of this deployment, even if a stub died without finalize()."""
+    shutil.rmtree(mailbox, ignore_errors=True)
+    for path in glob.glob(f"/dev/shm/tpd_{deployment}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

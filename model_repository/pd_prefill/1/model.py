@@ -1,0 +1,21 @@
+"""Thin Triton entry point: the role lives in backends/pd_prefill/ (the stub does not honour PYTHONPATH, so the
+project root comes from the model config's parameters)."""
+
+import json
+import sys
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        root = json.loads(args["model_config"])["parameters"]["project_root"]["string_value"]
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from backends.pd_prefill.model import PrefillModel
+
+        self.impl = PrefillModel(args)
+
+    def execute(self, requests):
+        return self.impl.execute(requests)
+
+    def finalize(self):
+        self.impl.finalize()
