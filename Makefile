@@ -6,7 +6,10 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.setup-done
 APT_PACKAGES := libb64-0d libpython3.11
 
-.PHONY: setup test test-fast lint serve clean
+.PHONY: setup test lint serve clean
+
+# extra flags for `make serve`, e.g. make serve SERVE_ARGS="--kv-tokens 2048 --http-port 9000"
+SERVE_ARGS ?=
 
 setup: $(STAMP)
 
@@ -32,6 +35,9 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 
 test: setup
 	$(PY) -m pytest -q tests
+
+serve: setup
+	$(VENV)/bin/triton-pd serve $(SERVE_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check backends kernels perf tests

@@ -62,6 +62,7 @@ def register(sub) -> None:
                    help="Triton backends folder holding python/ (default: laid out from nvidia-pytriton)")
     p.add_argument("--workdir", default=None, help="deployment folder (default: .run/serve-<http port>)")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every model to be ready")
+    p.add_argument("--shm-mb", type=int, default=256, help="Python backend shared-memory pool per model instance")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.set_defaults(func=cmd_serve)
 
@@ -141,10 +142,10 @@ def kv_tokens_for_gpu(model: str, dtype: str, fraction: float) -> int:
     return int(torch.cuda.get_device_properties(0).total_memory * fraction // per_token)
 
 
-def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path) -> None:
+def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path, stopping: list) -> None:
     t0, shown = time.monotonic(), set()
     url = f"http://127.0.0.1:{http_port}"
-    while True:
+    while not stopping:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace").splitlines()[-30:]
             raise SystemExit("triton-pd: error: tritonserver exited with status "
@@ -207,10 +208,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub takes the first python3
     env["LD_LIBRARY_PATH"] = ":".join([str(p) for p in layout.lib_dirs] + [env.get("LD_LIBRARY_PATH", "")])
     env["PD_REQUEST_TIMEOUT_SECONDS"] = str(timeout)
-    cmd = [str(layout.tritonserver), f"--model-repository={repo}", f"--backend-directory={layout.backend_dir}",
+    cmd = os.environ.get("TRITON_PD_DEBUG_WRAP", "").split() + [str(layout.tritonserver), f"--model-repository={repo}", f"--backend-directory={layout.backend_dir}",
            f"--http-port={a.http_port}", f"--grpc-port={a.grpc_port}", f"--metrics-port={a.metrics_port}",
            "--allow-metrics=true", "--exit-on-error=true", "--strict-readiness=true", "--exit-timeout-secs=20",
-           f"--log-verbose={a.log_verbose}"]
+           f"--log-verbose={a.log_verbose}",
+           # a pool large enough not to grow under load (growth of the Python backend's pool under concurrent BLS
+           # traffic is where 2.51 has crashed for us); tensors are small, so this is address space, not RAM
+           f"--backend-config=python,shm-default-byte-size={a.shm_mb << 20}",
+           "--backend-config=python,shm-growth-byte-size=67108864"]
     log_path = workdir / "tritonserver.log"
     print(f"[triton-pd] model {a.model} ({dtype}, {'GPU' if gpu else 'CPU'}), {a.prefill_instances} prefill + "
           f"{a.decode_instances} decode instance(s), decode KV pool {kv_tokens} tokens, on_decode_oom="
@@ -219,39 +224,53 @@ def cmd_serve(a: argparse.Namespace) -> int:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def stop(signum=None, frame=None):
-        if proc.poll() is None:
-            print("\n[triton-pd] shutting down", flush=True)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        cleanup(deployment, mailbox)
-        raise SystemExit(0 if signum in (signal.SIGINT, signal.SIGTERM) else proc.returncode or 0)
+    stopping = []
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def on_signal(signum, frame):
+        # only signal here: the main thread may be inside proc.wait(), whose lock a handler must not take
+        if not stopping:
+            stopping.append(signum)
+            print("\n[triton-pd] shutting down (again to force)", flush=True)
+            _signal_group(proc, signal.SIGTERM, group=False)
+        else:
+            _signal_group(proc, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        wait_ready(proc, a.http_port, a.ready_timeout, log_path)
-    except SystemExit:
+        wait_ready(proc, a.http_port, a.ready_timeout, log_path, stopping)
+        if not stopping:
+            print(f"[triton-pd] ready: HTTP :{a.http_port}  gRPC :{a.grpc_port}  metrics :{a.metrics_port}/metrics",
+                  flush=True)
+            print("[triton-pd] try:\n"
+                  f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{a.grpc_port} --chat "
+                  '--prompt "What is the capital of France?" --temperature 0\n'
+                  f"  curl -s -X POST 127.0.0.1:{a.http_port}/v2/models/pd_master/generate_stream "
+                  '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
+                  '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
+                  flush=True)
+        rc = proc.wait()
+    finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        _signal_group(proc, signal.SIGKILL)  # stub processes left behind by a crash
         cleanup(deployment, mailbox)
-        raise
-    print(f"[triton-pd] ready: HTTP :{a.http_port}  gRPC :{a.grpc_port}  metrics :{a.metrics_port}/metrics", flush=True)
-    print("[triton-pd] try:\n"
-          f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{a.grpc_port} --chat "
-          '--prompt "What is the capital of France?" --temperature 0\n'
-          f"  curl -s -X POST 127.0.0.1:{a.http_port}/v2/models/pd_master/generate_stream "
-          '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
-          '"sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'', flush=True)
-    rc = proc.wait()
-    cleanup(deployment, mailbox)
-    if rc != 0:
-        print(f"triton-pd: error: tritonserver exited with status {rc} (see {log_path})", file=sys.stderr)
-    return rc
+    if stopping:
+        print("[triton-pd] stopped", flush=True)
+        return 0
+    print(f"triton-pd: error: tritonserver exited with status {rc} (see {log_path})", file=sys.stderr)
+    return 1
+
+
+def _signal_group(proc: subprocess.Popen, sig: int, group: bool = True) -> None:
+    try:
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def cleanup(deployment: str, mailbox: Path) -> None:

@@ -1,7 +1,14 @@
-"""Custom metrics through the Python backend's metrics API (Triton's Prometheus endpoint). Outside the stub
-every metric is a no-op, so roles can be unit-tested without Triton."""
+"""Custom metrics through the Python backend's metrics API (Triton's Prometheus endpoint).
+
+Every metric operation of a process goes through one worker thread: the 2.51 Python backend crashes the server
+(SIGSEGV in Metric::LoadFromSharedMemory) when several stub threads update metrics at once, and each update is an
+inter-process message that the decode loop and the relay threads should not wait for. Outside the stub every
+metric is a no-op, so roles can be unit-tested without Triton."""
 
 from __future__ import annotations
+
+import queue
+import threading
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
@@ -16,8 +23,47 @@ class _Null:
     def observe(self, v):
         pass
 
-    def value(self):
-        return 0
+
+class _Worker:
+    _lock = threading.Lock()
+    _instance = None
+
+    def __init__(self):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="pd-metrics", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _Worker:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _loop(self):
+        while True:
+            fn, v = self.q.get()
+            try:
+                fn(v)
+            except Exception:
+                pass  # a metric must never take the server down
+
+
+class _Queued:
+    """A metric whose operations run on the worker thread."""
+
+    def __init__(self, metric):
+        self._m = metric
+        self._q = _Worker.get().q
+
+    def set(self, v):
+        self._q.put((self._m.set, float(v)))
+
+    def increment(self, v=1):
+        if v:
+            self._q.put((self._m.increment, float(v)))
+
+    def observe(self, v):
+        self._q.put((self._m.observe, float(v)))
 
 
 def _pb():
@@ -30,9 +76,12 @@ def _pb():
 
 
 class Metrics:
+    """Keep this object alive as long as its metrics: a MetricFamily must outlive its Metric objects."""
+
     def __init__(self, labels: dict[str, str]):
         self.labels = labels
         self._families = {}
+        self._metrics = []
         self.pb = _pb()
 
     def _family(self, name, desc, kind):
@@ -48,11 +97,11 @@ class Metrics:
         return self._metric(name, desc, "COUNTER", labels)
 
     def histogram(self, name: str, desc: str, buckets=LATENCY_BUCKETS, **labels):
-        if self.pb is None:
-            return _Null()
-        return self._family(name, desc, "HISTOGRAM").Metric(labels={**self.labels, **labels}, buckets=buckets)
+        return self._metric(name, desc, "HISTOGRAM", labels, buckets=buckets)
 
-    def _metric(self, name, desc, kind, labels):
+    def _metric(self, name, desc, kind, labels, **kw):
         if self.pb is None:
             return _Null()
-        return self._family(name, desc, kind).Metric(labels={**self.labels, **labels})
+        m = self._family(name, desc, kind).Metric(labels={**self.labels, **labels}, **kw)
+        self._metrics.append(m)
+        return _Queued(m)

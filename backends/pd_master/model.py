@@ -46,6 +46,7 @@ class ClientRequest:
     ended: threading.Event = field(default_factory=threading.Event)  # the client got its final response
     abort_reason: str | None = None  # set by the watchdog: "cancelled" or "timeout"
     current_rid: str = ""  # the decode request of the current segment (restart mode adds segments)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)  # relay and watchdog both send
 
 
 class MasterModel:
@@ -258,8 +259,6 @@ class MasterModel:
         self.m_requests.increment(1)
 
     def _send(self, req: ClientRequest, text: str, ids: list[int], reason: str | None, n_out: int, final: bool):
-        if req.ended.is_set():
-            return
         pb = tio.pb()
         outputs = [tio.tensor("text_output", text), tio.tensor("output_ids", ids)]
         if final:
@@ -268,12 +267,23 @@ class MasterModel:
                 tio.tensor("num_input_tokens", len(req.prompt_ids)),
                 tio.tensor("num_output_tokens", n_out),
             ]
-            req.ended.set()
-        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        try:
-            req.sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
-        except Exception:
-            req.abort_reason = req.abort_reason or "cancelled"  # the client is gone
+        self._deliver(req, pb.InferenceResponse(output_tensors=outputs), final)
+
+    def _deliver(self, req: ClientRequest, response, final: bool) -> None:
+        """The one place that sends to a client: at most one FINAL, never anything after it."""
+        pb = tio.pb()
+        with req.send_lock:
+            if req.ended.is_set():
+                return
+            if final:
+                req.ended.set()
+            try:
+                if response is None:
+                    req.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                else:
+                    req.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            except Exception:
+                req.abort_reason = req.abort_reason or "cancelled"  # the client is gone
 
     def _final_error(self, sender, message: str, code: str) -> None:
         pb = tio.pb()
@@ -284,13 +294,8 @@ class MasterModel:
 
     def _finish_with_error(self, req: ClientRequest, message: str, code: str) -> None:
         self.m_failed.increment(1)
-        if req.ended.is_set():
-            return
-        req.ended.set()
-        try:
-            self._final_error(req.sender, message, code)
-        except Exception:
-            pass
+        pb = tio.pb()
+        self._deliver(req, pb.InferenceResponse(output_tensors=[], error=tio.error(message, code)), True)
 
     # ---- watchdog: deadline and client cancellation ------------------------------------------------------
     def _watch(self) -> None:
@@ -316,7 +321,7 @@ class MasterModel:
         elif self._client_cancelled(req):
             req.abort_reason = "cancelled"
             self._cancel_everywhere(req, "cancelled")
-            req.ended.set()
+            self._deliver(req, None, True)  # Triton releases a decoupled request only after its FINAL flag
 
     def _client_cancelled(self, req: ClientRequest) -> bool:
         try:

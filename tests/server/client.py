@@ -1,0 +1,105 @@
+"""Test clients: gRPC streaming through tritonclient, HTTP generate / generate_stream."""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+
+@dataclass
+class Result:
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    responses: int = 0
+    chunks: list[list[int]] = field(default_factory=list)
+
+
+def _inp(name, arr, dtype):
+    x = grpcclient.InferInput(name, list(arr.shape), dtype)
+    x.set_data_from_numpy(arr)
+    return x
+
+
+def build_inputs(text=None, ids=None, params=None, stream=True, exclude_input=None, chat=False, raw_params=None):
+    inputs = []
+    if text is not None:
+        inputs.append(_inp("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"))
+    if ids is not None:
+        inputs.append(_inp("input_ids", np.array(ids, dtype=np.int64), "INT64"))
+    inputs.append(_inp("stream", np.array([stream]), "BOOL"))
+    if chat:
+        inputs.append(_inp("apply_chat_template", np.array([True]), "BOOL"))
+    if exclude_input is not None:
+        inputs.append(_inp("exclude_input_in_output", np.array([exclude_input]), "BOOL"))
+    sp = raw_params if raw_params is not None else json.dumps(params or {})
+    inputs.append(_inp("sampling_parameters", np.array([sp.encode()], dtype=np.object_), "BYTES"))
+    return inputs
+
+
+class StreamClient:
+    """One gRPC stream with one request; read responses as they arrive."""
+
+    def __init__(self, url: str, model: str = "pd_master", **kw):
+        self.q: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=lambda result, error: self.q.put((result, error)))
+        self.client.async_stream_infer(model, kw.pop("inputs", None) or build_inputs(**kw),
+                                       enable_empty_final_response=True)
+        self.result = Result()
+
+    def read(self, until_tokens: int | None = None, timeout: float = 300) -> Result:
+        r = self.result
+        while r.finish_reason is None and r.error is None:
+            if until_tokens is not None and len(r.ids) >= until_tokens:
+                break
+            res, err = self.q.get(timeout=timeout)
+            if err is not None:
+                r.error = f"{err.status()}: {err.message()}"
+                break
+            r.responses += 1
+            out = res.as_numpy("output_ids")
+            if out is not None:
+                r.ids += out.tolist()
+                r.chunks.append(out.tolist())
+                r.text += res.as_numpy("text_output")[0].decode()
+                fr = res.as_numpy("finish_reason")
+                if fr is not None and fr[0]:
+                    r.finish_reason = fr[0].decode()
+            final = res.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param and r.finish_reason is None:
+                r.finish_reason = r.finish_reason or ""
+        return r
+
+    def cancel(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def grpc_generate(url: str, **kw) -> Result:
+    c = StreamClient(url, **kw)
+    try:
+        return c.read()
+    finally:
+        c.close()
+
+
+def http_post(url: str, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
