@@ -41,6 +41,7 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check backends kernels perf tests
+	$(VENV)/bin/ruff format --check backends kernels perf tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -26,8 +26,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                          seed=a.seed, min_tokens=a.min_tokens, ignore_eos=a.ignore_eos, stop=a.stop).validate()
+    return SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        min_tokens=a.min_tokens,
+        ignore_eos=a.ignore_eos,
+        stop=a.stop,
+    ).validate()
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -67,21 +75,27 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate one answer, offline or from a running server")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--json", action="store_true",
-                   help='print one JSON object {"output_ids", "text", "finish_reason"} instead of the text')
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object {"output_ids", "text", "finish_reason"} instead of the text',
+    )
     where = g.add_mutually_exclusive_group(required=True)
     where.add_argument("--offline", action="store_true", help="run the engine in this process")
     where.add_argument("--url", help="HOST:PORT of a running server (gRPC port, or HTTP with --protocol http)")
     g.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="with --url (default grpc)")
-    g.add_argument("--model", default="smollm2",
-                   help="offline: smollm2 (default), a Hugging Face folder, a .gguf file, or random:<shape>")
+    g.add_argument(
+        "--model",
+        default="smollm2",
+        help="offline: smollm2 (default), a Hugging Face folder, a .gguf file, or random:<shape>",
+    )
     g.add_argument("--dtype", default="float32", help="offline: float32 (default), bfloat16 or float16")
     g.add_argument("--device", default=None, help="offline: cpu or cuda (default: cuda when available)")
     g.add_argument("--kv-tokens", type=int, default=16384, help="offline: KV pool size in tokens (default 16384)")
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
-    for name, module in (("serve", "serve"), ("bench", "bench"), ("bundle", "bundle")):
+    for module in ("serve", "bench", "bundle"):
         try:
             mod = __import__(f"backends.{module}", fromlist=["register"])
         except ImportError:

@@ -34,8 +34,9 @@ def _params(p: SamplingParams) -> dict:
     return {k: v for k, v in d.items() if v not in (None, [])}
 
 
-def generate_remote(url: str, prompt: str, params: SamplingParams, chat: bool = False, protocol: str = "grpc",
-                    echo: bool = True) -> dict:
+def generate_remote(
+    url: str, prompt: str, params: SamplingParams, chat: bool = False, protocol: str = "grpc", echo: bool = True
+) -> dict:
     if protocol == "http":
         return _generate_http(url, prompt, params, chat, echo)
     import tritonclient.grpc as grpcclient
@@ -44,8 +45,9 @@ def generate_remote(url: str, prompt: str, params: SamplingParams, chat: bool = 
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        client.async_stream_infer("pd_master", _inputs(grpcclient, prompt, params, chat, True),
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            "pd_master", _inputs(grpcclient, prompt, params, chat, True), enable_empty_final_response=True
+        )
         ids, text, reason = [], [], None
         while True:
             result, error = results.get(timeout=3600)
@@ -75,10 +77,12 @@ def generate_remote(url: str, prompt: str, params: SamplingParams, chat: bool = 
 def _generate_http(url, prompt, params, chat, echo) -> dict:
     import urllib.request
 
-    body = json.dumps({"text_input": prompt, "apply_chat_template": chat,
-                       "sampling_parameters": json.dumps(_params(params))}).encode()
-    req = urllib.request.Request(f"http://{url}/v2/models/pd_master/generate_stream", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"text_input": prompt, "apply_chat_template": chat, "sampling_parameters": json.dumps(_params(params))}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://{url}/v2/models/pd_master/generate_stream", data=body, headers={"Content-Type": "application/json"}
+    )
     ids, text, reason = [], [], None
     with urllib.request.urlopen(req) as r:
         for line in r:
@@ -93,5 +97,8 @@ def _generate_http(url, prompt, params, chat, echo) -> dict:
             if echo:
                 print(ev.get("text_output", ""), end="", flush=True)
             reason = ev.get("finish_reason") or reason
-    return {"output_ids": ids, "text": "".join(text), "finish_reason": reason if isinstance(reason, str) else
-            (reason[0] if reason else None)}
+    return {
+        "output_ids": ids,
+        "text": "".join(text),
+        "finish_reason": reason if isinstance(reason, str) else (reason[0] if reason else None),
+    }

@@ -22,44 +22,90 @@ MODELS = ("pd_master", "pd_decode", "pd_prefill")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model with prefill/decode disaggregation on tritonserver",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        "serve",
+        help="serve a model with prefill/decode disaggregation on tritonserver",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2", help="smollm2, a Hugging Face folder, a .gguf file or random:<shape>")
     p.add_argument("--dtype", default=None, help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
-                   help="where prefill and decode instances run (auto: GPU when one exists)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="where prefill and decode instances run (auto: GPU when one exists)",
+    )
     p.add_argument("--prefill-instances", type=int, default=1, help="prefill model instances")
     p.add_argument("--decode-instances", type=int, default=1, help="decode model instances")
     p.add_argument("--prefill-gpus", default="0", help="comma-separated GPU ids for prefill instances (round robin)")
     p.add_argument("--decode-gpus", default="0", help="comma-separated GPU ids for decode instances (round robin)")
-    p.add_argument("--kv-tokens", type=int, default=None,
-                   help="decode KV pool size in tokens per instance (default: 16384 on CPU; on GPU from "
-                        "--kv-memory-fraction)")
-    p.add_argument("--kv-memory-fraction", type=float, default=0.5,
-                   help="GPU only: fraction of the GPU's memory for one decode instance's KV pool")
-    p.add_argument("--prefill-kv-tokens", type=int, default=None,
-                   help="prefill's own KV pool (its prefix cache) in tokens (default: max(8192, 2 x context) on "
-                        "CPU, 131072 on GPU)")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="decode KV pool size in tokens per instance (default: 16384 on CPU; on GPU from --kv-memory-fraction)",
+    )
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=0.5,
+        help="GPU only: fraction of the GPU's memory for one decode instance's KV pool",
+    )
+    p.add_argument(
+        "--prefill-kv-tokens",
+        type=int,
+        default=None,
+        help="prefill's own KV pool (its prefix cache) in tokens (default: max(8192, 2 x context) on "
+        "CPU, 131072 on GPU)",
+    )
     p.add_argument("--max-batch", type=int, default=256, help="decode: requests decoded together at most")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill: chunk size in tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prefill: tokens per forward pass at most")
-    p.add_argument("--max-inflight", type=int, default=1024,
-                   help="master: requests in flight before new ones are answered UNAVAILABLE (server busy)")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="total deadline per request in seconds, pauses included; negative disables (default: "
-                        "$PD_REQUEST_TIMEOUT_SECONDS or 1800)")
-    p.add_argument("--on-decode-oom", choices=["pause", "restart"], default="pause",
-                   help="when decode runs out of KV: pause and recover (default), or end the segment and let master "
-                        "re-submit prompt + text so far (the naive baseline, for comparisons)")
-    p.add_argument("--pause-policy", choices=["latest", "oldest", "longest"], default="latest",
-                   help="which running request decode pauses first")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=1024,
+        help="master: requests in flight before new ones are answered UNAVAILABLE (server busy)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="total deadline per request in seconds, pauses included; negative disables (default: "
+        "$PD_REQUEST_TIMEOUT_SECONDS or 1800)",
+    )
+    p.add_argument(
+        "--on-decode-oom",
+        choices=["pause", "restart"],
+        default="pause",
+        help="when decode runs out of KV: pause and recover (default), or end the segment and let master "
+        "re-submit prompt + text so far (the naive baseline, for comparisons)",
+    )
+    p.add_argument(
+        "--pause-policy",
+        choices=["latest", "oldest", "longest"],
+        default="latest",
+        help="which running request decode pauses first",
+    )
+    p.add_argument(
+        "--fault-injection",
+        default="",
+        help="testing only, comma-separated: 'stale' makes decode re-deliver each recovery completion "
+        "under an old epoch; 'drop_paused_kv' keeps no paused KV, forcing prefill recovery",
+    )
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--tritonserver", default=None,
-                   help="tritonserver binary (default: the one bundled in the nvidia-pytriton wheel)")
-    p.add_argument("--backend-dir", default=None,
-                   help="Triton backends folder holding python/ (default: laid out from nvidia-pytriton)")
+    p.add_argument(
+        "--tritonserver",
+        default=None,
+        help="tritonserver binary (default: the one bundled in the nvidia-pytriton wheel)",
+    )
+    p.add_argument(
+        "--backend-dir",
+        default=None,
+        help="Triton backends folder holding python/ (default: laid out from nvidia-pytriton)",
+    )
     p.add_argument("--workdir", default=None, help="deployment folder (default: .run/serve-<http port>)")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every model to be ready")
     p.add_argument("--shm-mb", type=int, default=256, help="Python backend shared-memory pool per model instance")
@@ -80,8 +126,9 @@ def pytriton_layout(workdir: Path) -> Layout:
 
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("triton-pd: error: nvidia-pytriton is not installed (run `make setup`) and no "
-                         "--tritonserver was given")
+        raise SystemExit(
+            "triton-pd: error: nvidia-pytriton is not installed (run `make setup`) and no --tritonserver was given"
+        )
     base = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
     libs = base.parent.parent / "nvidia_pytriton.libs"
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -91,8 +138,11 @@ def pytriton_layout(workdir: Path) -> Layout:
     be = workdir / "backends"
     py = be / "python"
     py.mkdir(parents=True, exist_ok=True)
-    for src in (base / "backends/python/libtriton_python.so", base / "backends/python/triton_python_backend_utils.py",
-                stub):
+    for src in (
+        base / "backends/python/libtriton_python.so",
+        base / "backends/python/triton_python_backend_utils.py",
+        stub,
+    ):
         dst = py / src.name
         if not dst.exists():
             shutil.copy2(src, dst)
@@ -137,8 +187,15 @@ def kv_tokens_for_gpu(model: str, dtype: str, fraction: float) -> int:
     from .common import loader
 
     cfg = loader.load_config(loader.resolve(model))
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=getattr(
-        torch, {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[dtype])).element_size()
+    per_token = (
+        cfg.num_layers
+        * 2
+        * cfg.num_kv_heads
+        * cfg.head_dim
+        * torch.empty(
+            (), dtype=getattr(torch, {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[dtype])
+        ).element_size()
+    )
     return int(torch.cuda.get_device_properties(0).total_memory * fraction // per_token)
 
 
@@ -148,8 +205,10 @@ def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path:
     while not stopping:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace").splitlines()[-30:]
-            raise SystemExit("triton-pd: error: tritonserver exited with status "
-                             f"{proc.returncode} before it was ready; last log lines:\n" + "\n".join(tail))
+            raise SystemExit(
+                "triton-pd: error: tritonserver exited with status "
+                f"{proc.returncode} before it was ready; last log lines:\n" + "\n".join(tail)
+            )
         for m in MODELS:
             if m not in shown and _ok(f"{url}/v2/models/{m}/ready"):
                 shown.add(m)
@@ -185,14 +244,28 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = loader.load_config(loader.resolve(a.model))
     kv_tokens = a.kv_tokens or (kv_tokens_for_gpu(a.model, dtype, a.kv_memory_fraction) if gpu else 16384)
     prefill_kv = a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings))
-    timeout = a.request_timeout if a.request_timeout is not None else float(
-        os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
+    timeout = (
+        a.request_timeout
+        if a.request_timeout is not None
+        else float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
+    )
     values = {
-        "PROJECT_ROOT": str(PROJECT_ROOT), "MODEL": a.model, "DTYPE": dtype, "DEPLOYMENT": deployment,
-        "KEY_FILE": str(key_file), "MAILBOX_DIR": str(mailbox), "KV_TOKENS": str(kv_tokens),
-        "PREFILL_KV_TOKENS": str(prefill_kv), "MAX_BATCH": str(a.max_batch), "CHUNK_SIZE": str(a.chunk_size),
-        "MAX_PREFILL_TOKENS": str(a.max_prefill_tokens), "MAX_INFLIGHT": str(a.max_inflight),
-        "REQUEST_TIMEOUT": str(timeout), "ON_DECODE_OOM": a.on_decode_oom, "PAUSE_POLICY": a.pause_policy,
+        "PROJECT_ROOT": str(PROJECT_ROOT),
+        "MODEL": a.model,
+        "DTYPE": dtype,
+        "DEPLOYMENT": deployment,
+        "KEY_FILE": str(key_file),
+        "MAILBOX_DIR": str(mailbox),
+        "KV_TOKENS": str(kv_tokens),
+        "PREFILL_KV_TOKENS": str(prefill_kv),
+        "MAX_BATCH": str(a.max_batch),
+        "CHUNK_SIZE": str(a.chunk_size),
+        "MAX_PREFILL_TOKENS": str(a.max_prefill_tokens),
+        "MAX_INFLIGHT": str(a.max_inflight),
+        "REQUEST_TIMEOUT": str(timeout),
+        "ON_DECODE_OOM": a.on_decode_oom,
+        "PAUSE_POLICY": a.pause_policy,
+        "FAULT_INJECTION": a.fault_injection,
         "MASTER_INSTANCES": "1",
         "DECODE_GROUPS": instance_groups(a.decode_instances, gpu, a.decode_gpus),
         "PREFILL_GROUPS": instance_groups(a.prefill_instances, gpu, a.prefill_gpus),
@@ -208,18 +281,30 @@ def cmd_serve(a: argparse.Namespace) -> int:
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub takes the first python3
     env["LD_LIBRARY_PATH"] = ":".join([str(p) for p in layout.lib_dirs] + [env.get("LD_LIBRARY_PATH", "")])
     env["PD_REQUEST_TIMEOUT_SECONDS"] = str(timeout)
-    cmd = os.environ.get("TRITON_PD_DEBUG_WRAP", "").split() + [str(layout.tritonserver), f"--model-repository={repo}", f"--backend-directory={layout.backend_dir}",
-           f"--http-port={a.http_port}", f"--grpc-port={a.grpc_port}", f"--metrics-port={a.metrics_port}",
-           "--allow-metrics=true", "--exit-on-error=true", "--strict-readiness=true", "--exit-timeout-secs=20",
-           f"--log-verbose={a.log_verbose}",
-           # a pool large enough not to grow under load (growth of the Python backend's pool under concurrent BLS
-           # traffic is where 2.51 has crashed for us); tensors are small, so this is address space, not RAM
-           f"--backend-config=python,shm-default-byte-size={a.shm_mb << 20}",
-           "--backend-config=python,shm-growth-byte-size=67108864"]
+    cmd = os.environ.get("TRITON_PD_DEBUG_WRAP", "").split() + [
+        str(layout.tritonserver),
+        f"--model-repository={repo}",
+        f"--backend-directory={layout.backend_dir}",
+        f"--http-port={a.http_port}",
+        f"--grpc-port={a.grpc_port}",
+        f"--metrics-port={a.metrics_port}",
+        "--allow-metrics=true",
+        "--exit-on-error=true",
+        "--strict-readiness=true",
+        "--exit-timeout-secs=20",
+        f"--log-verbose={a.log_verbose}",
+        # a pool large enough not to grow under load (growth of the Python backend's pool under concurrent BLS
+        # traffic is where 2.51 has crashed for us); tensors are small, so this is address space, not RAM
+        f"--backend-config=python,shm-default-byte-size={a.shm_mb << 20}",
+        "--backend-config=python,shm-growth-byte-size=67108864",
+    ]
     log_path = workdir / "tritonserver.log"
-    print(f"[triton-pd] model {a.model} ({dtype}, {'GPU' if gpu else 'CPU'}), {a.prefill_instances} prefill + "
-          f"{a.decode_instances} decode instance(s), decode KV pool {kv_tokens} tokens, on_decode_oom="
-          f"{a.on_decode_oom}", flush=True)
+    print(
+        f"[triton-pd] model {a.model} ({dtype}, {'GPU' if gpu else 'CPU'}), {a.prefill_instances} prefill + "
+        f"{a.decode_instances} decode instance(s), decode KV pool {kv_tokens} tokens, on_decode_oom="
+        f"{a.on_decode_oom}",
+        flush=True,
+    )
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -240,15 +325,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         wait_ready(proc, a.http_port, a.ready_timeout, log_path, stopping)
         if not stopping:
-            print(f"[triton-pd] ready: HTTP :{a.http_port}  gRPC :{a.grpc_port}  metrics :{a.metrics_port}/metrics",
-                  flush=True)
-            print("[triton-pd] try:\n"
-                  f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{a.grpc_port} --chat "
-                  '--prompt "What is the capital of France?" --temperature 0\n'
-                  f"  curl -s -X POST 127.0.0.1:{a.http_port}/v2/models/pd_master/generate_stream "
-                  '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
-                  '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
-                  flush=True)
+            print(
+                f"[triton-pd] ready: HTTP :{a.http_port}  gRPC :{a.grpc_port}  metrics :{a.metrics_port}/metrics",
+                flush=True,
+            )
+            print(
+                "[triton-pd] try:\n"
+                f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{a.grpc_port} --chat "
+                '--prompt "What is the capital of France?" --temperature 0\n'
+                f"  curl -s -X POST 127.0.0.1:{a.http_port}/v2/models/pd_master/generate_stream "
+                '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
+                '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
+                flush=True,
+            )
         rc = proc.wait()
     finally:
         if proc.poll() is None:

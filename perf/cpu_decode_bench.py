@@ -29,8 +29,14 @@ def bench_hf(model, prompts, n):
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
     t = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     dt = time.perf_counter() - t
     assert out.shape[1] == ids.shape[1] + n
     return len(prompts) * n / dt
@@ -49,10 +55,14 @@ def main():
 
     engine = Engine("smollm2", dtype="float32", device="cpu", kv_tokens=16384)
     hf = AutoModelForCausalLM.from_pretrained(str(loader.resolve("smollm2").folder), dtype=torch.float32).eval()
-    base = engine.tokenizer.encode("The history of science is the study of the development of science and "
-                                   "scientific knowledge, including both the natural and social sciences. " * 4)
-    print(f"CPU threads: {torch.get_num_threads()}, SmolLM2-135M fp32, prompt {a.prompt_tokens} tokens, "
-          f"{a.new_tokens} new tokens, greedy")
+    base = engine.tokenizer.encode(
+        "The history of science is the study of the development of science and "
+        "scientific knowledge, including both the natural and social sciences. " * 4
+    )
+    print(
+        f"CPU threads: {torch.get_num_threads()}, SmolLM2-135M fp32, prompt {a.prompt_tokens} tokens, "
+        f"{a.new_tokens} new tokens, greedy"
+    )
     print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6}")
     for b in a.batches:
         prompts = [base[i : i + a.prompt_tokens] for i in range(b)]  # distinct prompts, no prefix sharing

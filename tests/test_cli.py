@@ -10,13 +10,26 @@ import pytest
 
 
 def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "backends.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "backends.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_offline_generate_json_chat():
-    r = run_cli("generate", "--offline", "--model", "smollm2", "--prompt", "What is the capital of France?", "--chat",
-                "--max-tokens", "30", "--temperature", "0", "--json")
+    r = run_cli(
+        "generate",
+        "--offline",
+        "--model",
+        "smollm2",
+        "--prompt",
+        "What is the capital of France?",
+        "--chat",
+        "--max-tokens",
+        "30",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["text"] == "The capital of France is Paris."
@@ -24,8 +37,24 @@ def test_offline_generate_json_chat():
 
 
 def test_offline_generate_plain_length():
-    r = run_cli("generate", "--offline", "--prompt", "1, 2, 3, 4,", "--max-tokens", "5", "--temperature", "0.8",
-                "--top-p", "0.9", "--top-k", "40", "--seed", "7", "--ignore-eos", "--json")
+    r = run_cli(
+        "generate",
+        "--offline",
+        "--prompt",
+        "1, 2, 3, 4,",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "40",
+        "--seed",
+        "7",
+        "--ignore-eos",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(out["output_ids"]) == 5 and out["finish_reason"] == "length"

@@ -12,7 +12,7 @@ from .kv_pool import KVPool
 from .request import InferReq, ParamError, SamplingParams
 from .runner import ModelRunner, Span
 from .sampler import sample
-from .scheduler import Scheduler, ScheduledSpan
+from .scheduler import ScheduledSpan, Scheduler
 
 
 @dataclass(slots=True)
@@ -59,8 +59,16 @@ def sample_requests(logits: torch.Tensor, reqs: list[InferReq], eos_ids: list[in
 
 
 class Engine:
-    def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str | None = None,
-                 kv_tokens: int = 16384, max_batch: int = 64, chunk_size: int = 512, max_batch_tokens: int = 2048):
+    def __init__(
+        self,
+        model: str = "smollm2",
+        dtype: str = "float32",
+        device: str | None = None,
+        kv_tokens: int = 16384,
+        max_batch: int = 64,
+        chunk_size: int = 512,
+        max_batch_tokens: int = 2048,
+    ):
         self.runner = ModelRunner(model, dtype, device, kv_tokens)
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings
@@ -92,8 +100,9 @@ class Engine:
             if self.scheduler.has_work():
                 raise EngineError("KV pool too small: no request can make progress (raise --kv-tokens)")
             return []
-        logits = self.runner.forward([Span(s.req.all_ids[s.start : s.start + s.num_new], s.start, s.req.slots)
-                                      for s in plan])
+        logits = self.runner.forward(
+            [Span(s.req.all_ids[s.start : s.start + s.num_new], s.start, s.req.slots) for s in plan]
+        )
         self.num_steps += 1
         return self._postprocess(plan, logits)
 
@@ -118,5 +127,6 @@ class Engine:
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while self.scheduler.has_work():
             self.step()
-        return [Output(r.output_ids, self.tokenizer.decode(r.output_ids), r.finish_reason, len(r.prompt_ids))
-                for r in reqs]
+        return [
+            Output(r.output_ids, self.tokenizer.decode(r.output_ids), r.finish_reason, len(r.prompt_ids)) for r in reqs
+        ]

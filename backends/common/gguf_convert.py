@@ -80,9 +80,17 @@ def _tokenizer_files(reader) -> tuple[dict, dict]:
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     # token_type 3 = control, 4 = user-defined: both are added tokens that the BPE model must not split
     added = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": types[i] == 3}
-        for i, t in enumerate(tokens) if types[i] in (3, 4)
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": types[i] == 3,
+        }
+        for i, t in enumerate(tokens)
+        if types[i] in (3, 4)
     ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     tokenizer_json = {
@@ -95,8 +103,14 @@ def _tokenizer_files(reader) -> tuple[dict, dict]:
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
             "vocab": {t: i for i, t in enumerate(tokens)},
             "merges": [m.split(" ", 1) for m in merges],
         },

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+
 import torch
 
 from .kv_store import KVStore, SharedFile, tensor_on
@@ -24,10 +25,19 @@ def export_handle(store: KVStore, instance_id: str, generation: int = 0) -> str:
         _, args = reduce_tensor(buf)
         # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset,
         #  requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
-        desc.update(kind="cuda_ipc", device=args[6], stride=list(args[2]), offset=args[3],
-                    handle=base64.b64encode(args[7]).decode(), storage_size=args[8], storage_offset=args[9],
-                    ref_counter_handle=base64.b64encode(args[11]).decode(), ref_counter_offset=args[12],
-                    event_handle=base64.b64encode(args[13] or b"").decode(), event_sync_required=args[14])
+        desc.update(
+            kind="cuda_ipc",
+            device=args[6],
+            stride=list(args[2]),
+            offset=args[3],
+            handle=base64.b64encode(args[7]).decode(),
+            storage_size=args[8],
+            storage_offset=args[9],
+            ref_counter_handle=base64.b64encode(args[11]).decode(),
+            ref_counter_offset=args[12],
+            event_handle=base64.b64encode(args[13] or b"").decode(),
+            event_sync_required=args[14],
+        )
     elif store.shm is not None:
         desc.update(kind="shm", name=store.shm.name)
     else:
@@ -40,10 +50,21 @@ def _open_cuda(desc: dict) -> torch.Tensor:
 
     ev = base64.b64decode(desc["event_handle"]) or None
     return rebuild_cuda_tensor(
-        torch.Tensor, tuple(desc["shape"]), tuple(desc["stride"]), desc["offset"], torch.storage.TypedStorage,
-        _DTYPES[desc["dtype"]], desc["device"], base64.b64decode(desc["handle"]), desc["storage_size"],
-        desc["storage_offset"], False, base64.b64decode(desc["ref_counter_handle"]), desc["ref_counter_offset"],
-        ev, desc["event_sync_required"],
+        torch.Tensor,
+        tuple(desc["shape"]),
+        tuple(desc["stride"]),
+        desc["offset"],
+        torch.storage.TypedStorage,
+        _DTYPES[desc["dtype"]],
+        desc["device"],
+        base64.b64decode(desc["handle"]),
+        desc["storage_size"],
+        desc["storage_offset"],
+        False,
+        base64.b64decode(desc["ref_counter_handle"]),
+        desc["ref_counter_offset"],
+        ev,
+        desc["event_sync_required"],
     )
 
 

@@ -107,8 +107,9 @@ class LlamaModel:
         if decode is not None:
             rows, slots, valid = decode  # slots: [B, Lmax] (padded with slot 0), valid: [B, 1, 1, Lmax]
             ks, vs = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
-            o = F.scaled_dot_product_attention(q[rows][:, :, None], ks, vs, attn_mask=valid, scale=self.scale,
-                                               enable_gqa=True)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(
+                q[rows][:, :, None], ks, vs, attn_mask=valid, scale=self.scale, enable_gqa=True
+            )  # [B, H, 1, D]
             out[rows] = o[:, :, 0]
         for start, n, slots in zip(batch.starts, batch.new_lens, batch.ctx_slots):
             if n == 1 and decode is not None:

@@ -15,7 +15,7 @@ from .kv_pool import KVPool
 
 
 class Node:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "priority")
 
     def __init__(self, parent: Node | None, key: list[int], value: list[int], last_access: int):
         self.children: dict[int, Node] = {}
@@ -24,6 +24,7 @@ class Node:
         self.value = value  # slots of those tokens, same length
         self.lock_ref = 0
         self.last_access = last_access
+        self.priority = 0  # evicted after every lower-priority leaf (decode keeps paused requests' KV longer)
 
 
 class RadixCache:
@@ -49,6 +50,7 @@ class RadixCache:
         """Split node's edge at `at`; returns the new upper node holding key[:at]."""
         upper = Node(node.parent, node.key[:at], node.value[:at], node.last_access)
         upper.lock_ref = node.lock_ref
+        upper.priority = node.priority
         upper.children = {node.key[at]: node}
         node.parent.children[node.key[0]] = upper
         node.parent = upper
@@ -73,9 +75,10 @@ class RadixCache:
         self._touch(node)
         return slots, node
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int], priority: int | None = None) -> int:
         """Store slots for tokens. Returns how many leading tokens were already cached: the caller still owns
-        slots[:that] (duplicates of the tree's own, to be freed by the caller) and the tree now owns the rest."""
+        slots[:that] (duplicates of the tree's own, to be freed by the caller) and the tree now owns the rest.
+        With `priority`, every node on the path gets that eviction priority."""
         assert len(tokens) == len(slots)
         node, i = self.root, 0
         while i < len(tokens):
@@ -94,6 +97,11 @@ class RadixCache:
                 child = self._split(child, n)
             node, i = child, i + n
         self._touch(node)
+        if priority is not None:
+            cur = node
+            while cur is not self.root:
+                cur.priority = priority
+                cur = cur.parent
         return i
 
     def lock(self, node: Node) -> None:
@@ -113,20 +121,27 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_slots: int) -> int:
-        """Free at least num_slots slots from unreferenced leaves, least recently used first (fewer if the tree
-        has fewer to give). Returns the number freed."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        """Free num_slots slots from unreferenced leaves, least recently used first (fewer if the tree has fewer
+        to give). With page size 1 a leaf is trimmed from its end rather than dropped whole, so a long cached
+        history loses only the positions that are needed. Returns the number freed."""
+        leaves = [(n.priority, n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_slots and leaves:
-            _, _, node = heapq.heappop(leaves)
+            *_, node = heapq.heappop(leaves)
+            need = num_slots - freed
+            if len(node.value) > need:  # trim the tail: [0, len - need) stays cached
+                self.pool.free(node.value[-need:])
+                del node.value[-need:], node.key[-need:]
+                self.cached_size -= need
+                return freed + need
             self.pool.free(node.value)
             freed += len(node.value)
             self.cached_size -= len(node.value)
             parent = node.parent
             del parent.children[node.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+                heapq.heappush(leaves, (parent.priority, parent.last_access, id(parent), parent))
         return freed
 
     def _nodes(self):

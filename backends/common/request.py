@@ -33,26 +33,47 @@ class SamplingParams:
             if not ok:
                 raise ParamError(name, msg)
 
-        check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool), "max_tokens",
-              "must be an integer")
+        check(
+            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+            "max_tokens",
+            "must be an integer",
+        )
         check(self.max_tokens > 0, "max_tokens", f"must be > 0, got {self.max_tokens}")
-        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature",
-              f"must be a number >= 0, got {self.temperature!r}")
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
-              f"must be in (0, 1], got {self.top_p!r}")
+        check(
+            isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+            "temperature",
+            f"must be a number >= 0, got {self.temperature!r}",
+        )
+        check(
+            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
         check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", f"must be -1, 0 or > 0, got {self.top_k!r}")
-        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
-              f"must be an integer in [0, 2^63), got {self.seed!r}")
-        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens, "min_tokens",
-              f"must be an integer >= 0, got {self.min_tokens!r}")
+        check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            f"must be an integer in [0, 2^63), got {self.seed!r}",
+        )
+        check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
+        )
         check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        check(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) for t in self.stop_token_ids),
-              "stop_token_ids", "must be a list of integers")
+        check(
+            isinstance(self.stop_token_ids, list) and all(isinstance(t, int) for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of integers",
+        )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
-              "must be a string or a list of non-empty strings")
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a string or a list of non-empty strings",
+        )
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         return self
 

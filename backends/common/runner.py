@@ -11,8 +11,14 @@ from . import loader
 from .kv_store import KVStore
 from .model import ForwardBatch, LlamaModel
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(slots=True)
@@ -36,8 +42,14 @@ def default_device() -> str:
 
 
 class ModelRunner:
-    def __init__(self, model_spec: str, dtype: str = "float32", device: str | None = None, kv_tokens: int = 16384,
-                 kv_shm_name: str | None = None):
+    def __init__(
+        self,
+        model_spec: str,
+        dtype: str = "float32",
+        device: str | None = None,
+        kv_tokens: int = 16384,
+        kv_shm_name: str | None = None,
+    ):
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
@@ -45,8 +57,9 @@ class ModelRunner:
         self.tokenizer = loader.load_tokenizer(self.source)
         self.model = LlamaModel(self.cfg, loader.load_weights(self.source, self.dtype, self.device))
         cfg = self.cfg
-        self.kv = KVStore.allocate(cfg.num_layers, kv_tokens, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                   self.device, shm_name=kv_shm_name)
+        self.kv = KVStore.allocate(
+            cfg.num_layers, kv_tokens, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, shm_name=kv_shm_name
+        )
 
     def build_batch(self, spans: list[Span]) -> ForwardBatch:
         ids, pos, out, starts, new_lens, ctx = [], [], [], [], [], []

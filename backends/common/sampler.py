@@ -74,7 +74,9 @@ def sample(
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
         drop |= (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_ps, device=dev)[:, None]
-        scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(
+            1, order, sorted_logits.masked_fill(drop, float("-inf"))
+        )
     keys = torch.tensor([row_key(s, p) for s, p in zip(seeds, positions)], device=dev, dtype=torch.int64)
     noisy = scaled + gumbel_noise(keys, vocab)
     sampled = noisy.masked_fill(scaled == float("-inf"), float("-inf")).argmax(dim=-1)

@@ -42,11 +42,12 @@ class KVAccounting:
         self.radix.lock(node)
         req.slots, req.cached_len, req.last_node = slots, len(slots), node
 
-    def release(self, req: InferReq, keep_in_cache: bool = True) -> None:
-        """Give back the request's KV: into the radix cache as unreferenced entries, or straight to the pool."""
+    def release(self, req: InferReq, keep_in_cache: bool = True, priority: int = 0) -> None:
+        """Give back the request's KV: into the radix cache as unreferenced entries (evicted lowest priority
+        first, then least recently used), or straight to the pool."""
         own = req.slots[req.cached_len :]
         if keep_in_cache and req.slots:
-            present = self.radix.insert(req.all_ids[: len(req.slots)], req.slots)
+            present = self.radix.insert(req.all_ids[: len(req.slots)], req.slots, priority)
             self.pool.free(req.slots[req.cached_len : present])  # duplicates of slots the tree already had
         else:
             self.pool.free(own)

@@ -4,6 +4,7 @@ decode loop never blocks on inter-process messages and never pays one message pe
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -64,8 +65,9 @@ class StreamSender:
         for it in items:
             cur = merged.get(id(it.stream))
             if cur is None:
-                merged[id(it.stream)] = Item(it.stream, list(it.ids), it.finish_reason, it.error, it.error_code,
-                                             it.num_pauses)
+                merged[id(it.stream)] = Item(
+                    it.stream, list(it.ids), it.finish_reason, it.error, it.error_code, it.num_pauses
+                )
                 order.append(it.stream)
             elif cur.finish_reason is None and cur.error is None:
                 cur.ids.extend(it.ids)
@@ -80,5 +82,6 @@ class StreamSender:
             try:
                 self._send(stream, it.ids, it.finish_reason, it.error, it.error_code, it.num_pauses, final)
                 self.num_messages += 1
-            except Exception:
+            except Exception as e:
                 stream.closed = True  # the receiver is gone; decode learns it through cancellation
+                print(f"[triton-pd] response to {stream.rid} not sent: {e!r}", file=sys.stderr, flush=True)

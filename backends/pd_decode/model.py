@@ -39,16 +39,24 @@ class DecodeModel:
         self.eos = self.runner.cfg.eos_token_ids
         self.max_context = self.runner.cfg.max_position_embeddings
         self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
-        self.sched = DecodeScheduler(KVPool(kv_tokens), max_running=int(p["max_batch"]),
-                                     pause_policy=p.get("pause_policy", "latest"),
-                                     on_oom=p.get("on_decode_oom", "pause"))
+        self.sched = DecodeScheduler(
+            KVPool(kv_tokens),
+            max_running=int(p["max_batch"]),
+            pause_policy=p.get("pause_policy", "latest"),
+            on_oom=p.get("on_decode_oom", "pause"),
+        )
         self.key = open(p["internal_key_file"]).read().strip()
+        # test hooks (comma-separated): "stale" re-delivers every recovery completion under the previous epoch
+        # (it must be dropped); "drop_paused_kv" keeps no paused KV in the cache, forcing prefill recovery
+        self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
+        self.sched.keep_paused_kv = "drop_paused_kv" not in self.faults
         self.mailbox = Mailbox(p["mailbox_dir"])
         self.events: queue.Queue = queue.Queue()
         self.streams: dict[str, Stream] = {}
         self.sender = StreamSender(self._send)
-        self.transfers = ThreadPoolExecutor(max_workers=int(p.get("prefill_concurrency", "16")),
-                                            thread_name_prefix="pd-transfer")
+        self.transfers = ThreadPoolExecutor(
+            max_workers=int(p.get("prefill_concurrency", "16")), thread_name_prefix="pd-transfer"
+        )
         self._metrics(args)
         self.stop = threading.Event()
         self.loop = threading.Thread(target=self._run, name="pd-decode-loop", daemon=True)
@@ -63,13 +71,15 @@ class DecodeModel:
             "paused": g("pd_decode_paused_requests", "Requests paused for lack of KV slots"),
             "recovering": g("pd_decode_recovering_requests", "Paused requests whose KV prefill is recomputing"),
             "used": g("pd_kv_slots_used", "KV slots held by requests"),
+            "free": g("pd_kv_slots_free", "KV slots free in the decode pool"),
             "cached": g("pd_kv_slots_cached", "KV slots held by the radix prefix cache"),
             "total": g("pd_kv_slots_total", "KV slots in the decode pool"),
             "epoch": g("pd_recovery_epoch_max", "Highest recovery epoch reached by any request"),
         }
         self.c_pauses = m.counter("pd_pauses_total", "Requests paused for lack of KV slots")
-        self.c_recover = {k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k)
-                          for k in ("local", "prefill")}
+        self.c_recover = {
+            k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k) for k in ("local", "prefill")
+        }
         self.c_stale = m.counter("pd_stale_messages_total", "Transfer completions from a stale epoch, dropped")
         self.c_restarts = m.counter("pd_decode_restarts_total", "Segments ended for lack of KV (on_oom=restart)")
         self.h_recovery = m.histogram("pd_recovery_seconds", "Time from pause to resumed decoding")
@@ -91,8 +101,10 @@ class DecodeModel:
                 params = SamplingParams.from_json(tio.input_str(request, "sampling_parameters") or "{}")
             except ParamError as e:
                 pb = tio.pb()
-                sender.send(pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), "INVALID_ARG")),
-                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(
+                    pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), "INVALID_ARG")),
+                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
                 continue
             self.events.put(("new", InferReq(rid, ids, params), sender))
         return None
@@ -151,8 +163,9 @@ class DecodeModel:
         if kind == "new":
             _, req, sender = ev
             if req.rid in self.sched.reqs:
-                self.sender.push(Item(Stream(req.rid, sender), error=f"request_id {req.rid}: duplicate",
-                                      error_code="INVALID_ARG"))
+                self.sender.push(
+                    Item(Stream(req.rid, sender), error=f"request_id {req.rid}: duplicate", error_code="INVALID_ARG")
+                )
                 return
             self.streams[req.rid] = Stream(req.rid, sender)
             self.sched.add(req)
@@ -166,6 +179,8 @@ class DecodeModel:
             elif c.first_token is not None:
                 self._after_token(c.req, c.first_token)
             elif c.recovered:
+                if "stale" in self.faults:
+                    self.events.put(("done", rid, epoch - 1, True, 0, None))
                 self.c_recover["prefill"].increment(1)
                 self.h_recovery.observe(time.monotonic() - getattr(c.req, "paused_at", time.monotonic()))
 
@@ -189,14 +204,21 @@ class DecodeModel:
     def _transfer(self, job: TransferJob, params: dict) -> None:
         """Runs on a transfer thread: one BLS call to pd_prefill; the answer goes back to the loop as an event."""
         try:
-            inputs = [tio.tensor("input_ids", job.ids), tio.tensor("start", [job.start]),
-                      tio.tensor("dst_slots", job.dst_slots), tio.tensor("epoch", [job.epoch]),
-                      tio.tensor("request_id", job.rid), tio.tensor("sample", job.sample),
-                      tio.tensor("sampling_parameters", json.dumps(params)),
-                      tio.tensor("kv_handle", self.handle), tio.tensor("internal_key", self.key)]
+            inputs = [
+                tio.tensor("input_ids", job.ids),
+                tio.tensor("start", [job.start]),
+                tio.tensor("dst_slots", job.dst_slots),
+                tio.tensor("epoch", [job.epoch]),
+                tio.tensor("request_id", job.rid),
+                tio.tensor("sample", job.sample),
+                tio.tensor("sampling_parameters", json.dumps(params)),
+                tio.tensor("kv_handle", self.handle),
+                tio.tensor("internal_key", self.key),
+            ]
             pb = tio.pb()
-            resp = pb.InferenceRequest(model_name="pd_prefill", inputs=inputs,
-                                       requested_output_names=["first_token", "epoch"]).exec()
+            resp = pb.InferenceRequest(
+                model_name="pd_prefill", inputs=inputs, requested_output_names=["first_token", "epoch"]
+            ).exec()
             if resp.has_error():
                 self.events.put(("done", job.rid, job.epoch, False, None, f"prefill: {resp.error().message()}"))
                 return
@@ -225,14 +247,18 @@ class DecodeModel:
             self.sender.push(Item(stream, ids, reason, error, num_pauses=req.num_pauses))
 
     def _send(self, stream: Stream, ids, reason, error, code, num_pauses, final) -> None:
+        """Errors travel as an ordinary final response (finish_reason "error" + error_message): an error response
+        after data responses on a decoupled BLS stream did not reach master's iterator in Triton 2.51."""
         pb = tio.pb()
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        if error is not None:
-            resp = pb.InferenceResponse(output_tensors=[], error=tio.error(error, code))
-        else:
-            resp = pb.InferenceResponse(output_tensors=[
-                tio.tensor("output_ids", ids), tio.tensor("finish_reason", reason or ""),
-                tio.tensor("num_pauses", [num_pauses])])
+        resp = pb.InferenceResponse(
+            output_tensors=[
+                tio.tensor("output_ids", [] if error is not None else ids),
+                tio.tensor("finish_reason", "error" if error is not None else (reason or "")),
+                tio.tensor("error_message", error or ""),
+                tio.tensor("num_pauses", [num_pauses]),
+            ]
+        )
         stream.sender.send(resp, flags=flags)
 
     def _fail_all(self, message: str) -> None:
@@ -253,5 +279,6 @@ class DecodeModel:
         self.g["recovering"].set(s.count(ReqState.RECOVERING))
         free, used, cached = s.accounting()
         self.g["used"].set(used)
+        self.g["free"].set(free)
         self.g["cached"].set(cached)
         self.g["epoch"].set(s.max_epoch)

@@ -19,6 +19,8 @@ from backends.common.radix_cache import RadixCache
 from backends.common.request import InferReq, ReqState
 from backends.common.scheduler import KVAccounting
 
+PAUSED_PRIORITY = 1  # radix eviction priority of a paused request's KV (finished requests' KV has 0)
+
 
 @dataclass(slots=True)
 class TransferJob:
@@ -57,8 +59,14 @@ class Completion:
 
 
 class DecodeScheduler:
-    def __init__(self, pool: KVPool, max_running: int = 256, pause_policy: str = "latest",
-                 on_oom: str = "pause", reserve_per_running: int = 1):
+    def __init__(
+        self,
+        pool: KVPool,
+        max_running: int = 256,
+        pause_policy: str = "latest",
+        on_oom: str = "pause",
+        reserve_per_running: int = 1,
+    ):
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if on_oom not in ("pause", "restart"):
@@ -68,6 +76,7 @@ class DecodeScheduler:
         self.kv = KVAccounting(pool, self.radix)
         self.max_running, self.pause_policy, self.on_oom = max_running, pause_policy, on_oom
         self.reserve_per_running = reserve_per_running
+        self.keep_paused_kv = True  # False: a paused request's KV goes straight back to the pool (tests)
         self.reqs: dict[str, InferReq] = {}  # every request not yet FINISHED, by rid
         self.inflight: dict[tuple[str, int], TransferJob] = {}
         self.orphans: dict[tuple[str, int], InferReq] = {}  # cancelled while a transfer was in flight
@@ -126,16 +135,21 @@ class DecodeScheduler:
         req.finish_reason, req.state = reason, ReqState.FINISHED
         self.kv.release(req, keep_in_cache=True)
 
-    def on_transfer_done(self, rid: str, epoch: int, ok: bool, first_token: int | None = None,
-                         error: str | None = None) -> Completion:
+    def on_transfer_done(
+        self, rid: str, epoch: int, ok: bool, first_token: int | None = None, error: str | None = None
+    ) -> Completion:
         job = self.inflight.pop((rid, epoch), None)
         orphan = self.orphans.pop((rid, epoch), None)
         if orphan is not None:  # cancelled meanwhile: the transfer has answered, so its slots are safe to reuse
             self.kv.release(orphan, keep_in_cache=False)
             return Completion(None, stale=False)
         req = self.reqs.get(rid)
-        if job is None or req is None or req.epoch != epoch or req.state not in (ReqState.WAITING_KV,
-                                                                                  ReqState.RECOVERING):
+        if (
+            job is None
+            or req is None
+            or req.epoch != epoch
+            or req.state not in (ReqState.WAITING_KV, ReqState.RECOVERING)
+        ):
             self.num_stale += 1  # a message from another round: it changes nothing
             return Completion(req, stale=True)
         if not ok:
@@ -152,8 +166,9 @@ class DecodeScheduler:
         return Completion(req, recovered=True)
 
     def _inflight_of(self, req: InferReq) -> TransferJob | None:
-        return self.inflight.get((req.rid, req.epoch)) if req.state in (ReqState.WAITING_KV,
-                                                                        ReqState.RECOVERING) else None
+        return (
+            self.inflight.get((req.rid, req.epoch)) if req.state in (ReqState.WAITING_KV, ReqState.RECOVERING) else None
+        )
 
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan:
@@ -198,15 +213,17 @@ class DecodeScheduler:
             self.finish(req, "restart")
             plan.restarted.append(req)
             return
-        self.kv.release(req, keep_in_cache=True)  # KV stays findable as unreferenced radix entries
+        # KV stays findable as unreferenced radix entries, evicted after finished requests' entries
+        self.kv.release(req, keep_in_cache=self.keep_paused_kv, priority=PAUSED_PRIORITY)
         req.state = ReqState.PAUSED
         req.num_pauses += 1
         self.num_pauses += 1
         plan.paused.append(req)
 
     def _reserve(self) -> int:
-        """Slots kept back for running requests' next tokens when recovering or admitting."""
-        return self.reserve_per_running * (self.count(ReqState.RUNNING) + self.count(ReqState.RECOVERING))
+        """Slots kept back, when recovering or admitting, for the next tokens of requests that run or soon will."""
+        soon = (ReqState.RUNNING, ReqState.RECOVERING, ReqState.WAITING_KV)
+        return self.reserve_per_running * sum(1 for r in self.reqs.values() if r.state in soon)
 
     def _recover_paused(self, plan: Plan) -> None:
         """Try every paused request, oldest first; one that does not fit does not block later ones."""

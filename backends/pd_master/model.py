@@ -176,7 +176,9 @@ class MasterModel:
             tio.tensor("internal_key", self.key),
         ]
         bls = pb.InferenceRequest(
-            model_name="pd_decode", inputs=inputs, requested_output_names=["output_ids", "finish_reason", "num_pauses"]
+            model_name="pd_decode",
+            inputs=inputs,
+            requested_output_names=["output_ids", "finish_reason", "error_message", "num_pauses"],
         )
         return bls.exec(decoupled=True)
 
@@ -202,6 +204,11 @@ class MasterModel:
                 new_ids = [int(x) for x in ids_t.as_numpy().reshape(-1)]
                 reason_t = tio.pb().get_output_tensor_by_name(resp, "finish_reason")
                 reason = reason_t.as_numpy().reshape(-1)[0].decode() if reason_t is not None else ""
+                if reason == "error":
+                    msg_t = tio.pb().get_output_tensor_by_name(resp, "error_message")
+                    msg = msg_t.as_numpy().reshape(-1)[0].decode() if msg_t is not None else "decode failed"
+                    self._finish_with_error(req, msg, "INTERNAL")
+                    return
                 if not new_ids and not reason:
                     continue
                 all_ids.extend(new_ids)

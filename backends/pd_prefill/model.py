@@ -7,7 +7,6 @@ first. Recovery jobs are never refused for queue limits: they carry work that is
 
 from __future__ import annotations
 
-import json
 import threading
 
 from backends.common import triton_io as tio
@@ -44,15 +43,22 @@ class PrefillModel:
             import torch
 
             torch.cuda.set_device(int(args.get("model_instance_device_id", 0)))
-        self.engine = Engine(p["model"], dtype=p["dtype"], device=device, kv_tokens=int(p["prefill_kv_tokens"]),
-                             max_batch=int(p.get("prefill_max_batch", "64")), chunk_size=int(p["chunk_size"]),
-                             max_batch_tokens=int(p["max_prefill_tokens"]))
+        self.engine = Engine(
+            p["model"],
+            dtype=p["dtype"],
+            device=device,
+            kv_tokens=int(p["prefill_kv_tokens"]),
+            max_batch=int(p.get("prefill_max_batch", "64")),
+            chunk_size=int(p["chunk_size"]),
+            max_batch_tokens=int(p["max_prefill_tokens"]),
+        )
         self.key = open(p["internal_key_file"]).read().strip()
         self.peers = HandoffCache()
         self.lock = threading.Lock()
         m = self.metrics = Metrics({"model": "pd_prefill", "instance": args.get("model_instance_name", "pd_prefill")})
-        self.m_jobs = {k: m.counter("pd_prefill_jobs_total", "Prefill jobs by kind", kind=k)
-                       for k in ("prompt", "recovery")}
+        self.m_jobs = {
+            k: m.counter("pd_prefill_jobs_total", "Prefill jobs by kind", kind=k) for k in ("prompt", "recovery")
+        }
         self.m_tokens = m.counter("pd_prefill_computed_tokens_total", "Positions computed by prefill")
         self.m_cached = m.counter("pd_prefill_cached_tokens_total", "Positions served by prefill's radix cache")
         self.m_queue = m.gauge("pd_prefill_queue_depth", "Prefill jobs in the current batch")
@@ -78,9 +84,12 @@ class PrefillModel:
             if job.error:
                 responses[i] = pb.InferenceResponse(output_tensors=[], error=tio.error(job.error, "INTERNAL"))
             else:
-                responses[i] = pb.InferenceResponse(output_tensors=[
-                    tio.tensor("first_token", [job.first_token if job.first_token is not None else -1]),
-                    tio.tensor("epoch", [job.epoch])])
+                responses[i] = pb.InferenceResponse(
+                    output_tensors=[
+                        tio.tensor("first_token", [job.first_token if job.first_token is not None else -1]),
+                        tio.tensor("epoch", [job.epoch]),
+                    ]
+                )
         return responses
 
     def _run(self, jobs: list[PrefillJob]) -> None:
@@ -89,8 +98,9 @@ class PrefillModel:
         sched = self.engine.scheduler
         for job in jobs:
             # one token (it obeys min_tokens: no EOS if the answer needs more); decode resolved the seed
-            params = SamplingParams(**{**job.params.to_dict(), "max_tokens": 1,
-                                       "min_tokens": min(1, job.params.min_tokens), "stop": []})
+            params = SamplingParams(
+                **{**job.params.to_dict(), "max_tokens": 1, "min_tokens": min(1, job.params.min_tokens), "stop": []}
+            )
             try:
                 req = self.engine.add_request(job.ids, params)
             except ParamError as e:

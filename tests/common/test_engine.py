@@ -40,16 +40,25 @@ def test_greedy_48_tokens_equal_transformers(engine, hf_model, kind, text):
 
 
 def test_chat_answer_is_paris(engine):
-    out = engine.generate([engine.tokenizer.encode_chat("What is the capital of France?")],
-                          SamplingParams(max_tokens=30, temperature=0))[0]
+    out = engine.generate(
+        [engine.tokenizer.encode_chat("What is the capital of France?")], SamplingParams(max_tokens=30, temperature=0)
+    )[0]
     assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
     assert out.output_ids[-1] in engine.cfg.eos_token_ids
 
 
 def _batch_prompts(engine):
     shared = engine.tokenizer.encode("You are a careful assistant. Answer briefly and precisely. " * 3)
-    tails = ["Name a prime.", "What is 2+2?", "Define entropy.", "Who wrote Hamlet?", "Say hi.",
-             "List three colours of the rainbow, please, in order.", "Why is the sky blue?", "Count to five."]
+    tails = [
+        "Name a prime.",
+        "What is 2+2?",
+        "Define entropy.",
+        "Who wrote Hamlet?",
+        "Say hi.",
+        "List three colours of the rainbow, please, in order.",
+        "Why is the sky blue?",
+        "Count to five.",
+    ]
     prompts = [shared + engine.tokenizer.encode(t) for t in tails[:5]]
     prompts += [engine.tokenizer.encode(t) for t in tails[5:]]  # no shared prefix
     return prompts
@@ -73,8 +82,10 @@ def test_batched_ragged_shared_prefix_equals_alone(engine):
 
 
 def test_chunked_prefill_and_prefix_hit_equal_whole_prefill(engine):
-    ids = engine.tokenizer.encode("In the beginning the universe was created. This has made a lot of people "
-                                  "very angry and been widely regarded as a bad move. " * 2)
+    ids = engine.tokenizer.encode(
+        "In the beginning the universe was created. This has made a lot of people "
+        "very angry and been widely regarded as a bad move. " * 2
+    )
     engine.scheduler.radix.clear()
     whole = engine.generate([ids], greedy(24))[0].output_ids
     engine.scheduler.radix.clear()
@@ -112,15 +123,18 @@ def test_seeded_sampling_batch_invariant_and_reproducible(engine):
     p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
     alone = engine.generate([ids], p)[0].output_ids
     others = [engine.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "Numbers: 1 2 3")]
-    mixed = engine.generate(others + [ids], [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)]
-                            + [p])[-1].output_ids
+    mixed = engine.generate(
+        others + [ids], [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)] + [p]
+    )[-1].output_ids
     assert mixed == alone
-    other_seed = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=99,
-                                                       ignore_eos=True))[0].output_ids
+    other_seed = engine.generate(
+        [ids], SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=99, ignore_eos=True)
+    )[0].output_ids
     assert other_seed != alone
     g = engine.generate([ids], greedy(24))[0].output_ids
-    k1 = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0.7, top_k=1, seed=5,
-                                               ignore_eos=True))[0].output_ids
+    k1 = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0.7, top_k=1, seed=5, ignore_eos=True))[
+        0
+    ].output_ids
     assert k1 == g
     assert_idle(engine)
 
@@ -129,12 +143,15 @@ def test_min_tokens_and_stop_ids(engine):
     ids = engine.tokenizer.encode_chat("What is the capital of France?")
     free = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0))[0]
     eos = free.output_ids[-1]
-    longer = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, min_tokens=len(free.output_ids) + 2))[0]
+    longer = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, min_tokens=len(free.output_ids) + 2))[
+        0
+    ]
     assert len(longer.output_ids) >= len(free.output_ids) + 2
     assert eos not in longer.output_ids[: len(free.output_ids) + 1]
     stop_at = free.output_ids[2]
     stopped = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_at]))[0]
     assert stopped.output_ids == free.output_ids[:3] and stopped.finish_reason == "stop"
-    ignored = engine.generate([ids], SamplingParams(max_tokens=len(free.output_ids) + 3, temperature=0,
-                                                    ignore_eos=True))[0]
+    ignored = engine.generate(
+        [ids], SamplingParams(max_tokens=len(free.output_ids) + 3, temperature=0, ignore_eos=True)
+    )[0]
     assert ignored.output_ids[: len(free.output_ids)] == free.output_ids and ignored.finish_reason == "length"

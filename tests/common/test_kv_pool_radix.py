@@ -35,10 +35,11 @@ def test_match_insert_split_and_lock():
     assert rc.insert([1, 2, 3, 7], s2) == 3
     pool.free(s2[:3])
     assert rc.cached_size == 6
-    # only the unlocked leaves [4, 5] and [7] can go, LRU first ([4, 5] was touched before [7])
-    assert rc.evict(1) == 2
-    assert rc.match_prefix([1, 2, 3, 4])[0] == s1[:3]
-    assert rc.evict(100) == 1
+    # only the unlocked leaves [4, 5] and [7] can go, LRU first ([4, 5] was touched before [7]);
+    # a leaf longer than needed loses only its tail
+    assert rc.evict(1) == 1
+    assert rc.match_prefix([1, 2, 3, 4, 5])[0] == s1[:4]
+    assert rc.evict(100) == 2
     assert rc.cached_size == 3
     rc.unlock(node)
     assert rc.evict(100) == 3 and pool.num_free == 32
@@ -94,7 +95,7 @@ def test_random_operations_keep_accounting_exact(seed):
             if len(rc.match_prefix(list(key))[0]) < len(key):
                 del reference[key]
         _check(pool, rc, held)
-    for rid, (tokens, slots, cached, node) in live.items():
+    for _tokens, slots, cached, node in live.values():
         pool.free(slots[cached:])
         rc.unlock(node)
     rc.clear()

@@ -43,8 +43,15 @@ def test_smollm2_bf16_close_to_fp32(smollm2_source):
     assert (bf.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.95
 
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def _tiny(kind: str):
@@ -57,8 +64,14 @@ def _tiny(kind: str):
     if kind == "llama-untied":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=False)
     if kind == "llama3-rope-scaling":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
         return tf.LlamaConfig(**TINY, rope_parameters=scaling, tie_word_embeddings=True)
     raise ValueError(kind)
 

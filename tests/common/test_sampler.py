@@ -15,8 +15,14 @@ def test_seeded_draw_independent_of_batch_composition():
     batched = sample(logits, [0.9] * 8, [0.95] * 8, [50] * 8, [7] * 8, list(range(8))).tolist()
     assert alone == batched
     # mixed with other requests' rows in a different order
-    mixed = sample(torch.cat([_logits(3, seed=5), logits.flip(0)]), [1.0] * 3 + [0.9] * 8, [1.0] * 3 + [0.95] * 8,
-                   [-1] * 3 + [50] * 8, [1, 2, 3] + [7] * 8, [0, 0, 0] + list(range(7, -1, -1))).tolist()
+    mixed = sample(
+        torch.cat([_logits(3, seed=5), logits.flip(0)]),
+        [1.0] * 3 + [0.9] * 8,
+        [1.0] * 3 + [0.95] * 8,
+        [-1] * 3 + [50] * 8,
+        [1, 2, 3] + [7] * 8,
+        [0, 0, 0] + list(range(7, -1, -1)),
+    ).tolist()
     assert mixed[3:] == batched[::-1]
 
 

@@ -51,8 +51,9 @@ class StreamClient:
         self.q: queue.Queue = queue.Queue()
         self.client = grpcclient.InferenceServerClient(url)
         self.client.start_stream(callback=lambda result, error: self.q.put((result, error)))
-        self.client.async_stream_infer(model, kw.pop("inputs", None) or build_inputs(**kw),
-                                       enable_empty_final_response=True)
+        self.client.async_stream_infer(
+            model, kw.pop("inputs", None) or build_inputs(**kw), enable_empty_final_response=True
+        )
         self.result = Result()
 
     def read(self, until_tokens: int | None = None, timeout: float = 300) -> Result:
@@ -96,8 +97,9 @@ def grpc_generate(url: str, **kw) -> Result:
 
 
 def http_post(url: str, path: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return r.status, r.read().decode()

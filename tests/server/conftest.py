@@ -32,12 +32,31 @@ class Server:
     def __init__(self, *extra: str, env: dict | None = None, name: str = "server"):
         self.http, self.grpc, self.metrics = free_ports(3)
         self.workdir = ROOT / ".run" / f"test-{name}-{self.http}"
-        cmd = [sys.executable, "-m", "backends.cli", "serve", "--http-port", str(self.http), "--grpc-port",
-               str(self.grpc), "--metrics-port", str(self.metrics), "--workdir", str(self.workdir), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "backends.cli",
+            "serve",
+            "--http-port",
+            str(self.http),
+            "--grpc-port",
+            str(self.grpc),
+            "--metrics-port",
+            str(self.metrics),
+            "--workdir",
+            str(self.workdir),
+            *extra,
+        ]
         (ROOT / ".run").mkdir(exist_ok=True)
         self.log = open(ROOT / ".run" / f"test-{name}-{self.http}.out", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         self._wait()
 
     @property

@@ -11,13 +11,20 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backends.common.request import SamplingParams
-from tests.server.client import StreamClient, build_inputs, grpc_generate, http_post
+from tests.server.client import StreamClient, grpc_generate, http_post
 
 pytestmark = pytest.mark.server
 
-PROMPTS = ["The history of the Roman Empire", "def quicksort(arr):", "Once upon a time, in a small village",
-           "The three laws of thermodynamics are", "My favourite recipe for bread", "import numpy as np\n",
-           "Dear Sir or Madam,", "The capital of Japan is"]
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def quicksort(arr):",
+    "Once upon a time, in a small village",
+    "The three laws of thermodynamics are",
+    "My favourite recipe for bread",
+    "import numpy as np\n",
+    "Dear Sir or Madam,",
+    "The capital of Japan is",
+]
 
 
 def greedy(n: int) -> dict:
@@ -26,8 +33,9 @@ def greedy(n: int) -> dict:
 
 def test_eight_concurrent_streams_equal_offline_engine(server, engine):
     n = 24
-    expected = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS],
-                               SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    expected = engine.generate(
+        [engine.tokenizer.encode(p) for p in PROMPTS], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    )
     results = [None] * len(PROMPTS)
 
     def run(i):
@@ -48,16 +56,25 @@ def test_eight_concurrent_streams_equal_offline_engine(server, engine):
 def test_http_generate_stream_same_text(server, engine):
     prompt = "What is the capital of France?"
     exp = engine.generate([engine.tokenizer.encode_chat(prompt)], SamplingParams(max_tokens=30, temperature=0))[0]
-    status, body = http_post(server.http_url, "/v2/models/pd_master/generate_stream",
-                             {"text_input": prompt, "apply_chat_template": True, "stream": True,
-                              "sampling_parameters": json.dumps({"max_tokens": 30, "temperature": 0})})
+    status, body = http_post(
+        server.http_url,
+        "/v2/models/pd_master/generate_stream",
+        {
+            "text_input": prompt,
+            "apply_chat_template": True,
+            "stream": True,
+            "sampling_parameters": json.dumps({"max_tokens": 30, "temperature": 0}),
+        },
+    )
     assert status == 200
     events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]
     assert len(events) >= 2  # streamed, not one block
     assert "".join(e["text_output"] for e in events) == exp.text == "The capital of France is Paris."
     # Triton's generate extension writes a one-element output as a scalar
-    assert sum((e["output_ids"] if isinstance(e["output_ids"], list) else [e["output_ids"]] for e in events),
-               []) == exp.output_ids
+    assert (
+        sum((e["output_ids"] if isinstance(e["output_ids"], list) else [e["output_ids"]] for e in events), [])
+        == exp.output_ids
+    )
     assert events[-1]["finish_reason"] == "stop"
 
 
@@ -69,9 +86,11 @@ def test_non_streaming_and_exclude_input(server, engine):
     assert full.text == "Paris is" + exp.text and full.ids == ids + exp.output_ids
     excl = grpc_generate(server.grpc_url, text="Paris is", params=greedy(8), stream=False, exclude_input=True)
     assert excl.text == exp.text and excl.ids == exp.output_ids
-    status, body = http_post(server.http_url, "/v2/models/pd_master/generate",
-                             {"text_input": "Paris is", "exclude_input_in_output": True,
-                              "sampling_parameters": json.dumps(greedy(8))})
+    status, body = http_post(
+        server.http_url,
+        "/v2/models/pd_master/generate",
+        {"text_input": "Paris is", "exclude_input_in_output": True, "sampling_parameters": json.dumps(greedy(8))},
+    )
     assert status == 200 and json.loads(body)["text_output"] == exp.text
 
 
@@ -147,18 +166,25 @@ def test_internal_models_refuse_requests_without_key(server):
     jobs_before = server.metric("pd_prefill_jobs_total")
     ids = np.array([1, 2, 3], dtype=np.int64)
     sp = np.array([b"{}"], dtype=np.object_)
-    prefill_inputs = [_t("input_ids", ids, "INT64"), _t("start", np.array([0], dtype=np.int64), "INT64"),
-                      _t("dst_slots", np.array([0, 1, 2], dtype=np.int64), "INT64"),
-                      _t("epoch", np.array([0], dtype=np.int64), "INT64"),
-                      _t("request_id", np.array([b"x"], dtype=np.object_), "BYTES"),
-                      _t("sample", np.array([True]), "BOOL"), _t("sampling_parameters", sp, "BYTES"),
-                      _t("kv_handle", np.array([b"{}"], dtype=np.object_), "BYTES")]
+    prefill_inputs = [
+        _t("input_ids", ids, "INT64"),
+        _t("start", np.array([0], dtype=np.int64), "INT64"),
+        _t("dst_slots", np.array([0, 1, 2], dtype=np.int64), "INT64"),
+        _t("epoch", np.array([0], dtype=np.int64), "INT64"),
+        _t("request_id", np.array([b"x"], dtype=np.object_), "BYTES"),
+        _t("sample", np.array([True]), "BOOL"),
+        _t("sampling_parameters", sp, "BYTES"),
+        _t("kv_handle", np.array([b"{}"], dtype=np.object_), "BYTES"),
+    ]
     msg = _direct(server, "pd_prefill", prefill_inputs)
     assert "internal_key" in msg and "internal model" in msg
     wrong = prefill_inputs + [_t("internal_key", np.array([b"guess"], dtype=np.object_), "BYTES")]
     assert "does not match" in _direct(server, "pd_prefill", wrong)
-    decode_inputs = [_t("input_ids", ids, "INT64"), _t("sampling_parameters", sp, "BYTES"),
-                     _t("request_id", np.array([b"y"], dtype=np.object_), "BYTES")]
+    decode_inputs = [
+        _t("input_ids", ids, "INT64"),
+        _t("sampling_parameters", sp, "BYTES"),
+        _t("request_id", np.array([b"y"], dtype=np.object_), "BYTES"),
+    ]
     msg = _direct(server, "pd_decode", decode_inputs)
     assert "internal_key" in msg and "internal model" in msg
     assert server.metric("pd_prefill_jobs_total") == jobs_before  # nothing ran

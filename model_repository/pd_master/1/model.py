@@ -1,12 +1,15 @@
 """Thin Triton entry point: the role lives in backends/pd_master/ (the stub does not honour PYTHONPATH, so the
 project root comes from the model config's parameters)."""
 
+import faulthandler
 import json
+import signal
 import sys
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <stub pid>` dumps every stack
         root = json.loads(args["model_config"])["parameters"]["project_root"]["string_value"]
         if root not in sys.path:
             sys.path.insert(0, root)

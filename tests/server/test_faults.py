@@ -1,0 +1,122 @@
+"""Deadline expiry during a pause, and a prefill instance killed during recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.server.client import grpc_generate
+from tests.server.conftest import Server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+
+def long_prompt(i: int, repeat: int = 12) -> str:
+    return f"Essay {i}: describe the geology, climate, flora and fauna of a distant planet in detail. " * repeat
+
+
+def start_streams(server, n: int, max_tokens: int, repeat: int = 12) -> tuple[list, list]:
+    results = [None] * n
+
+    def go(i):
+        results[i] = grpc_generate(
+            server.grpc_url,
+            text=long_prompt(i, repeat),
+            params={"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        )
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def assert_released(server):
+    for name in (
+        "pd_decode_running_requests",
+        "pd_decode_queued_requests",
+        "pd_decode_paused_requests",
+        "pd_decode_recovering_requests",
+        "pd_kv_slots_used",
+    ):
+        assert server.wait_metric(name, lambda v: v == 0, timeout=5.0) == 0, name
+    assert server.metric("pd_kv_slots_free") + server.metric("pd_kv_slots_cached") == server.metric("pd_kv_slots_total")
+
+
+def test_deadline_expires_while_paused():
+    # two ~90-token prompts on 220 slots: the later one is paused after ~20 steps and cannot come back while
+    # the first keeps growing, so it is still paused when the 5 s deadline fires
+    s = Server(
+        "--kv-tokens",
+        "220",
+        "--fault-injection",
+        "drop_paused_kv",
+        env={"PD_REQUEST_TIMEOUT_SECONDS": "5"},
+        name="deadline",
+    )
+    try:
+        threads, results = start_streams(s, 2, 400, repeat=5)
+        trace = []
+        saw_paused = False
+        t0 = time.monotonic()
+        while any(t.is_alive() for t in threads) and time.monotonic() - t0 < 60:
+            trace.append(
+                (
+                    s.metric("pd_decode_running_requests"),
+                    s.metric("pd_decode_paused_requests"),
+                    s.metric("pd_decode_recovering_requests"),
+                )
+            )
+            saw_paused |= trace[-1][1] + trace[-1][2] > 0
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        assert saw_paused, sorted(set(trace))
+        assert all(r.error is not None and "timed out after 5 s" in r.error for r in results), results
+        assert_released(s)
+        ok = grpc_generate(s.grpc_url, text="Hello", params={"max_tokens": 3, "temperature": 0})
+        assert ok.error is None and len(ok.ids) == 3
+    finally:
+        s.stop()
+
+
+def prefill_stub_pids(server) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"{server.workdir}/models/pd_prefill/"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_prefill_killed_during_recovery():
+    s = Server("--kv-tokens", "640", "--fault-injection", "drop_paused_kv", name="killprefill")
+    try:
+        threads, results = start_streams(s, 3, 300)
+        t0 = time.monotonic()
+        while s.metric("pd_prefill_jobs_total", kind="recovery") < 1 and time.monotonic() - t0 < 120:
+            time.sleep(0.02)
+        assert s.metric("pd_prefill_jobs_total", kind="recovery") >= 1
+        pids = prefill_stub_pids(s)
+        assert pids
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=300)
+        failed = [r for r in results if r.error is not None]
+        assert failed, "a request in recovery should fail when its prefill instance dies"
+        assert all("prefill" in r.error for r in failed), [r.error for r in failed]
+        assert all(r.finish_reason == "length" and len(r.ids) == 300 for r in results if r.error is None)
+        assert_released(s)
+        assert s.healthy()
+        # Triton 2.51 does not restart a killed Python stub: with the only prefill instance gone, a new request
+        # must fail fast with the cause, and master and decode must stay clean
+        t0 = time.monotonic()
+        again = grpc_generate(s.grpc_url, text="Hello", params={"max_tokens": 3, "temperature": 0})
+        assert time.monotonic() - t0 < 10
+        assert again.error is not None and "pd_prefill" in again.error and "not healthy" in again.error
+        assert_released(s)
+        assert s.metric("pd_master_inflight_requests") == 0
+    finally:
+        s.stop()
