@@ -155,3 +155,19 @@ def test_min_tokens_and_stop_ids(engine):
         [ids], SamplingParams(max_tokens=len(free.output_ids) + 3, temperature=0, ignore_eos=True)
     )[0]
     assert ignored.output_ids[: len(free.output_ids)] == free.output_ids and ignored.finish_reason == "length"
+
+
+def test_random_weights_named_shape_generates():
+    """random:<shape>: the named shape's config, N(0, 0.02) weights, byte-level tokenizer; deterministic."""
+    from backends.common import loader
+    from backends.common.config import SHAPES
+
+    src = loader.resolve("random:smollm2-135m")
+    assert loader.load_config(src) is SHAPES["smollm2-135m"]
+    e = Engine("random:smollm2-135m", kv_tokens=512)
+    ids = e.tokenizer.encode("héllo")
+    assert ids == list("héllo".encode())
+    a = e.generate([ids], greedy(6))[0]
+    b = e.generate([ids], greedy(6))[0]
+    assert len(a.output_ids) == 6 and a.output_ids == b.output_ids
+    assert all(0 <= t < SHAPES["smollm2-135m"].vocab_size for t in a.output_ids)
