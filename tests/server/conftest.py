@@ -105,6 +105,18 @@ class Server:
                 return v
             time.sleep(0.05)
 
+    def assert_released(self, timeout: float) -> None:
+        """Decode holds no request in any state and no slot, and its pool accounting is exact."""
+        for name in (
+            "pd_decode_running_requests",
+            "pd_decode_queued_requests",
+            "pd_decode_paused_requests",
+            "pd_decode_recovering_requests",
+            "pd_kv_slots_used",
+        ):
+            assert self.wait_metric(name, lambda v: v == 0, timeout=timeout) == 0, name
+        assert self.metric("pd_kv_slots_free") + self.metric("pd_kv_slots_cached") == self.metric("pd_kv_slots_total")
+
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as r:

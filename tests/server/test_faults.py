@@ -36,18 +36,6 @@ def start_streams(server, n: int, max_tokens: int, repeat: int = 12) -> tuple[li
     return threads, results
 
 
-def assert_released(server):
-    for name in (
-        "pd_decode_running_requests",
-        "pd_decode_queued_requests",
-        "pd_decode_paused_requests",
-        "pd_decode_recovering_requests",
-        "pd_kv_slots_used",
-    ):
-        assert server.wait_metric(name, lambda v: v == 0, timeout=5.0) == 0, name
-    assert server.metric("pd_kv_slots_free") + server.metric("pd_kv_slots_cached") == server.metric("pd_kv_slots_total")
-
-
 def test_deadline_expires_while_paused():
     # two ~90-token prompts on 220 slots: the later one is paused after ~20 steps and cannot come back while
     # the first keeps growing, so it is still paused when the 5 s deadline fires
@@ -78,7 +66,7 @@ def test_deadline_expires_while_paused():
             t.join()
         assert saw_paused, sorted(set(trace))
         assert all(r.error is not None and "timed out after 5 s" in r.error for r in results), results
-        assert_released(s)
+        s.assert_released(timeout=5.0)
         ok = grpc_generate(s.grpc_url, text="Hello", params={"max_tokens": 3, "temperature": 0})
         assert ok.error is None and len(ok.ids) == 3
     finally:
@@ -108,7 +96,7 @@ def test_prefill_killed_during_recovery():
         assert failed, "a request in recovery should fail when its prefill instance dies"
         assert all("prefill" in r.error for r in failed), [r.error for r in failed]
         assert all(r.finish_reason == "length" and len(r.ids) == 300 for r in results if r.error is None)
-        assert_released(s)
+        s.assert_released(timeout=5.0)
         assert s.healthy()
         # Triton 2.51 does not restart a killed Python stub: with the only prefill instance gone, a new request
         # must fail fast with the cause, and master and decode must stay clean
@@ -116,7 +104,7 @@ def test_prefill_killed_during_recovery():
         again = grpc_generate(s.grpc_url, text="Hello", params={"max_tokens": 3, "temperature": 0})
         assert time.monotonic() - t0 < 10
         assert again.error is not None and "pd_prefill" in again.error and "not healthy" in again.error
-        assert_released(s)
+        s.assert_released(timeout=5.0)
         assert s.metric("pd_master_inflight_requests") == 0
     finally:
         s.stop()
