@@ -185,17 +185,11 @@ def kv_tokens_for_gpu(model: str, dtype: str, fraction: float) -> int:
     import torch
 
     from .common import loader
+    from .common.runner import parse_dtype
 
     cfg = loader.load_config(loader.resolve(model))
-    per_token = (
-        cfg.num_layers
-        * 2
-        * cfg.num_kv_heads
-        * cfg.head_dim
-        * torch.empty(
-            (), dtype=getattr(torch, {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[dtype])
-        ).element_size()
-    )
+    itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     return int(torch.cuda.get_device_properties(0).total_memory * fraction // per_token)
 
 

@@ -124,8 +124,9 @@ class DecodeModel:
             try:
                 self._drain(block=not self.sched.by_state(ReqState.RUNNING))
                 now = time.monotonic()
-                self._take_cancels(poll_senders=now - last_cancel_poll > 0.5)
-                if now - last_cancel_poll > 0.5:
+                poll = now - last_cancel_poll > 0.5
+                self._take_cancels(poll_senders=poll)
+                if poll:
                     last_cancel_poll = now
                 plan = self.sched.schedule()
                 for req in plan.paused:
