@@ -1,0 +1,12 @@
+"""Triton GPU kernels (attention over the slot-indexed KV pool, fused residual + RMSNorm, rotary embedding, KV
+store and KV copy), each with a PyTorch reference in `kernels.reference`. Importing a kernel module needs `triton`;
+`available()` says whether it and a CUDA device are present."""
+
+
+def available() -> bool:
+    try:
+        import torch
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

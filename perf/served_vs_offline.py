@@ -1,9 +1,12 @@
 """Served time per output token against the offline engine's step time, same machine, same run (CPU by default).
 
     python perf/served_vs_offline.py [--batches 1 16] [--new-tokens 64]
+    python perf/served_vs_offline.py --model random:llama3.1-8b --device gpu --batches 1 32 128 \
+        --new-tokens 128 --kv-tokens 65536 --out perf/results/served_vs_offline_h200.md     (the H200 run)
 
 Served: B concurrent gRPC streams (greedy, EOS ignored) against a real tritonserver (1 prefill + 1 decode);
-time per output token = (last token time - first token time) / (tokens - 1), averaged over the streams.
+time per output token = (last token time - time of token n/4) / (tokens after it), averaged over the streams (the
+first quarter is left out: it overlaps the other streams' prefills, which the offline figure does not include).
 Offline: the engine's decode step time at the same batch size, measured in this process. The difference is what
 serving adds: BLS and response IPC, detokenisation on master, and (on 2 cores) CPU contention between the
 tritonserver, master, decode and prefill processes.
@@ -52,7 +55,8 @@ def served_tpot(server: Server, prompts, n: int) -> float:
             c.read(until_tokens=k + 1)
             stamps += [time.monotonic()] * (len(r.ids) - k)
         c.close()
-        tpots[i] = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        k = len(stamps) // 4
+        tpots[i] = (stamps[-1] - stamps[k]) / (len(stamps) - 1 - k)
 
     ts = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
     for t in ts:
@@ -66,19 +70,52 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--kv-tokens", type=int, default=16384, help="decode pool (and the offline engine's)")
+    ap.add_argument("--out", default=None, help="also write the table (markdown) here")
     a = ap.parse_args()
-    engine = Engine("smollm2", kv_tokens=16384)
-    base = engine.tokenizer.encode("A short history of the printing press and its effect on science. " * 40)
+    gpu = a.device == "gpu"
+    dtype = "bfloat16" if gpu else "float32"
+    engine = Engine(
+        a.model, dtype, "cuda" if gpu else "cpu", kv_tokens=a.kv_tokens, max_batch=max(a.batches),
+        max_batch_tokens=8192 if gpu else 2048,
+    )  # fmt: skip
+    text = "A short history of the printing press and its effect on science. " * 40
+    base = engine.tokenizer.encode(text)
     prompts = {b: [base[i : i + 32] for i in range(b)] for b in a.batches}
+    offline_step_time(engine, prompts[a.batches[0]], 8)  # warm-up
     offline = {b: offline_step_time(engine, prompts[b], a.new_tokens) for b in a.batches}
-    server = Server("--kv-tokens", "16384", name="perf")
+    del engine
+    if gpu:
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    args = ["--model", a.model, "--device", a.device, "--dtype", dtype, "--kv-tokens", str(a.kv_tokens)]
+    args += ["--max-batch", str(max(a.batches))]
+    if gpu:
+        args += ["--prefill-kv-tokens", "32768"]
+    server = Server(*args, name="perf")
     try:
+        served_tpot(server, prompts[a.batches[0]], 16)  # warm-up
         rows = [(b, served_tpot(server, prompts[b], a.new_tokens), offline[b]) for b in a.batches]
     finally:
         server.stop()
-    print(f"{'batch':>5} {'served ms/token':>16} {'offline step ms':>16} {'ratio':>6}")
-    for b, served, off in rows:
-        print(f"{b:>5} {served * 1e3:>16.1f} {off * 1e3:>16.1f} {served / off:>6.2f}")
+    lines = [
+        f"Served TPOT vs offline decode step ({a.model}, {dtype}, {a.device}, {a.new_tokens} new tokens)",
+        "",
+        "| batch | served ms/token | offline step ms | ratio |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {b} | {sv * 1e3:.2f} | {off * 1e3:.2f} | {sv / off:.2f} |" for b, sv, off in rows]
+    print("\n".join(lines))
+    if a.out:
+        from pathlib import Path
+
+        Path(a.out).write_text("# " + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -68,8 +68,12 @@ class Engine:
         max_batch: int = 64,
         chunk_size: int = 512,
         max_batch_tokens: int = 2048,
+        backend: str = "auto",
+        cuda_graphs: bool = True,
     ):
-        self.runner = ModelRunner(model, dtype, device, kv_tokens)
+        self.runner = ModelRunner(
+            model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs
+        )
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings
         self.scheduler = Scheduler(KVPool(kv_tokens), max_batch, chunk_size, max_batch_tokens)
@@ -101,7 +105,7 @@ class Engine:
                 raise EngineError("KV pool too small: no request can make progress (raise --kv-tokens)")
             return []
         logits = self.runner.forward(
-            [Span(s.req.all_ids[s.start : s.start + s.num_new], s.start, s.req.slots) for s in plan]
+            [Span(s.req.all_ids[s.start : s.start + s.num_new], s.start, s.req.slots, s.req.rid) for s in plan]
         )
         self.num_steps += 1
         return self._postprocess(plan, logits)
@@ -112,13 +116,16 @@ class Engine:
         if not rows:
             return []
         reqs = [plan[i].req for i in rows]
+        if len(rows) < len(plan):
+            logits = logits[torch.tensor(rows, device=logits.device)]
         eos = self.cfg.eos_token_ids
         done = []
-        for req, token in zip(reqs, sample_requests(logits[rows], reqs, eos)):
+        for req, token in zip(reqs, sample_requests(logits, reqs, eos)):
             req.output_ids.append(token)
             reason = finish_reason(req, token, eos, self.max_context)
             if reason:
                 self.scheduler.finish(req, reason)
+                self.runner.forget(req.rid)
                 done.append(req)
         return done
 

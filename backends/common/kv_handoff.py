@@ -116,11 +116,27 @@ def copy_rows(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_sl
         raise ValueError(f"hand-off of {len(src_slots)} rows into {len(dst_slots)} slots")
     if not src_slots:
         return
-    si = torch.tensor(src_slots, dtype=torch.int64, device=src.device)
-    rows = src.index_select(2, si)
-    if rows.device != dst.device:
-        rows = rows.to(dst.device, non_blocking=True)
-    di = torch.tensor(dst_slots, dtype=torch.int64, device=dst.device)
-    dst.index_copy_(2, di, rows)
-    if dst.is_cuda:
-        torch.cuda.current_stream(dst.device).synchronize()  # the peer reads these rows right after we answer
+    if not (src.is_cuda and dst.is_cuda and _triton_copy(src, src_slots, dst, dst_slots)):
+        si = torch.tensor(src_slots, dtype=torch.int64, device=src.device)
+        rows = src.index_select(2, si)
+        if rows.device != dst.device:
+            rows = rows.to(dst.device, non_blocking=True)
+        di = torch.tensor(dst_slots, dtype=torch.int64, device=dst.device)
+        dst.index_copy_(2, di, rows)
+    # the peer reads these rows right after we answer
+    for dev in {t.device for t in (src, dst) if t.is_cuda}:
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def _triton_copy(src, src_slots, dst, dst_slots) -> bool:
+    """One kernel on src's GPU writing straight into dst (same GPU, or a peer GPU through the IPC mapping)."""
+    import kernels
+
+    if not kernels.available():
+        return False
+    from kernels.kv import copy_kv
+
+    with torch.cuda.device(src.device):
+        idx = torch.tensor([src_slots, dst_slots], dtype=torch.int64).to(src.device, non_blocking=False)
+        copy_kv(src, idx[0], dst, idx[1])
+    return True

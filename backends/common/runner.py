@@ -11,6 +11,8 @@ from . import loader
 from .kv_store import KVStore
 from .model import ForwardBatch, LlamaModel
 
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -28,6 +30,7 @@ class Span:
     token_ids: list[int]
     start: int
     slots: list[int]
+    key: object = None  # the request's id: lets the GPU path keep its slot-table row between steps
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -41,6 +44,24 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+BACKENDS = ("auto", "triton", "torch")
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    """auto: the Triton kernels with CUDA graphs on a CUDA device when triton imports, else plain PyTorch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return "torch"
+    import kernels
+
+    if not kernels.available() or device.type != "cuda":
+        if backend == "triton":
+            raise ValueError("backend 'triton' needs a CUDA device and the triton package")
+        return "torch"
+    return "triton"
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -49,17 +70,34 @@ class ModelRunner:
         device: str | None = None,
         kv_tokens: int = 16384,
         kv_shm_name: str | None = None,
+        backend: str = "auto",
+        max_batch: int = 256,
+        cuda_graphs: bool = True,
     ):
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
         self.cfg = loader.load_config(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
-        self.model = LlamaModel(self.cfg, loader.load_weights(self.source, self.dtype, self.device))
+        weights = loader.load_weights(self.source, self.dtype, self.device)
         cfg = self.cfg
+        self.backend = pick_backend(backend, self.device)
+        # the GPU path keeps one extra slot that padded graph rows read and write
+        extra = 1 if self.backend == "triton" else 0
         self.kv = KVStore.allocate(
-            cfg.num_layers, kv_tokens, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, shm_name=kv_shm_name
-        )
+            cfg.num_layers, kv_tokens + extra, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+            shm_name=kv_shm_name,
+        )  # fmt: skip
+        self.num_slots = kv_tokens
+        if self.backend == "triton":
+            from .gpu_model import GpuLlama
+
+            self.model = GpuLlama(
+                cfg, weights, self.kv, scratch_slot=kv_tokens, max_batch=max_batch,
+                graph_sizes=None if not cuda_graphs else GRAPH_SIZES,
+            )  # fmt: skip
+        else:
+            self.model = LlamaModel(cfg, weights)
 
     def build_batch(self, spans: list[Span]) -> ForwardBatch:
         ids, pos, out, starts, new_lens, ctx = [], [], [], [], [], []
@@ -80,4 +118,11 @@ class ModelRunner:
 
     def forward(self, spans: list[Span]) -> torch.Tensor:
         """float32 logits [len(spans), vocab]: the next-token logits after each span's last token."""
+        if self.backend == "triton":
+            return self.model.forward(spans)
         return self.model.forward(self.build_batch(spans), self.kv)
+
+    def forget(self, key) -> None:
+        """The request `key` is done: the GPU path may reuse its slot-table row (it would evict it anyway)."""
+        if self.backend == "triton":
+            self.model.forget(key)

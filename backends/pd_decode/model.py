@@ -35,7 +35,9 @@ class DecodeModel:
             torch.cuda.set_device(device)
         kv_tokens = int(p["kv_tokens"])
         shm = None if gpu else f"tpd_{p['deployment']}_{self.instance}"
-        self.runner = ModelRunner(p["model"], p["dtype"], device, kv_tokens, kv_shm_name=shm)
+        self.runner = ModelRunner(
+            p["model"], p["dtype"], device, kv_tokens, kv_shm_name=shm, max_batch=int(p["max_batch"])
+        )
         self.eos = self.runner.cfg.eos_token_ids
         self.max_context = self.runner.cfg.max_position_embeddings
         self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
@@ -229,7 +231,7 @@ class DecodeModel:
             self.events.put(("done", job.rid, job.epoch, False, None, f"prefill call failed: {e}"))
 
     def _decode_step(self, reqs: list[InferReq]) -> None:
-        spans = [Span([r.all_ids[-1]], r.num_tokens - 1, r.slots) for r in reqs]
+        spans = [Span([r.all_ids[-1]], r.num_tokens - 1, r.slots, r.rid) for r in reqs]
         logits = self.runner.forward(spans)
         for req, token in zip(reqs, sample_requests(logits, reqs, self.eos)):
             self.sched.after_decode(req, token)

@@ -1,0 +1,323 @@
+"""The GPU forward pass: the same Llama-family model as `model.LlamaModel`, built from the Triton kernels in
+kernels/ and cuBLAS matmuls over fused weights (q|k|v and gate|up), with CUDA graphs for decode batches.
+
+K/V are read through a slot table on the device (`SlotTable`): one row per sequence, filled incrementally, so a
+decode step uploads one new slot per sequence instead of its whole context. A pure decode batch of B sequences
+replays the graph captured for the smallest captured size >= B, padded with rows that read and write a scratch
+slot. The only host-device synchronisation in a decode step is the caller reading the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_store import KVStore
+from .model import rms_norm, rope_inv_freq
+
+
+@dataclass(slots=True)
+class _Entry:
+    row: int
+    slots: list  # the caller's list object; slot lists only grow or shrink at the end, else they are replaced
+    written: int
+    first: int
+    last: int
+
+
+class SlotTable:
+    """table[row, i] = slot of position i. Row 0 is padding: its position 0 is the scratch slot."""
+
+    def __init__(self, num_rows: int, max_ctx: int, scratch_slot: int, device):
+        self.max_ctx = max_ctx
+        self.table = torch.zeros(num_rows, max_ctx, dtype=torch.int32, device=device)
+        self.table[0, 0] = scratch_slot
+        self.free = list(range(num_rows - 1, 0, -1))
+        self.entries: OrderedDict[object, _Entry] = OrderedDict()  # least recently used first
+
+    def _row_for(self, key, pinned: set) -> int:
+        if not self.free:
+            for k, e in self.entries.items():
+                if k not in pinned:
+                    del self.entries[k]
+                    self.free.append(e.row)
+                    break
+            else:
+                raise RuntimeError(f"slot table full: more than {self.table.shape[0] - 1} sequences in one batch")
+        return self.free.pop()
+
+    def prepare(self, spans) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Make sure every span's slots [0, end) are in its row. Returns (rows, write_rows, write_cols, write_slots):
+        the writes still to be applied on the device (see `apply`)."""
+        rows, wr, wc, ws = [], [], [], []
+        pinned = {s.key for s in spans if s.key is not None}
+        ephemeral = []
+        for s in spans:
+            end = s.start + len(s.token_ids)
+            if end > self.max_ctx:
+                raise ValueError(f"sequence of {end} tokens exceeds the slot table's {self.max_ctx} columns")
+            slots = s.slots
+            e = self.entries.get(s.key) if s.key is not None else None
+            if e is not None:
+                self.entries.move_to_end(s.key)
+                same = (
+                    e.slots is slots
+                    and e.written <= len(slots)
+                    and (e.written == 0 or (slots[0] == e.first and slots[e.written - 1] == e.last))
+                )
+                begin = min(e.written, end) if same else 0
+            else:
+                row = self._row_for(s.key, pinned)
+                e = _Entry(row, slots, 0, -1, -1)
+                if s.key is None:
+                    ephemeral.append(row)
+                else:
+                    self.entries[s.key] = e
+                begin = 0
+            if end > begin:
+                n = end - begin
+                wr.extend([e.row] * n)
+                wc.extend(range(begin, end))
+                ws.extend(slots[begin:end])
+            e.slots, e.written, e.first, e.last = slots, end, slots[0], slots[end - 1]
+            rows.append(e.row)
+        self.free.extend(ephemeral)  # rows of keyless spans are rewritten from 0 next time anyway
+        return rows, wr, wc, ws
+
+    def forget(self, key) -> None:
+        e = self.entries.pop(key, None)
+        if e is not None:
+            self.free.append(e.row)
+
+
+class _Uploader:
+    """One host-to-device copy per call from a ring of pinned buffers. A buffer is reused only after the copy that
+    last read it has finished (an event per buffer), so back-to-back steps without a sync stay correct."""
+
+    def __init__(self, n: int = 1 << 16, ring: int = 3):
+        self.bufs = [torch.empty(n, dtype=torch.int32, pin_memory=torch.cuda.is_available()) for _ in range(ring)]
+        self.events = [None] * ring
+        self.i = 0
+
+    def upload(self, parts: list[list[int]], device) -> list[torch.Tensor]:
+        if device.type != "cuda":  # Triton's interpreter on the CPU (tests without a GPU)
+            flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
+            return list(flat.split([len(p) for p in parts]))
+        i = self.i = (self.i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        flat = [x for p in parts for x in p]
+        if len(flat) > self.bufs[i].numel():
+            self.bufs[i] = torch.empty(max(len(flat), 2 * self.bufs[i].numel()), dtype=torch.int32, pin_memory=True)
+        host = self.bufs[i][: len(flat)]
+        if flat:
+            host.copy_(torch.tensor(flat, dtype=torch.int32))
+        dev = host.to(device, non_blocking=True)
+        ev = self.events[i] = torch.cuda.Event()
+        ev.record()
+        out, o = [], 0
+        for p in parts:
+            out.append(dev[o : o + len(p)])
+            o += len(p)
+        return out
+
+
+class GpuLlama:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        kv: KVStore,
+        scratch_slot: int,
+        max_batch: int = 256,
+        max_ctx: int | None = None,
+        graph_sizes: tuple[int, ...] | None = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    ):
+        from kernels import act, attention, norm, rope
+        from kernels import kv as kvk
+
+        self.k_attn, self.k_norm, self.k_rope, self.k_kv, self.k_act = attention, norm, rope, kvk, act
+        self.cfg, self.kv = cfg, kv
+        emb = weights["model.embed_tokens.weight"]
+        self.device, self.dtype = emb.device, emb.dtype
+        self.embed = emb
+        self.lm_head = emb if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            names = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            qkv = torch.cat([weights.pop(n + ".weight") for n in names])
+            bias = torch.cat([weights.pop(n + ".bias") for n in names]) if cfg.attention_bias else None
+            gate_up = torch.cat([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")])
+            self.layers.append(
+                dict(
+                    qkv=qkv,
+                    qkv_bias=bias,
+                    o=weights[p + "self_attn.o_proj.weight"],
+                    gate_up=gate_up,
+                    down=weights[p + "mlp.down_proj.weight"],
+                    ln1=weights[p + "input_layernorm.weight"],
+                    ln2=weights[p + "post_attention_layernorm.weight"],
+                    q_norm=weights.get(p + "self_attn.q_norm.weight"),
+                    k_norm=weights.get(p + "self_attn.k_norm.weight"),
+                )
+            )
+        self.weights = weights
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.max_ctx = max_ctx or min(cfg.max_position_embeddings, kv.num_slots)
+        self.cos, self.sin = rope.rope_cache(rope_inv_freq(cfg), self.max_ctx, self.device)
+        self.table = SlotTable(2 * max_batch + 1, self.max_ctx, scratch_slot, self.device)
+        self.scratch_slot = scratch_slot
+        self.max_batch = max_batch
+        self.uploader = _Uploader()
+        self.graphs: dict[int, tuple] = {}
+        self.graph_sizes: list[int] = []
+        if graph_sizes:
+            self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
+
+    # ----- the layer stack, shared by the eager and the captured path -----
+    def _layers(self, ids, positions, out_slots, attend) -> torch.Tensor:
+        cfg = self.cfg
+        T = ids.shape[0]
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = F.embedding(ids, self.embed)
+        x = self.k_norm.add_rms_norm(h, None, self.layers[0]["ln1"], cfg.rms_norm_eps)
+        attn = torch.empty(T, H, D, dtype=self.dtype, device=self.device)
+        for i, L in enumerate(self.layers):
+            qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
+            q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
+            if L["q_norm"] is not None:
+                q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps).contiguous()
+                k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps).contiguous()
+            self.k_rope.apply_rope_(q, k, positions, self.cos, self.sin)
+            k_pool, v_pool = self.kv.k(i), self.kv.v(i)
+            self.k_kv.store_kv(k, v, k_pool, v_pool, out_slots)
+            attend(q, k_pool, v_pool, attn)
+            o = F.linear(attn.view(T, H * D), L["o"])
+            x = self.k_norm.add_rms_norm(o, h, L["ln2"], cfg.rms_norm_eps)
+            m = F.linear(self.k_act.silu_mul(F.linear(x, L["gate_up"])), L["down"])
+            nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
+            x = self.k_norm.add_rms_norm(m, h, nxt, cfg.rms_norm_eps)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lm_head).float()
+
+    # ----- eager: any mix of prefill chunks and decode tokens -----
+    @torch.inference_mode()
+    def forward(self, spans) -> torch.Tensor:
+        if self.graphs and len(spans) <= self.graph_sizes[-1] and all(len(s.token_ids) == 1 for s in spans):
+            return self._decode_graph(spans)
+        rows, wr, wc, ws = self.table.prepare(spans)
+        ids, pos, out, q_start, q_len, ctx = [], [], [], [], [], []
+        for s in spans:
+            n, end = len(s.token_ids), s.start + len(s.token_ids)
+            q_start.append(len(ids))
+            q_len.append(n)
+            ctx.append(end)
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start, end))
+            out.extend(s.slots[s.start : end])
+        dec = [i for i, n in enumerate(q_len) if n == 1]
+        pre = [i for i, n in enumerate(q_len) if n > 1]
+        last = [st + n - 1 for st, n in zip(q_start, q_len)]
+        parts = [ids, pos, out, wr, wc, ws, last]
+        parts += [[rows[i] for i in dec], [ctx[i] for i in dec], [q_start[i] for i in dec]]
+        parts += [[rows[i] for i in pre], [q_start[i] for i in pre], [q_len[i] for i in pre], [ctx[i] for i in pre]]
+        d = self.uploader.upload(parts, self.device)
+        ids_t, pos_t, out_t, wr_t, wc_t, ws_t, last_t = d[:7]
+        self._apply_writes(wr_t, wc_t, ws_t)
+        max_q = max((q_len[i] for i in pre), default=0)
+        table = self.table.table
+
+        def attend(q, k_pool, v_pool, attn):
+            if dec:
+                self.k_attn.decode_attention(q, k_pool, v_pool, table, d[7], d[8], self.scale, out=attn, q_idx=d[9])
+            if pre:
+                self.k_attn.prefill_attention(
+                    q, k_pool, v_pool, table, d[10], d[11], d[12], d[13], max_q, self.scale, out=attn
+                )
+
+        x = self._layers(ids_t.long(), pos_t, out_t, attend)
+        return self._logits(x.index_select(0, last_t.long()))
+
+    def _apply_writes(self, wr, wc, ws) -> None:
+        if wr.numel():
+            self.table.table.index_put_((wr.long(), wc.long()), ws)
+
+    # ----- CUDA graphs for decode -----
+    def _decode_body(self, bs: int):
+        st = self.static
+        splits = self.k_attn.default_splits(bs, self.cfg.num_kv_heads)
+        table = self.table.table
+
+        def attend(q, k_pool, v_pool, attn):
+            self.k_attn.decode_attention(
+                q, k_pool, v_pool, table, st["rows"][:bs], st["seq"][:bs], self.scale, out=attn,
+                q_idx=st["qidx"][:bs], num_splits=splits,
+            )  # fmt: skip
+
+        x = self._layers(st["ids"][:bs], st["pos"][:bs], st["out"][:bs], attend)
+        st["logits"][:bs] = self._logits(x)
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int]) -> None:
+        n = max(sizes)
+        dev = self.device
+        self.static = {
+            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "pos": torch.zeros(n, dtype=torch.int32, device=dev),
+            "out": torch.full((n,), self.scratch_slot, dtype=torch.int32, device=dev),
+            "rows": torch.zeros(n, dtype=torch.int32, device=dev),
+            "seq": torch.ones(n, dtype=torch.int32, device=dev),
+            "qidx": torch.arange(n, dtype=torch.int32, device=dev),
+            "logits": torch.zeros(n, self.cfg.vocab_size, dtype=torch.float32, device=dev),
+        }
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in sorted(sizes, reverse=True):
+                self._decode_body(bs)  # compiles the kernels for this size outside the capture
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    self._decode_body(bs)
+                self.graphs[bs] = g
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.graph_sizes = sorted(self.graphs)
+
+    def _decode_graph(self, spans) -> torch.Tensor:
+        B = len(spans)
+        bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, B)]
+        rows, wr, wc, ws = self.table.prepare(spans)
+        st = self.static
+        pad = bs - B
+        # ids, pos, out slot, row, seq len; padding rows read and write the scratch slot through table row 0
+        parts = [
+            [s.token_ids[0] for s in spans] + [0] * pad,
+            [s.start for s in spans] + [0] * pad,
+            [s.slots[s.start] for s in spans] + [self.scratch_slot] * pad,
+            rows + [0] * pad,
+            [s.start + 1 for s in spans] + [1] * pad,
+            wr,
+            wc,
+            ws,
+        ]
+        d = self.uploader.upload(parts, self.device)
+        for name, t in zip(("ids", "pos", "out", "rows", "seq"), d):
+            st[name][:bs].copy_(t)
+        self._apply_writes(*d[5:])
+        self.graphs[bs].replay()
+        return st["logits"][:B]
+
+    def forget(self, key) -> None:
+        self.table.forget(key)

@@ -1,0 +1,236 @@
+"""Attention over the slot-indexed KV pool, in Triton.
+
+Both kernels read K and V through a slot table: `table[row, i]` is the pool slot holding position i of the sequence
+that owns `row`. The pool for one layer is K[slot, kv_head, :] / V[slot, kv_head, :] (token granularity, no pages).
+
+- `decode_attention`: one query token per sequence, grouped-query heads handled together (one program loads each
+  K/V row once for every query head of its group), the context split into `num_splits` parts computed in parallel
+  and merged by log-sum-exp (split-KV, "flash-decoding"). The split count is fixed per call, so the launch is
+  graph-capturable while sequence lengths change.
+- `prefill_attention`: ragged query blocks (sequence i owns rows [q_start[i], q_start[i] + q_len[i])) over a context
+  of ctx_len[i] keys whose last q_len[i] are the new tokens; causal, so a query at position p sees keys [0, p].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    scale_log2,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(Rows + b).to(tl.int64)
+    qrow = tl.load(QIdx + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + qrow * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G, N], in log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+
+    nonempty = end > start
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+    tl.store(
+        MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+        out,
+        mask=mask_g[:, None],
+    )
+    tl.store(MidL + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MidO, MidL, O, QIdx,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t, stride_h,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(MidL + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)
+    w = w / tl.sum(w, 0)
+    o = tl.load(
+        MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :], mask=mask_s[:, None]
+    )
+    o = tl.where(mask_s[:, None], o, 0.0)
+    res = tl.sum(o * w[:, None], 0)
+    qrow = tl.load(QIdx + b).to(tl.int64)
+    tl.store(O + qrow * stride_t + h * stride_h + offs_d, res.to(O.dtype.element_ty))
+
+
+def _precision(q: torch.Tensor) -> str:
+    """float32 inputs are multiplied in full precision (no TF32), so float32 results match PyTorch's closely."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def default_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Enough (batch, kv head, split) programs for about two waves over the multiprocessors, at most 64 splits."""
+    want = max(1, (2 * num_sms + batch * num_kv_heads - 1) // (batch * num_kv_heads))
+    return min(64, 1 << (want - 1).bit_length())
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    q_idx: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
+    table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written."""
+    B = rows.shape[0]
+    _, H, D = q.shape
+    Hkv = k_pool.shape[1]
+    group = H // Hkv
+    if q_idx is None:
+        q_idx = torch.arange(B, device=q.device, dtype=torch.int32)
+    if out is None:
+        out = torch.empty_like(q)
+    splits = num_splits or default_splits(B, Hkv)
+    mid_o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
+    mid_l = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+    _decode_split_kernel[(B, Hkv, splits)](
+        q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
+        scale * _LOG2E,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
+        PREC=_precision(q), num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _decode_merge_kernel[(B, H)](
+        mid_o, mid_l, out, q_idx,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
+        out.stride(0), out.stride(1),
+        D=D, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, O, Table, Rows, QStart, QLen, CtxLen,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tr,
+    scale_log2,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    mb = tl.program_id(1)
+    h = tl.program_id(2)
+    q_len = tl.load(QLen + i)
+    q_start = tl.load(QStart + i).to(tl.int64)
+    ctx = tl.load(CtxLen + i)
+    row = tl.load(Rows + i).to(tl.int64)
+    kvh = h // GROUP
+    prefix = ctx - q_len
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None])
+    qpos = prefix + offs_m
+    # blocks past this sequence's queries see no keys: the loop is empty and the store masked
+    end = tl.where(mb * BLOCK_M < q_len, tl.minimum(ctx, prefix + (mb + 1) * BLOCK_M), 0)
+
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        keep = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])  # key 0 is always kept: no all -inf row
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=mask_m[:, None],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    ctx_len: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q: [T, H, D]; rows/q_start/q_len/ctx_len: [N] int32 per sequence. Returns out [T, H, D] (rows of the
+    sequences written; others untouched)."""
+    N = rows.shape[0]
+    _, H, D = q.shape
+    group = H // k_pool.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    grid = (N, triton.cdiv(max_q_len, block_m), H)
+    _prefill_kernel[grid](
+        q, k_pool, v_pool, out, table, rows, q_start, q_len, ctx_len,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1), table.stride(0),
+        scale * _LOG2E,
+        GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(q),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,54 @@
+"""Rotary position embedding applied in place to q and k, in Triton (the half-split layout: element i pairs with
+i + D/2). cos/sin come from a float32 cache [max_position, D/2] built once from the model's inverse frequencies."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(base, stride_h, nh, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < nh)[:, None]
+    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    y1 = x1.to(tl.float32) * c - x2.to(tl.float32) * s
+    y2 = x2.to(tl.float32) * c + x1.to(tl.float32) * s
+    tl.store(p1, y1.to(x1.dtype), mask=mask)
+    tl.store(p1 + HALF, y2.to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, Pos, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+    HQ: tl.constexpr, HK: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    c = tl.load(Cos + pos * stride_c + offs_d)[None, :]
+    s = tl.load(Sin + pos * stride_c + offs_d)[None, :]
+    _rotate(Q + t * stride_qt, stride_qh, HQ, c, s, BLOCK_H, HALF)
+    _rotate(K + t * stride_kt, stride_kh, HK, c, s, BLOCK_H, HALF)
+
+
+def rope_cache(inv_freq: torch.Tensor, max_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [max_position, D/2], the same float32 angles as the PyTorch model computes."""
+    freqs = torch.arange(max_position, device=device, dtype=torch.float32)[:, None] * inv_freq.to(device)[None, :]
+    return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q: [T, Hq, D], k: [T, Hk, D] (views with unit stride on D), rotated in place; positions: [T] int."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    if T == 0:
+        return
+    _rope_kernel[(T,)](
+        q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        HQ=HQ, HK=HK, BLOCK_H=triton.next_power_of_2(max(HQ, HK)), HALF=D // 2, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,136 @@
+"""The GPU forward pass (backends.common.gpu_model: Triton kernels, slot table, CUDA graphs) against the plain
+PyTorch model on the same weights and KV pool layout. GPU only (see test_kernels.py for the interpreter switch)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+DEVICE = os.environ.get("TRITON_PD_KERNEL_DEVICE", "cuda")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from backends.common import loader  # noqa: E402
+from backends.common.config import ModelConfig  # noqa: E402
+from backends.common.gpu_model import GpuLlama  # noqa: E402
+from backends.common.kv_store import KVStore  # noqa: E402
+from backends.common.model import LlamaModel  # noqa: E402
+from backends.common.runner import ModelRunner, Span  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(
+        vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=32, max_position_embeddings=512, rope_theta=10000.0,
+    )  # fmt: skip
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def pair(cfg, slots=600, graphs=None):
+    w = loader.random_weights(cfg, DTYPE, DEVICE, seed=1)
+    ref = LlamaModel(cfg, dict(w))
+    kv_ref = KVStore.allocate(cfg.num_layers, slots + 1, cfg.num_kv_heads, cfg.head_dim, DTYPE, DEVICE)
+    kv_gpu = KVStore.allocate(cfg.num_layers, slots + 1, cfg.num_kv_heads, cfg.head_dim, DTYPE, DEVICE)
+    gpu = GpuLlama(cfg, dict(w), kv_gpu, scratch_slot=slots, max_batch=8, graph_sizes=graphs)
+    return ref, kv_ref, gpu, kv_gpu
+
+
+class RefRunner:
+    """ModelRunner.build_batch without loading anything: the reference path on a given model and pool."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv, self.device = model, kv, torch.device(DEVICE)
+
+    def forward(self, spans):
+        return self.model.forward(ModelRunner.build_batch(self, spans), self.kv)
+
+
+def run_both(ref_runner, gpu, spans):
+    return ref_runner.forward(spans), gpu.forward(spans)
+
+
+def close(a, b):
+    tol = 5e-2 if DTYPE == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [tiny(head_dim=64, num_heads=4), tiny(attention_bias=True), tiny(qk_norm=True, tie_word_embeddings=True)],
+    ids=["llama", "qkv-bias", "qk-norm-tied"],
+)
+def test_mixed_batches_match_reference(cfg):
+    """A prefill, then a chunk on a cached prefix mixed with decode tokens, then decode only: same logits, and the
+    slot table follows slot lists that grow between steps."""
+    ref, kv_ref, gpu, _ = pair(cfg)
+    r = RefRunner(ref, kv_ref)
+    gen = torch.Generator().manual_seed(0)
+    a_ids = torch.randint(0, cfg.vocab_size, (70,), generator=gen).tolist()
+    b_ids = torch.randint(0, cfg.vocab_size, (40,), generator=gen).tolist()
+    a_slots = list(range(100, 170))
+    b_slots = list(range(300, 340))
+    step1 = [Span(a_ids[:50], 0, a_slots[:50], "a"), Span(b_ids[:1], 0, b_slots[:1], "b")]
+    close(*run_both(r, gpu, step1))
+    step2 = [Span(a_ids[50:70], 50, a_slots, "a"), Span(b_ids[1:2], 1, b_slots[:2], "b")]
+    close(*run_both(r, gpu, step2))
+    for t in range(2, 12):
+        a_slots.append(400 + t)
+        step = [Span([a_ids[t % 70]], 68 + t, a_slots, "a"), Span([b_ids[t]], t, b_slots[: t + 1], "b")]
+        close(*run_both(r, gpu, step))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_decode_graphs_match_reference():
+    """Graph replay, padded up to a captured size, gives the reference logits for batch sizes 1 to 7."""
+    cfg = tiny(head_dim=64)
+    ref, kv_ref, gpu, _ = pair(cfg, graphs=(1, 2, 4, 8))
+    assert gpu.graph_sizes == [1, 2, 4, 8]
+    r = RefRunner(ref, kv_ref)
+    gen = torch.Generator().manual_seed(1)
+    seqs = []
+    for i in range(7):
+        ids = torch.randint(0, cfg.vocab_size, (30 + 13 * i,), generator=gen).tolist()
+        seqs.append({"key": f"s{i}", "ids": ids, "slots": list(range(i * 80, i * 80 + len(ids))), "n": 20 + 13 * i})
+    close(*run_both(r, gpu, [Span(s["ids"][: s["n"]], 0, s["slots"][: s["n"]], s["key"]) for s in seqs]))
+    for bsz in (1, 3, 7, 5, 2, 7, 4):
+        spans = []
+        for s in seqs[:bsz]:
+            n = s["n"]
+            spans.append(Span([s["ids"][n]], n, s["slots"], s["key"]))  # one list object: incremental rows
+            s["n"] += 1
+        close(*run_both(r, gpu, spans))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the engine's GPU path needs a GPU")
+def test_engine_tokens_are_reference_argmax():
+    """The offline engine on the GPU path (chunked prefill mixed with decode, graphs) in float32: every greedy token
+    is the reference model's argmax at that position, up to float32 rounding near ties."""
+    from backends.common.engine import Engine
+    from backends.common.request import SamplingParams
+
+    spec = "random:smollm2-135m"
+    eng = Engine(spec, "float32", "cuda", kv_tokens=4096, max_batch=8, chunk_size=32, max_batch_tokens=64)
+    assert eng.runner.backend == "triton"
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in (5, 40, 77, 130, 9, 64)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    src = loader.resolve(spec)
+    cfg = loader.load_config(src)
+    ref = LlamaModel(cfg, loader.load_weights(src, torch.float32, "cuda"))
+    kv = KVStore.allocate(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cuda")
+    r = RefRunner(ref, kv)
+    for p, o in zip(prompts, outs):
+        assert len(o.output_ids) == 20
+        seq = p + o.output_ids[:-1]
+        # logits after every position of seq, one reference forward per position (small model, short sequences)
+        for j in range(len(p) - 1, len(seq)):
+            logits = r.forward([Span(seq[: j + 1], 0, list(range(j + 1)))])[0]
+            tok = o.output_ids[j - len(p) + 1]
+            assert logits[tok] >= logits.max() - 1e-3, (j, tok, int(logits.argmax()))

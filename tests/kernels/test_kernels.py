@@ -1,0 +1,171 @@
+"""Each Triton kernel against its PyTorch reference (kernels.reference), in bf16, over several shapes.
+
+Needs a CUDA GPU and triton; skipped otherwise. TRITON_PD_KERNEL_DEVICE=cpu with TRITON_INTERPRET=1 runs the same
+checks through Triton's interpreter on the CPU in float32 (the interpreter mishandles bf16; for developing without a
+GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+DEVICE = os.environ.get("TRITON_PD_KERNEL_DEVICE", "cuda")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from kernels import attention, kv, norm, reference, rope  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def make_pool(num_slots, hkv, d, gen):
+    k = torch.randn(num_slots, hkv, d, generator=gen).to(DEVICE, BF16)
+    v = torch.randn(num_slots, hkv, d, generator=gen).to(DEVICE, BF16)
+    return k, v
+
+
+def make_table(lens, num_slots, max_ctx, gen):
+    """Rows 1..n hold random distinct slots (row 0 stays unused, as the runner keeps it for padding)."""
+    table = torch.zeros(len(lens) + 1, max_ctx, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen)
+    used = 0
+    for i, n in enumerate(lens):
+        table[i + 1, :n] = perm[used : used + n].int()
+        used += n
+    return table.to(DEVICE)
+
+
+def close(a, b, atol=2e-2, rtol=2e-2):
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "lens,heads,kv_heads,d,splits",
+    [
+        ([1, 7, 64, 300], 8, 2, 64, None),
+        ([1024] * 3, 32, 8, 128, 8),
+        ([5, 129, 1000], 9, 3, 64, 1),
+        ([33], 4, 4, 128, 16),
+    ],
+)
+def test_decode_attention(lens, heads, kv_heads, d, splits):
+    gen = torch.Generator().manual_seed(len(lens) * 7 + heads)
+    num_slots = sum(lens) + 16
+    k_pool, v_pool = make_pool(num_slots, kv_heads, d, gen)
+    table = make_table(lens, num_slots, max(lens) + 8, gen)
+    B = len(lens)
+    q = torch.randn(B, heads, d, generator=gen).to(DEVICE, BF16)
+    rows = torch.arange(1, B + 1, dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    got = attention.decode_attention(q, k_pool, v_pool, table, rows, seq, scale, num_splits=splits)
+    close(got, reference.decode_attention(q, k_pool, v_pool, table, rows, seq, scale))
+
+
+def test_decode_attention_scattered_queries():
+    """q_idx picks the query rows out of a larger ragged batch; other rows are left alone."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [17, 90]
+    k_pool, v_pool = make_pool(200, 2, 64, gen)
+    table = make_table(lens, 200, 128, gen)
+    q = torch.randn(6, 8, 64, generator=gen).to(DEVICE, BF16)
+    out = torch.zeros_like(q)
+    rows = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q_idx = torch.tensor([4, 1], dtype=torch.int32, device=DEVICE)
+    attention.decode_attention(q, k_pool, v_pool, table, rows, seq, 0.125, out=out, q_idx=q_idx)
+    ref = reference.decode_attention(q[[4, 1]], k_pool, v_pool, table, rows, seq, 0.125)
+    close(out[[4, 1]], ref)
+    assert out[[0, 2, 3, 5]].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "q_lens,prefix,heads,kv_heads,d",
+    [([5, 64, 130], [0, 0, 0], 8, 2, 64), ([1, 200, 37], [10, 300, 0], 32, 8, 128), ([257], [63], 9, 3, 64)],
+)
+def test_prefill_attention(q_lens, prefix, heads, kv_heads, d):
+    gen = torch.Generator().manual_seed(sum(q_lens))
+    ctx = [p + n for p, n in zip(prefix, q_lens)]
+    num_slots = sum(ctx) + 8
+    k_pool, v_pool = make_pool(num_slots, kv_heads, d, gen)
+    table = make_table(ctx, num_slots, max(ctx), gen)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, d, generator=gen).to(DEVICE, BF16)
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+
+    def i32(x):
+        return torch.tensor(x, dtype=torch.int32, device=DEVICE)
+
+    rows = torch.arange(1, len(q_lens) + 1, dtype=torch.int32, device=DEVICE)
+    args = (table, rows, i32(starts), i32(q_lens), i32(ctx))
+    got = attention.prefill_attention(q, k_pool, v_pool, *args, max(q_lens), d**-0.5)
+    close(got, reference.prefill_attention(q, k_pool, v_pool, *args, d**-0.5))
+
+
+@pytest.mark.parametrize("rows,n,with_res", [(1, 576, True), (37, 4096, True), (5, 128, False), (130, 1000, True)])
+def test_add_rms_norm(rows, n, with_res):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, n, generator=gen).to(DEVICE, BF16)
+    r = torch.randn(rows, n, generator=gen).to(DEVICE, BF16) if with_res else None
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEVICE, BF16)
+    r2 = r.clone() if with_res else None
+    got = norm.add_rms_norm(x, r, w, 1e-5)
+    want = reference.add_rms_norm(x.clone(), r2, w, 1e-5)
+    close(got, want)
+    if with_res:
+        close(r, r2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("T,hq,hk,d", [(1, 32, 8, 128), (77, 9, 3, 64), (300, 16, 16, 128)])
+def test_rope(T, hq, hk, d):
+    gen = torch.Generator().manual_seed(T)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope.rope_cache(inv_freq, 4096, DEVICE)
+    qkv = torch.randn(T, hq + 2 * hk, d, generator=gen).to(DEVICE, BF16)  # q and k as views of a fused projection
+    pos = torch.randint(0, 4096, (T,), generator=gen).to(DEVICE)
+    q, k = qkv[:, :hq], qkv[:, hq : hq + hk]
+    q2, k2 = q.clone(), k.clone()
+    rope.apply_rope_(q, k, pos, cos, sin)
+    reference.apply_rope_(q2, k2, pos, cos, sin)
+    close(q, q2)
+    close(k, k2)
+
+
+@pytest.mark.parametrize("T,hkv,d", [(1, 8, 128), (100, 3, 64), (513, 2, 128)])
+def test_store_kv(T, hkv, d):
+    gen = torch.Generator().manual_seed(T)
+    kvv = torch.randn(T, 2 * hkv, d, generator=gen).to(DEVICE, BF16)
+    k, v = kvv[:, :hkv], kvv[:, hkv:]
+    kp, vp = torch.zeros(2, 1000, hkv, d, dtype=BF16, device=DEVICE)
+    slots = torch.randperm(1000, generator=gen)[:T].to(DEVICE)
+    kp2, vp2 = kp.clone(), vp.clone()
+    kv.store_kv(k, v, kp, vp, slots)
+    reference.store_kv(k, v, kp2, vp2, slots)
+    close(kp, kp2, atol=0, rtol=0)
+    close(vp, vp2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layers,n,hkv,d", [(2, 1, 8, 128), (30, 77, 3, 64), (32, 1000, 8, 128)])
+def test_copy_kv(layers, n, hkv, d):
+    gen = torch.Generator().manual_seed(n)
+    src = torch.randn(layers, 2, 1200, hkv, d, generator=gen).to(DEVICE, BF16)
+    dst = torch.zeros(layers, 2, 1500, hkv, d, dtype=BF16, device=DEVICE)
+    ss = torch.randperm(1200, generator=gen)[:n].to(DEVICE)
+    ds = torch.randperm(1500, generator=gen)[:n].to(DEVICE)
+    dst2 = dst.clone()
+    kv.copy_kv(src, ss, dst, ds)
+    reference.copy_kv(src, ss, dst2, ds)
+    close(dst, dst2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("T,f", [(1, 14336), (33, 1536), (257, 1000)])
+def test_silu_mul(T, f):
+    from kernels import act
+
+    gen = torch.Generator().manual_seed(T)
+    gu = torch.randn(T, 2 * f, generator=gen).to(DEVICE, BF16)
+    close(act.silu_mul(gu), reference.silu_mul(gu))
