@@ -99,12 +99,18 @@ def pack_overlay(wheels: Path, out: Path) -> None:
             print(f"  + {whl.name}", flush=True)
             with zipfile.ZipFile(whl) as z:
                 for info in z.infolist():
-                    if info.is_dir() or "/tests/" in info.filename:
+                    name = info.filename
+                    parts = name.split("/")
+                    if parts[0].endswith(".data"):  # a wheel's purelib/platlib go to site-packages itself
+                        if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                            continue
+                        name = "/".join(parts[2:])
+                    if info.is_dir() or "/tests/" in name:
                         continue
                     data = z.read(info)
-                    ti = tarfile.TarInfo(info.filename)
+                    ti = tarfile.TarInfo(name)
                     ti.size = len(data)
-                    ti.mode = 0o755 if info.filename.endswith(".so") or "/bin/" in info.filename else 0o644
+                    ti.mode = 0o755 if name.endswith(".so") else 0o644
                     tar.addfile(ti, io.BytesIO(data))
 
 

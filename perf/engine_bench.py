@@ -106,14 +106,21 @@ def ours_throughput(engine, reqs):
     prompts = [p for p, _ in reqs]
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     torch.cuda.synchronize()
+    stats = engine.runner.model.stats
     t0 = time.perf_counter()
     steps0 = engine.num_steps
-    outs = engine.generate(prompts, params)
+    reqs_ = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    spent = {"graph": 0.0, "eager": 0.0}
+    while engine.scheduler.has_work():
+        g0, t = stats["graph_steps"], time.perf_counter()
+        engine.step()  # ends by reading the sampled tokens back: GPU work included
+        spent["graph" if stats["graph_steps"] > g0 else "eager"] += time.perf_counter() - t
     dt = time.perf_counter() - t0
+    outs = [type("O", (), {"output_ids": r.output_ids}) for r in reqs_]
     n_out = sum(len(o.output_ids) for o in outs)
     assert n_out == sum(o for _, o in reqs), "ignore_eos: every request must produce exactly max_tokens"
     return {"requests": len(reqs), "output_tokens": n_out, "seconds": dt, "tok_s": n_out / dt,
-            "steps": engine.num_steps - steps0}  # fmt: skip
+            "steps": engine.num_steps - steps0, "graph_s": spent["graph"], "eager_s": spent["eager"]}  # fmt: skip
 
 
 def hf_model(cfg):
@@ -217,7 +224,15 @@ def main(argv=None) -> int:
     cfg = engine.cfg
     log(f"engine ready in {time.perf_counter() - t0:.0f} s (backend {engine.runner.backend}, "
         f"graphs {engine.runner.model.graph_sizes})")  # fmt: skip
+
+    def save():  # after every phase, so that a run cut short still leaves what it measured
+        if a.out:
+            Path(a.out).write_text(render(res, a))
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+
     res["ours_decode"] = ours_decode_steps(engine, a.batches, a.context, bw)
+    save()
     reqs = workload(a.requests, 0, min(cfg.vocab_size, 32000))
     sub = reqs[: a.hf_requests]
     ours_throughput(engine, workload(8, 1, 1000))  # warm-up: kernels for prefill shapes
@@ -226,6 +241,7 @@ def main(argv=None) -> int:
     log(f"ours subset: {res['ours_subset']}")
     res["ours_all"] = ours_throughput(engine, reqs)
     log(f"ours all: {res['ours_all']}")
+    save()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -236,6 +252,7 @@ def main(argv=None) -> int:
         model = hf_model(cfg)
         try:
             res["hf_decode"] = hf_decode_steps(model, cfg, a.batches, a.context)
+            save()
         except Exception as e:  # report, do not hide
             res["hf_decode_error"] = repr(e)
             log(f"transformers decode failed: {e!r}")
@@ -245,12 +262,8 @@ def main(argv=None) -> int:
         except Exception as e:
             res["hf_subset_error"] = repr(e)
             log(f"transformers continuous batching failed: {e!r}")
-    report = render(res, a)
-    print(report)
-    if a.out:
-        Path(a.out).write_text(report)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    save()
+    print(render(res, a))
     return 0
 
 
@@ -278,6 +291,11 @@ def render(res, a) -> str:
         r = res.get(key)
         if r:
             L.append(f"| {name} | {r['requests']} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_s']:.0f} |")
+    for key in ("ours_subset", "ours_all"):
+        r = res.get(key)
+        if r and "graph_s" in r:
+            L.append(f"\nOurs, {r['requests']} requests: {r['steps']} steps; {r['graph_s']:.1f} s in decode steps "
+                     f"(CUDA graphs), {r['eager_s']:.1f} s in steps with prefill (eager).")  # fmt: skip
     if res.get("hf_subset"):
         L.append("")
         L.append(f"Ours / transformers on the same {res['hf_subset']['requests']} requests: "

@@ -105,7 +105,7 @@ class Engine:
                 raise EngineError("KV pool too small: no request can make progress (raise --kv-tokens)")
             return []
         logits = self.runner.forward(
-            [Span(s.req.all_ids[s.start : s.start + s.num_new], s.start, s.req.slots, s.req.rid) for s in plan]
+            [Span(s.req.token_slice(s.start, s.start + s.num_new), s.start, s.req.slots, s.req.rid) for s in plan]
         )
         self.num_steps += 1
         return self._postprocess(plan, logits)

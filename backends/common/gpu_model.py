@@ -105,10 +105,15 @@ class _Uploader:
         self.events = [None] * ring
         self.i = 0
 
-    def upload(self, parts: list[list[int]], device) -> list[torch.Tensor]:
+    def upload(self, parts: list[list[int]], device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Returns a device view per part. With `into` (a contiguous device int32 tensor), the leading parts that
+        fill it are copied straight into it and the views of those parts are views of `into`."""
         if device.type != "cuda":  # Triton's interpreter on the CPU (tests without a GPU)
             flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
-            return list(flat.split([len(p) for p in parts]))
+            out = list(flat.split([len(p) for p in parts]))
+            if into is not None:
+                into.view(-1).copy_(flat[: into.numel()])
+            return out
         i = self.i = (self.i + 1) % len(self.bufs)
         if self.events[i] is not None:
             self.events[i].synchronize()
@@ -118,12 +123,16 @@ class _Uploader:
         host = self.bufs[i][: len(flat)]
         if flat:
             host.copy_(torch.tensor(flat, dtype=torch.int32))
-        dev = host.to(device, non_blocking=True)
+        head = 0
+        if into is not None:
+            head = into.numel()
+            into.view(-1).copy_(host[:head], non_blocking=True)
+        dev = host[head:].to(device, non_blocking=True)
         ev = self.events[i] = torch.cuda.Event()
         ev.record()
         out, o = [], 0
         for p in parts:
-            out.append(dev[o : o + len(p)])
+            out.append(into.view(-1)[o : o + len(p)] if o < head else dev[o - head : o - head + len(p)])
             o += len(p)
         return out
 
@@ -177,7 +186,8 @@ class GpuLlama:
         self.scratch_slot = scratch_slot
         self.max_batch = max_batch
         self.uploader = _Uploader()
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stats = {"graph_steps": 0, "eager_steps": 0}
         self.graph_sizes: list[int] = []
         if graph_sizes:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
@@ -245,41 +255,40 @@ class GpuLlama:
                     q, k_pool, v_pool, table, d[10], d[11], d[12], d[13], max_q, self.scale, out=attn
                 )
 
-        x = self._layers(ids_t.long(), pos_t, out_t, attend)
-        return self._logits(x.index_select(0, last_t.long()))
+        x = self._layers(ids_t, pos_t, out_t, attend)
+        self.stats["eager_steps"] += 1
+        return self._logits(x.index_select(0, last_t))
 
     def _apply_writes(self, wr, wc, ws) -> None:
         if wr.numel():
-            self.table.table.index_put_((wr.long(), wc.long()), ws)
+            self.table.table.index_put_((wr, wc), ws)
 
     # ----- CUDA graphs for decode -----
     def _decode_body(self, bs: int):
-        st = self.static
+        inp = self.graph_inputs[bs]  # [5, bs] int32: ids, positions, out slots, table rows, sequence lengths
         splits = self.k_attn.default_splits(bs, self.cfg.num_kv_heads)
-        table = self.table.table
+        table, qidx = self.table.table, self.qidx[:bs]
 
         def attend(q, k_pool, v_pool, attn):
             self.k_attn.decode_attention(
-                q, k_pool, v_pool, table, st["rows"][:bs], st["seq"][:bs], self.scale, out=attn,
-                q_idx=st["qidx"][:bs], num_splits=splits,
-            )  # fmt: skip
+                q, k_pool, v_pool, table, inp[3], inp[4], self.scale, out=attn, q_idx=qidx, num_splits=splits
+            )
 
-        x = self._layers(st["ids"][:bs], st["pos"][:bs], st["out"][:bs], attend)
-        st["logits"][:bs] = self._logits(x)
+        x = self._layers(inp[0], inp[1], inp[2], attend)
+        self.graph_logits[:bs] = self._logits(x)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
         n = max(sizes)
         dev = self.device
-        self.static = {
-            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
-            "pos": torch.zeros(n, dtype=torch.int32, device=dev),
-            "out": torch.full((n,), self.scratch_slot, dtype=torch.int32, device=dev),
-            "rows": torch.zeros(n, dtype=torch.int32, device=dev),
-            "seq": torch.ones(n, dtype=torch.int32, device=dev),
-            "qidx": torch.arange(n, dtype=torch.int32, device=dev),
-            "logits": torch.zeros(n, self.cfg.vocab_size, dtype=torch.float32, device=dev),
-        }
+        self.qidx = torch.arange(n, dtype=torch.int32, device=dev)
+        self.graph_logits = torch.zeros(n, self.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.graph_inputs = {}
+        for bs in sizes:
+            inp = torch.zeros(5, bs, dtype=torch.int32, device=dev)
+            inp[2] = self.scratch_slot
+            inp[4] = 1
+            self.graph_inputs[bs] = inp
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -299,9 +308,8 @@ class GpuLlama:
         B = len(spans)
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, B)]
         rows, wr, wc, ws = self.table.prepare(spans)
-        st = self.static
         pad = bs - B
-        # ids, pos, out slot, row, seq len; padding rows read and write the scratch slot through table row 0
+        # ids, positions, out slots, rows, lengths; padding rows read and write the scratch slot via table row 0
         parts = [
             [s.token_ids[0] for s in spans] + [0] * pad,
             [s.start for s in spans] + [0] * pad,
@@ -312,12 +320,11 @@ class GpuLlama:
             wc,
             ws,
         ]
-        d = self.uploader.upload(parts, self.device)
-        for name, t in zip(("ids", "pos", "out", "rows", "seq"), d):
-            st[name][:bs].copy_(t)
+        d = self.uploader.upload(parts, self.device, into=self.graph_inputs[bs])
         self._apply_writes(*d[5:])
         self.graphs[bs].replay()
-        return st["logits"][:B]
+        self.stats["graph_steps"] += 1
+        return self.graph_logits[:B]
 
     def forget(self, key) -> None:
         self.table.forget(key)

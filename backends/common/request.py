@@ -136,6 +136,15 @@ class InferReq:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (the decode step needs one token of a long sequence)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -91,7 +91,7 @@ class Scheduler:
         plan: list[ScheduledSpan] = []
         budget = self.max_batch_tokens
         for req in list(self.running):
-            if req not in self.running:  # preempted earlier in this loop
+            if req.state is not ReqState.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - len(req.slots), self.chunk_size, budget)
             if n <= 0:
@@ -119,8 +119,10 @@ class Scheduler:
 
     def _grow(self, req: InferReq, n: int, plan: list[ScheduledSpan]) -> bool:
         """Allocate n slots for req, preempting the latest-admitted unplanned requests if needed."""
-        planned = {id(s.req) for s in plan}
+        planned = None
         while (slots := self.kv.alloc(n)) is None:
+            if planned is None:
+                planned = {id(s.req) for s in plan}
             victims = [r for r in self.running if id(r) not in planned]
             victim = victims[-1]  # req itself is unplanned, so there is always one
             self.preempt(victim)

@@ -90,14 +90,14 @@ def test_mixed_batches_match_reference(cfg):
 def test_decode_graphs_match_reference():
     """Graph replay, padded up to a captured size, gives the reference logits for batch sizes 1 to 7."""
     cfg = tiny(head_dim=64)
-    ref, kv_ref, gpu, _ = pair(cfg, graphs=(1, 2, 4, 8))
+    ref, kv_ref, gpu, _ = pair(cfg, slots=1500, graphs=(1, 2, 4, 8))
     assert gpu.graph_sizes == [1, 2, 4, 8]
     r = RefRunner(ref, kv_ref)
     gen = torch.Generator().manual_seed(1)
     seqs = []
     for i in range(7):
         ids = torch.randint(0, cfg.vocab_size, (30 + 13 * i,), generator=gen).tolist()
-        seqs.append({"key": f"s{i}", "ids": ids, "slots": list(range(i * 80, i * 80 + len(ids))), "n": 20 + 13 * i})
+        seqs.append({"key": f"s{i}", "ids": ids, "slots": list(range(i * 200, i * 200 + len(ids))), "n": 20 + 13 * i})
     close(*run_both(r, gpu, [Span(s["ids"][: s["n"]], 0, s["slots"][: s["n"]], s["key"]) for s in seqs]))
     for bsz in (1, 3, 7, 5, 2, 7, 4):
         spans = []
