@@ -42,27 +42,32 @@ def offline_step_time(engine: Engine, prompts, n: int) -> float:
 
 
 def served_tpot(server: Server, prompts, n: int) -> float:
-    tpots = [0.0] * len(prompts)
+    """Streams' token arrival times; time per output token counted only once every stream is decoding (after the
+    last first token), as tokens received after that moment over the time they took, averaged over streams."""
+    stamps: list[list[float]] = [[] for _ in prompts]
 
     def go(i):
         c = StreamClient(
             server.grpc_url, ids=prompts[i], params={"max_tokens": n, "temperature": 0, "ignore_eos": True}
         )
-        stamps = []
         r = c.result
         while r.finish_reason is None and r.error is None:
             k = len(r.ids)
             c.read(until_tokens=k + 1)
-            stamps += [time.monotonic()] * (len(r.ids) - k)
+            stamps[i] += [time.monotonic()] * (len(r.ids) - k)
         c.close()
-        k = len(stamps) // 4
-        tpots[i] = (stamps[-1] - stamps[k]) / (len(stamps) - 1 - k)
 
     ts = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
+    t0 = max(s[0] for s in stamps)
+    tpots = []
+    for s in stamps:
+        after = [t for t in s if t > t0]
+        if len(after) >= 2:
+            tpots.append((after[-1] - t0) / len(after))
     return statistics.mean(tpots)
 
 

@@ -106,34 +106,43 @@ class _Uploader:
         self.i = 0
 
     def upload(self, parts: list[list[int]], device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Returns a device view per part. With `into` (a contiguous device int32 tensor), the leading parts that
-        fill it are copied straight into it and the views of those parts are views of `into`."""
+        """Returns a device view per part. With `into` (a contiguous [k, n] device int32 tensor), the first k parts
+        (n values each) are copied straight into it and their views are its rows."""
+        k = into.shape[0] if into is not None else 0
         if device.type != "cuda":  # Triton's interpreter on the CPU (tests without a GPU)
-            flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
-            out = list(flat.split([len(p) for p in parts]))
-            if into is not None:
-                into.view(-1).copy_(flat[: into.numel()])
+            out = [torch.tensor(p, dtype=torch.int32) for p in parts]
+            if k:
+                into.copy_(torch.stack(out[:k]))
+                out[:k] = list(into)
             return out
         i = self.i = (self.i + 1) % len(self.bufs)
         if self.events[i] is not None:
             self.events[i].synchronize()
-        flat = [x for p in parts for x in p]
+        # the rest start 16-byte aligned: Triton specialises kernels on pointer alignment, and views at odd offsets
+        # would compile a new variant of each kernel for every alignment pattern
+        flat = [x for p in parts[:k] for x in p]
+        head = len(flat)
+        offsets = []
+        for p in parts[k:]:
+            flat.extend([0] * (-len(flat) % 4))
+            offsets.append(len(flat) - head)
+            flat.extend(p)
         if len(flat) > self.bufs[i].numel():
             self.bufs[i] = torch.empty(max(len(flat), 2 * self.bufs[i].numel()), dtype=torch.int32, pin_memory=True)
         host = self.bufs[i][: len(flat)]
         if flat:
             host.copy_(torch.tensor(flat, dtype=torch.int32))
-        head = 0
-        if into is not None:
-            head = into.numel()
+        if k:
             into.view(-1).copy_(host[:head], non_blocking=True)
-        dev = host[head:].to(device, non_blocking=True)
+        # the rest goes, from its first (aligned) part on, into a fresh device buffer, which is aligned itself
+        tail_start = min(head + (-head % 4), len(flat))
+        dev = host[tail_start:].to(device, non_blocking=True)
         ev = self.events[i] = torch.cuda.Event()
         ev.record()
-        out, o = [], 0
-        for p in parts:
-            out.append(into.view(-1)[o : o + len(p)] if o < head else dev[o - head : o - head + len(p)])
-            o += len(p)
+        out = list(into) if k else []
+        for p, off in zip(parts[k:], offsets):
+            o = head + off - tail_start
+            out.append(dev[o : o + len(p)])
         return out
 
 
