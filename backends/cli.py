@@ -95,11 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
-    for module in ("serve", "bench", "bundle"):
-        try:
-            mod = __import__(f"backends.{module}", fromlist=["register"])
-        except ImportError:
-            continue
+    from . import bench, bundle, serve
+
+    for mod in (serve, bench, bundle):
         mod.register(sub)
     return parser
 
