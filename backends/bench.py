@@ -184,6 +184,7 @@ def cmd_compare(a) -> int:
         finally:
             server.stop()
         infos[mode] = info
+        _report(rp, out, runs, infos, False, shlex.join(sys.argv))  # keep what is measured if a later run fails
     print(_report(rp, out, runs, infos, not a.no_plots, shlex.join(sys.argv)))
     return 0
 

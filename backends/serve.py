@@ -68,6 +68,13 @@ def register(sub) -> None:
         help="master: requests in flight before new ones are answered UNAVAILABLE (server busy)",
     )
     p.add_argument(
+        "--max-streams",
+        type=int,
+        default=96,
+        help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT). "
+        "Triton 2.51's Python stub crashed with ~100-200 concurrent decoupled BLS streams",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=None,
@@ -162,10 +169,26 @@ def render(workdir: Path, values: dict[str, str]) -> Path:
     return repo
 
 
-def instance_groups(count: int, gpu: bool, gpus: str) -> str:
+def parse_gpus(gpus: str, available: int | None = None, flag: str = "--gpus") -> list[int]:
+    """'0,1' -> [0, 1]; an id the machine does not have is an error naming the flag."""
+    try:
+        ids = [int(g) for g in gpus.split(",") if g.strip()]
+    except ValueError:
+        raise SystemExit(f"triton-pd: error: {flag} must be comma-separated GPU ids, got {gpus!r}") from None
+    if not ids:
+        raise SystemExit(f"triton-pd: error: {flag} names no GPU")
+    bad = [g for g in ids if g < 0 or (available is not None and g >= available)]
+    if bad:
+        raise SystemExit(f"triton-pd: error: {flag} names GPU {bad[0]}, but this machine has {available} GPU(s)")
+    return ids
+
+
+def instance_groups(count: int, gpu: bool, gpus: str, available: int | None = None, flag: str = "--gpus") -> str:
+    """Triton instance_group entries: `count` instances spread round robin over the listed GPUs (2 prefill
+    instances over '1,2' -> one on GPU 1 and one on GPU 2)."""
     if not gpu:
         return f"{{ count: {count} kind: KIND_CPU }}"
-    ids = [int(g) for g in gpus.split(",") if g.strip()]
+    ids = parse_gpus(gpus, available, flag)
     per = {g: 0 for g in ids}
     for i in range(count):
         per[ids[i % len(ids)]] += 1
@@ -181,7 +204,7 @@ def gpu_count() -> int:
         return 0
 
 
-def kv_tokens_for_gpu(model: str, dtype: str, fraction: float) -> int:
+def kv_tokens_for_gpu(model: str, dtype: str, fraction: float, device: int = 0) -> int:
     import torch
 
     from .common import loader
@@ -190,7 +213,7 @@ def kv_tokens_for_gpu(model: str, dtype: str, fraction: float) -> int:
     cfg = loader.load_config(loader.resolve(model))
     itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-    return int(torch.cuda.get_device_properties(0).total_memory * fraction // per_token)
+    return int(torch.cuda.get_device_properties(device).total_memory * fraction // per_token)
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path, stopping: list) -> None:
@@ -226,7 +249,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .common import loader
 
     loader.resolve(a.model)  # validate and convert once, before several processes want it
-    gpu = a.device == "gpu" or (a.device == "auto" and gpu_count() > 0)
+    n_gpus = gpu_count()
+    gpu = a.device == "gpu" or (a.device == "auto" and n_gpus > 0)
     dtype = a.dtype or ("bfloat16" if gpu else "float32")
     workdir = Path(a.workdir or PROJECT_ROOT / ".run" / f"serve-{a.http_port}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -236,7 +260,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     key_file.chmod(0o600)
     mailbox = Path("/dev/shm") / f"triton-pd-{deployment}"
     cfg = loader.load_config(loader.resolve(a.model))
-    kv_tokens = a.kv_tokens or (kv_tokens_for_gpu(a.model, dtype, a.kv_memory_fraction) if gpu else 16384)
+    kv_tokens = a.kv_tokens or (
+        kv_tokens_for_gpu(a.model, dtype, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
+    )
     prefill_kv = a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings))
     timeout = (
         a.request_timeout
@@ -256,13 +282,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         "CHUNK_SIZE": str(a.chunk_size),
         "MAX_PREFILL_TOKENS": str(a.max_prefill_tokens),
         "MAX_INFLIGHT": str(a.max_inflight),
+        "MAX_STREAMS": str(a.max_streams),
         "REQUEST_TIMEOUT": str(timeout),
         "ON_DECODE_OOM": a.on_decode_oom,
         "PAUSE_POLICY": a.pause_policy,
         "FAULT_INJECTION": a.fault_injection,
         "MASTER_INSTANCES": "1",
-        "DECODE_GROUPS": instance_groups(a.decode_instances, gpu, a.decode_gpus),
-        "PREFILL_GROUPS": instance_groups(a.prefill_instances, gpu, a.prefill_gpus),
+        "DECODE_GROUPS": instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
+        "PREFILL_GROUPS": instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),
     }
     repo = render(workdir, values)
     if a.tritonserver:
@@ -291,6 +318,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         # traffic is where 2.51 has crashed for us); tensors are small, so this is address space, not RAM
         f"--backend-config=python,shm-default-byte-size={a.shm_mb << 20}",
         "--backend-config=python,shm-growth-byte-size=67108864",
+        # One thread of this pool (per model instance, in tritonserver) is held by every BLS call until its first
+        # response, and the same pool sends every decoupled response. Master holds one decode stream per request
+        # in flight, so a pool smaller than that starves master's sends to clients: with the default (32),
+        # 200 concurrent streams stalled every answer until some finished.
+        f"--backend-config=python,thread-pool-size={a.max_inflight + 64}",
     ]
     log_path = workdir / "tritonserver.log"
     print(

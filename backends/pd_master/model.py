@@ -59,6 +59,10 @@ class MasterModel:
         self.key = open(p["internal_key_file"]).read().strip()
         self.mailbox = Mailbox(p["mailbox_dir"])
         self.max_inflight = int(p.get("max_inflight", "1024"))
+        # decode streams open at once; requests beyond wait here (their wait counts in TTFT and in the deadline).
+        # Triton 2.51's Python stub has crashed (SIGSEGV in the stub) with ~100-200 concurrent decoupled BLS
+        # streams driven from as many Python threads; the cap keeps master well below that.
+        self.streams = threading.BoundedSemaphore(int(p.get("max_streams", "96")))
         timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", p.get("request_timeout_seconds", "1800")))
         self.timeout = timeout if timeout >= 0 else None
         self.active: dict[str, ClientRequest] = {}
@@ -157,11 +161,17 @@ class MasterModel:
 
     # ---- one request -------------------------------------------------------------------------------------
     def _serve(self, req: ClientRequest) -> None:
+        held = False
         try:
+            while not (held := self.streams.acquire(timeout=0.05)):
+                if req.abort_reason or self.stop_event.is_set():
+                    return  # cancelled or past its deadline while waiting: the watchdog has answered
             self._relay(req)
         except Exception as e:  # a bug or a lost decode instance: the client gets an error, never a hang
             self._finish_with_error(req, f"internal error: {e}", "INTERNAL")
         finally:
+            if held:
+                self.streams.release()
             with self.lock:
                 self.active.pop(req.rid, None)
                 self.m_inflight.set(len(self.active))
