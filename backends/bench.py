@@ -123,7 +123,7 @@ def cmd_replay(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     recs, samples, wall = rp.replay(a.url, a.metrics_url or None, reqs, prompts, a.max_users, a.timeout)
-    print(_report(rp, out, {a.name: (recs, samples, wall)}, {a.name: info}, not a.no_plots, shlex.join(sys.argv)))
+    print(_report(rp, out, {a.name: (recs, samples, wall)}, {a.name: info}, not a.no_plots, "triton-pd " + shlex.join(sys.argv[1:])))
     return 0
 
 
@@ -184,8 +184,8 @@ def cmd_compare(a) -> int:
         finally:
             server.stop()
         infos[mode] = info
-        _report(rp, out, runs, infos, False, shlex.join(sys.argv))  # keep what is measured if a later run fails
-    print(_report(rp, out, runs, infos, not a.no_plots, shlex.join(sys.argv)))
+        _report(rp, out, runs, infos, False, "triton-pd " + shlex.join(sys.argv[1:]))  # keep what is measured if a later run fails
+    print(_report(rp, out, runs, infos, not a.no_plots, "triton-pd " + shlex.join(sys.argv[1:])))
     return 0
 
 

@@ -129,10 +129,12 @@ def copy_rows(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_sl
 
 
 def _triton_copy(src, src_slots, dst, dst_slots) -> bool:
-    """One kernel on src's GPU writing straight into dst (same GPU, or a peer GPU through the IPC mapping)."""
+    """One Triton kernel writing straight into dst when both pools are on the same GPU. Across GPUs the caller
+    gathers on the source GPU and copies peer to peer: on an H200 pair, Triton refused to launch with the other
+    GPU's IPC-mapped pool as an argument ("Pointer argument cannot be accessed from Triton")."""
     import kernels
 
-    if not kernels.available():
+    if src.device != dst.device or not kernels.available():
         return False
     from kernels.kv import copy_kv
 
