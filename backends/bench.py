@@ -118,12 +118,16 @@ def _report(rp, out: Path, runs: dict, infos: dict, plots: bool, cmd: str) -> st
     return text
 
 
+def _command() -> str:
+    return "triton-pd " + shlex.join(sys.argv[1:])
+
+
 def cmd_replay(a) -> int:
     rp, reqs, prompts, info = _prepare(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     recs, samples, wall = rp.replay(a.url, a.metrics_url or None, reqs, prompts, a.max_users, a.timeout)
-    print(_report(rp, out, {a.name: (recs, samples, wall)}, {a.name: info}, not a.no_plots, "triton-pd " + shlex.join(sys.argv[1:])))
+    print(_report(rp, out, {a.name: (recs, samples, wall)}, {a.name: info}, not a.no_plots, _command()))
     return 0
 
 
@@ -184,8 +188,8 @@ def cmd_compare(a) -> int:
         finally:
             server.stop()
         infos[mode] = info
-        _report(rp, out, runs, infos, False, "triton-pd " + shlex.join(sys.argv[1:]))  # keep what is measured if a later run fails
-    print(_report(rp, out, runs, infos, not a.no_plots, "triton-pd " + shlex.join(sys.argv[1:])))
+        _report(rp, out, runs, infos, False, _command())  # keep what is measured if a later run fails
+    print(_report(rp, out, runs, infos, not a.no_plots, _command()))
     return 0
 
 
