@@ -529,7 +529,7 @@ def to_perf_analyzer(reqs: list[TraceRequest], prompts: list[list[int]], out: Pa
 
 PERF_ANALYZER_CMD = (
     "perf_analyzer -m pd_master -u {url} -i grpc --streaming --input-data {inp} --request-intervals {iv} "
-    "--measurement-mode count_windows --measurement-request-count {n} --profile-export-file {out}/pa_profile.json"
+    "--request-count {n} --profile-export-file {out}/pa_profile.json"
 )
 
 

@@ -341,10 +341,16 @@ class MasterModel:
             self._deliver(req, None, True)  # Triton releases a decoupled request only after its FINAL flag
 
     def _client_cancelled(self, req: ClientRequest) -> bool:
-        try:
-            return bool(req.sender.is_cancelled())
-        except Exception:
-            return False
+        # Under the send lock, and never once FINAL went out: after FINAL, Triton frees the response factory that
+        # is_cancelled() reads. Asking then corrupted the stub's heap under load ("malloc(): unaligned fastbin chunk
+        # detected" in 2.51, master's stub gone).
+        with req.send_lock:
+            if req.ended.is_set():
+                return False
+            try:
+                return bool(req.sender.is_cancelled())
+            except Exception:
+                return False
 
     def _cancel_everywhere(self, req: ClientRequest, reason: str) -> None:
         """Decode drops the request, releases its KV and tells prefill; the notice reaches every instance."""
