@@ -70,9 +70,9 @@ def register(sub) -> None:
     p.add_argument(
         "--max-streams",
         type=int,
-        default=96,
-        help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT). "
-        "Triton 2.51's Python stub crashed with ~100-200 concurrent decoupled BLS streams",
+        default=256,
+        help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT "
+        "and in the deadline)",
     )
     p.add_argument(
         "--request-timeout",

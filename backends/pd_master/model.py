@@ -59,10 +59,8 @@ class MasterModel:
         self.key = open(p["internal_key_file"]).read().strip()
         self.mailbox = Mailbox(p["mailbox_dir"])
         self.max_inflight = int(p.get("max_inflight", "1024"))
-        # decode streams open at once; requests beyond wait here (their wait counts in TTFT and in the deadline).
-        # Triton 2.51's Python stub has crashed (SIGSEGV in the stub) with ~100-200 concurrent decoupled BLS
-        # streams driven from as many Python threads; the cap keeps master well below that.
-        self.streams = threading.BoundedSemaphore(int(p.get("max_streams", "96")))
+        # decode streams open at once; requests beyond wait here (their wait counts in TTFT and in the deadline)
+        self.streams = threading.BoundedSemaphore(int(p.get("max_streams", "256")))
         timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", p.get("request_timeout_seconds", "1800")))
         self.timeout = timeout if timeout >= 0 else None
         self.active: dict[str, ClientRequest] = {}
