@@ -100,7 +100,7 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
     args = ["--model", a.model, "--device", a.device, "--dtype", dtype, "--kv-tokens", str(a.kv_tokens)]
-    args += ["--max-batch", str(max(a.batches)), "--max-streams", str(max(max(a.batches), 256))]
+    args += ["--max-batch", str(max(a.batches)), "--max-streams", str(max(max(a.batches), 64))]
     if gpu:
         args += ["--prefill-kv-tokens", "32768"]
     server = Server(*args, name="perf")

@@ -60,7 +60,7 @@ class MasterModel:
         self.mailbox = Mailbox(p["mailbox_dir"])
         self.max_inflight = int(p.get("max_inflight", "1024"))
         # decode streams open at once; requests beyond wait here (their wait counts in TTFT and in the deadline)
-        self.streams = threading.BoundedSemaphore(int(p.get("max_streams", "256")))
+        self.streams = threading.BoundedSemaphore(int(p.get("max_streams", "64")))
         timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", p.get("request_timeout_seconds", "1800")))
         self.timeout = timeout if timeout >= 0 else None
         self.active: dict[str, ClientRequest] = {}
