@@ -103,21 +103,18 @@ def ours_decode_steps(engine, batches, ctx, bw):
 def ours_throughput(engine, reqs):
     from backends.common.request import SamplingParams
 
-    prompts = [p for p, _ in reqs]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     torch.cuda.synchronize()
     stats = engine.runner.model.stats
     t0 = time.perf_counter()
     steps0 = engine.num_steps
-    reqs_ = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    added = [engine.add_request(p, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)) for p, o in reqs]
     spent = {"graph": 0.0, "eager": 0.0}
     while engine.scheduler.has_work():
         g0, t = stats["graph_steps"], time.perf_counter()
         engine.step()  # ends by reading the sampled tokens back: GPU work included
         spent["graph" if stats["graph_steps"] > g0 else "eager"] += time.perf_counter() - t
     dt = time.perf_counter() - t0
-    outs = [type("O", (), {"output_ids": r.output_ids}) for r in reqs_]
-    n_out = sum(len(o.output_ids) for o in outs)
+    n_out = sum(len(r.output_ids) for r in added)
     assert n_out == sum(o for _, o in reqs), "ignore_eos: every request must produce exactly max_tokens"
     return {"requests": len(reqs), "output_tokens": n_out, "seconds": dt, "tok_s": n_out / dt,
             "steps": engine.num_steps - steps0, "graph_s": spent["graph"], "eager_s": spent["eager"]}  # fmt: skip

@@ -41,7 +41,7 @@ class SlotTable:
         self.free = list(range(num_rows - 1, 0, -1))
         self.entries: OrderedDict[object, _Entry] = OrderedDict()  # least recently used first
 
-    def _row_for(self, key, pinned: set) -> int:
+    def _row_for(self, pinned: set) -> int:
         if not self.free:
             for k, e in self.entries.items():
                 if k not in pinned:
@@ -73,7 +73,7 @@ class SlotTable:
                 )
                 begin = min(e.written, end) if same else 0
             else:
-                row = self._row_for(s.key, pinned)
+                row = self._row_for(pinned)
                 e = _Entry(row, slots, 0, -1, -1)
                 if s.key is None:
                     ephemeral.append(row)
