@@ -1,5 +1,7 @@
 """Rotary position embedding applied in place to q and k, in Triton (the half-split layout: element i pairs with
-i + D/2). cos/sin come from a float32 cache [max_position, D/2] built once from the model's inverse frequencies."""
+i + D/2). cos/sin come from a float32 cache [max_position, D/2] built once from the model's inverse frequencies.
+`rope_store_kv_` does the same and also writes the rotated k and v into the KV pool: one kernel per layer instead
+of two."""
 
 from __future__ import annotations
 
@@ -36,6 +38,41 @@ def _rope_kernel(
     _rotate(K + t * stride_kt, stride_kh, HK, c, s, BLOCK_H, HALF)
 
 
+@triton.jit
+def _rotate_into(src, stride_h, dst, nh, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Rotate nh heads at src (stride_h apart) and write them contiguously at dst ([nh, 2 * HALF])."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < nh)[:, None]
+    p1 = src + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    y1 = x1.to(tl.float32) * c - x2.to(tl.float32) * s
+    y2 = x2.to(tl.float32) * c + x1.to(tl.float32) * s
+    d1 = dst + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(d1, y1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(d1 + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(
+    Q, K, V, Pos, Cos, Sin, KP, VP, Slots, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_c,
+    stride_ps, HQ: tl.constexpr, HK: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    c = tl.load(Cos + pos * stride_c + offs_d)[None, :]
+    s = tl.load(Sin + pos * stride_c + offs_d)[None, :]
+    _rotate(Q + t * stride_qt, stride_qh, HQ, c, s, BLOCK_H, HALF)
+    _rotate_into(K + t * stride_kt, stride_kh, KP + slot * stride_ps, HK, c, s, BLOCK_H, HALF)
+    offs = tl.arange(0, BLOCK_V)
+    mask = offs < HK * 2 * HALF
+    tl.store(VP + slot * stride_ps + offs, tl.load(V + t * stride_vt + offs, mask=mask), mask=mask)
+
+
 def rope_cache(inv_freq: torch.Tensor, max_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin [max_position, D/2], the same float32 angles as the PyTorch model computes."""
     freqs = torch.arange(max_position, device=device, dtype=torch.float32)[:, None] * inv_freq.to(device)[None, :]
@@ -51,4 +88,20 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: 
     _rope_kernel[(T,)](
         q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         HQ=HQ, HK=HK, BLOCK_H=triton.next_power_of_2(max(HQ, HK)), HALF=D // 2, num_warps=4,
+    )  # fmt: skip
+
+
+def rope_store_kv_(q, k, v, positions, cos, sin, k_pool, v_pool, slots):
+    """Rotate q in place; write rotated k and v into k_pool/v_pool [S, Hkv, D] at `slots` ([T] int). k itself is
+    left as it was. q, k: as for `apply_rope_`; v: [T, Hkv, D] with rows of unit stride inside a token."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    if T == 0:
+        return
+    assert v.stride(1) == D and k_pool.stride(0) == v_pool.stride(0) == HK * D and k_pool.stride(1) == D
+    _rope_store_kernel[(T,)](
+        q, k, v, positions, cos, sin, k_pool, v_pool, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), cos.stride(0), k_pool.stride(0),
+        HQ=HQ, HK=HK, BLOCK_H=triton.next_power_of_2(max(HQ, HK)), HALF=D // 2,
+        BLOCK_V=triton.next_power_of_2(HK * D), num_warps=4,
     )  # fmt: skip

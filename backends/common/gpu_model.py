@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -52,9 +53,10 @@ class SlotTable:
                 raise RuntimeError(f"slot table full: more than {self.table.shape[0] - 1} sequences in one batch")
         return self.free.pop()
 
-    def prepare(self, spans) -> tuple[list[int], list[int], list[int], list[int]]:
+    def prepare(self, spans, skip_last: bool = False) -> tuple[list[int], list[int], list[int], list[int]]:
         """Make sure every span's slots [0, end) are in its row. Returns (rows, write_rows, write_cols, write_slots):
-        the writes still to be applied on the device (see `apply`)."""
+        the writes still to be applied on the device. With skip_last the writes of each span's last column are left
+        out: the caller writes them itself (the decode graph does, from its inputs)."""
         rows, wr, wc, ws = [], [], [], []
         pinned = {s.key for s in spans if s.key is not None}
         ephemeral = []
@@ -80,11 +82,12 @@ class SlotTable:
                 else:
                     self.entries[s.key] = e
                 begin = 0
-            if end > begin:
-                n = end - begin
+            stop = end - 1 if skip_last else end
+            if stop > begin:
+                n = stop - begin
                 wr.extend([e.row] * n)
-                wc.extend(range(begin, end))
-                ws.extend(slots[begin:end])
+                wc.extend(range(begin, stop))
+                ws.extend(slots[begin:stop])
             e.slots, e.written, e.first, e.last = slots, end, slots[0], slots[end - 1]
             rows.append(e.row)
         self.free.extend(ephemeral)  # rows of keyless spans are rewritten from 0 next time anyway
@@ -102,7 +105,8 @@ class _Uploader:
 
     def __init__(self, n: int = 1 << 16, ring: int = 3):
         self.bufs = [torch.empty(n, dtype=torch.int32, pin_memory=torch.cuda.is_available()) for _ in range(ring)]
-        self.events = [None] * ring
+        self.events = [torch.cuda.Event() if torch.cuda.is_available() else None for _ in range(ring)]
+        self.used = [False] * ring
         self.i = 0
 
     def upload(self, parts: list[list[int]], device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -116,7 +120,7 @@ class _Uploader:
                 out[:k] = list(into)
             return out
         i = self.i = (self.i + 1) % len(self.bufs)
-        if self.events[i] is not None:
+        if self.used[i]:
             self.events[i].synchronize()
         # the rest start 16-byte aligned: Triton specialises kernels on pointer alignment, and views at odd offsets
         # would compile a new variant of each kernel for every alignment pattern
@@ -136,14 +140,26 @@ class _Uploader:
             into.view(-1).copy_(host[:head], non_blocking=True)
         # the rest goes, from its first (aligned) part on, into a fresh device buffer, which is aligned itself
         tail_start = min(head + (-head % 4), len(flat))
-        dev = host[tail_start:].to(device, non_blocking=True)
-        ev = self.events[i] = torch.cuda.Event()
-        ev.record()
-        out = list(into) if k else []
+        empty = torch.empty(0, dtype=torch.int32, device=device) if tail_start == len(flat) else None
+        dev = empty if empty is not None else host[tail_start:].to(device, non_blocking=True)
+        self.events[i].record()
+        self.used[i] = True
+        out = list(into.unbind(0)) if k else []
         for p, off in zip(parts[k:], offsets):
+            if empty is not None:
+                out.append(empty)
+                continue
             o = head + off - tail_start
             out.append(dev[o : o + len(p)])
         return out
+
+
+class _EagerGraph:
+    def __init__(self, body, bs: int):
+        self.body, self.bs = body, bs
+
+    def replay(self) -> None:
+        self.body(self.bs)
 
 
 class GpuLlama:
@@ -157,10 +173,12 @@ class GpuLlama:
         max_ctx: int | None = None,
         graph_sizes: tuple[int, ...] | None = (1, 2, 4, 8, 16, 32, 64, 128, 256),
     ):
-        from kernels import act, attention, norm, rope
-        from kernels import kv as kvk
+        from kernels import act, attention, gemv, norm, rope
 
-        self.k_attn, self.k_norm, self.k_rope, self.k_kv, self.k_act = attention, norm, rope, kvk, act
+        self.k_attn, self.k_norm, self.k_rope, self.k_act = attention, norm, rope, act
+        self.k_gemv = gemv
+        # batches up to this size use the Triton GEMV instead of cuBLAS for the projections (0: never)
+        self.gemv_max_batch = int(os.environ.get("TRITON_PD_GEMV_MAX_BATCH", "0"))
         self.cfg, self.kv = cfg, kv
         emb = weights["model.embed_tokens.weight"]
         self.device, self.dtype = emb.device, emb.dtype
@@ -202,6 +220,11 @@ class GpuLlama:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
 
     # ----- the layer stack, shared by the eager and the captured path -----
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is None and x.shape[0] <= self.gemv_max_batch:
+            return self.k_gemv.gemv(x, w)
+        return F.linear(x, w, bias)
+
     def _layers(self, ids, positions, out_slots, attend) -> torch.Tensor:
         cfg = self.cfg
         T = ids.shape[0]
@@ -210,24 +233,23 @@ class GpuLlama:
         x = self.k_norm.add_rms_norm(h, None, self.layers[0]["ln1"], cfg.rms_norm_eps)
         attn = torch.empty(T, H, D, dtype=self.dtype, device=self.device)
         for i, L in enumerate(self.layers):
-            qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
+            qkv = self._linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             if L["q_norm"] is not None:
                 q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps).contiguous()
                 k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps).contiguous()
-            self.k_rope.apply_rope_(q, k, positions, self.cos, self.sin)
             k_pool, v_pool = self.kv.k(i), self.kv.v(i)
-            self.k_kv.store_kv(k, v, k_pool, v_pool, out_slots)
+            self.k_rope.rope_store_kv_(q, k, v, positions, self.cos, self.sin, k_pool, v_pool, out_slots)
             attend(q, k_pool, v_pool, attn)
-            o = F.linear(attn.view(T, H * D), L["o"])
+            o = self._linear(attn.view(T, H * D), L["o"])
             x = self.k_norm.add_rms_norm(o, h, L["ln2"], cfg.rms_norm_eps)
-            m = F.linear(self.k_act.silu_mul(F.linear(x, L["gate_up"])), L["down"])
+            m = self._linear(self.k_act.silu_mul(self._linear(x, L["gate_up"])), L["down"])
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
             x = self.k_norm.add_rms_norm(m, h, nxt, cfg.rms_norm_eps)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.lm_head).float()
+        return self._linear(x, self.lm_head).float()
 
     # ----- eager: any mix of prefill chunks and decode tokens -----
     @torch.inference_mode()
@@ -277,6 +299,7 @@ class GpuLlama:
         inp = self.graph_inputs[bs]  # [5, bs] int32: ids, positions, out slots, table rows, sequence lengths
         splits = self.k_attn.default_splits(bs, self.cfg.num_kv_heads)
         table, qidx = self.table.table, self.qidx[:bs]
+        table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot (padding rewrites the scratch entry)
 
         def attend(q, k_pool, v_pool, attn):
             self.k_attn.decode_attention(
@@ -288,6 +311,8 @@ class GpuLlama:
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
+        """One CUDA graph per batch size. Off CUDA (Triton's interpreter in tests) each "graph" runs the same body
+        eagerly on the same input buffers, so the replay path is testable without a GPU."""
         n = max(sizes)
         dev = self.device
         self.qidx = torch.arange(n, dtype=torch.int32, device=dev)
@@ -298,6 +323,10 @@ class GpuLlama:
             inp[2] = self.scratch_slot
             inp[4] = 1
             self.graph_inputs[bs] = inp
+        if dev.type != "cuda":
+            self.graphs = {bs: _EagerGraph(self._decode_body, bs) for bs in sizes}
+            self.graph_sizes = sorted(self.graphs)
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -316,7 +345,7 @@ class GpuLlama:
     def _decode_graph(self, spans) -> torch.Tensor:
         B = len(spans)
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, B)]
-        rows, wr, wc, ws = self.table.prepare(spans)
+        rows, wr, wc, ws = self.table.prepare(spans, skip_last=True)
         pad = bs - B
         # ids, positions, out slots, rows, lengths; padding rows read and write the scratch slot via table row 0
         parts = [

@@ -86,9 +86,9 @@ def test_mixed_batches_match_reference(cfg):
         close(*run_both(r, gpu, step))
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_decode_graphs_match_reference():
-    """Graph replay, padded up to a captured size, gives the reference logits for batch sizes 1 to 7."""
+    """Graph replay, padded up to a captured size, gives the reference logits for batch sizes 1 to 7 (off CUDA the
+    same replay path runs eagerly)."""
     cfg = tiny(head_dim=64)
     ref, kv_ref, gpu, _ = pair(cfg, slots=1500, graphs=(1, 2, 4, 8))
     assert gpu.graph_sizes == [1, 2, 4, 8]

@@ -16,7 +16,7 @@ DEVICE = os.environ.get("TRITON_PD_KERNEL_DEVICE", "cuda")
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from kernels import attention, kv, norm, reference, rope  # noqa: E402
+from kernels import attention, gemv, kv, norm, reference, rope  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -135,6 +135,31 @@ def test_rope(T, hq, hk, d):
     close(k, k2)
 
 
+@pytest.mark.parametrize("T,hq,hk,d", [(1, 32, 8, 128), (7, 14, 2, 64), (300, 16, 16, 64)])
+def test_rope_store_kv(T, hq, hk, d):
+    gen = torch.Generator().manual_seed(T + d)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope.rope_cache(inv_freq, 4096, DEVICE)
+    qkv = torch.randn(T, hq + 2 * hk, d, generator=gen).to(DEVICE, BF16)
+    pos = torch.randint(0, 4096, (T,), generator=gen).to(DEVICE)
+    slots = torch.randperm(1000, generator=gen)[:T].to(DEVICE)
+    kp, vp = torch.zeros(2, 1000, hk, d, dtype=BF16, device=DEVICE)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
+    k_before = k.clone()
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    kp2, vp2 = kp.clone(), vp.clone()
+    rope.rope_store_kv_(q, k, v, pos, cos, sin, kp, vp, slots)
+    reference.apply_rope_(q2, k2, pos, cos, sin)
+    reference.store_kv(k2, v2, kp2, vp2, slots)
+    close(q, q2)
+    close(kp, kp2)
+    assert torch.equal(vp, vp2)
+    assert torch.equal(k, k_before)  # k is read, not rotated in place
+    untouched = torch.ones(1000, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert not kp[untouched].any() and not vp[untouched].any()
+
+
 @pytest.mark.parametrize("T,hkv,d", [(1, 8, 128), (100, 3, 64), (513, 2, 128)])
 def test_store_kv(T, hkv, d):
     gen = torch.Generator().manual_seed(T)
@@ -169,3 +194,11 @@ def test_silu_mul(T, f):
     gen = torch.Generator().manual_seed(T)
     gu = torch.randn(T, 2 * f, generator=gen).to(DEVICE, BF16)
     close(act.silu_mul(gu), reference.silu_mul(gu))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 512), (3, 1000, 300), (16, 40, 1024), (1, 9000, 64)])
+def test_gemv(m, n, k):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, BF16)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, BF16)
+    close(gemv.gemv(x, w), reference.gemv(x, w))

@@ -1,0 +1,157 @@
+"""Where a decode step's time goes, on the GPU: per-kernel time of one step (torch.profiler over the eager body of
+the captured graph, the same kernels), the host's share of a whole step, and the bandwidth each projection's
+matmul reaches (cuBLAS, and a Triton GEMV for small batches) against the copy bandwidth measured in the same run.
+
+    python perf/profile_decode.py [--model random:llama3.1-8b] [--batches 1 64] [--context 1024] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.engine_bench import kv_bytes_read, measure_bandwidth, weight_bytes_read  # noqa: E402
+
+
+def cuda_time(fn, reps: int = 50) -> float:
+    """Seconds per call, CUDA events around `reps` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps / 1e3
+
+
+def kernel_breakdown(fn, reps: int = 10) -> list[tuple[str, float, int]]:
+    """(kernel name, µs per step, launches per step), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        dt = ev.time_range.elapsed_us()
+        a = agg[ev.name[:90]]
+        a[0] += dt / reps
+        a[1] += 1 / reps
+    return sorted(((k, v[0], round(v[1])) for k, v in agg.items()), key=lambda r: -r[1])
+
+
+def host_split(runner, spans, reps: int = 30) -> dict:
+    """A whole step (upload, graph, logits, argmax, tokens back) against the graph alone, per step."""
+    m = runner.model
+    bs = m.graph_sizes[[s >= len(spans) for s in m.graph_sizes].index(True)]
+    t_graph = cuda_time(m.graphs[bs].replay, reps)
+    for _ in range(3):
+        runner.forward(spans).argmax(-1).tolist()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        runner.forward(spans).argmax(-1).tolist()
+    t_step = (time.perf_counter() - t0) / reps
+    # the host's time to launch a step (no waiting on the GPU): enqueue the step `reps` times, then wait once
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        runner.forward(spans)
+    t_enqueue = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    return {"graph_ms": t_graph * 1e3, "step_ms": t_step * 1e3, "enqueue_ms": t_enqueue * 1e3}
+
+
+def gemm_table(cfg, batches, bw) -> list[dict]:
+    from kernels.gemv import gemv
+
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * f, h), "down": (h, f)}
+    shapes["lm_head"] = (cfg.vocab_size, h)
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for b in batches:
+            x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
+            nbytes = w.numel() * 2
+            t = cuda_time(partial(F.linear, x, w))
+            r = {"name": name, "n": n, "k": k, "batch": b, "cublas_us": t * 1e6, "cublas_frac": nbytes / t / bw}
+            if b <= 8:
+                y = gemv(x, w)
+                err = (y.float() - F.linear(x, w).float()).abs().max().item()
+                tg = cuda_time(partial(gemv, x, w))
+                r.update(triton_us=tg * 1e6, triton_frac=nbytes / tg / bw, triton_err=err)
+            rows.append(r)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:llama3.1-8b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--kv-tokens", type=int, default=140_000)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+
+    from backends.common.runner import ModelRunner, Span
+
+    bw = measure_bandwidth()
+    L = [f"# Decode step profile ({torch.cuda.get_device_name()}, {a.model}, bf16, context {a.context})", ""]
+    L.append(f"Copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s.")
+    runner = ModelRunner(a.model, "bfloat16", "cuda", a.kv_tokens, max_batch=max(a.batches))
+    cfg = runner.cfg
+    for b in a.batches:
+        ctx = a.context
+        spans = [Span([1], ctx, list(range(i * (ctx + 1), (i + 1) * (ctx + 1))), f"p{b}-{i}") for i in range(b)]
+        split = host_split(runner, spans)
+        roof = (weight_bytes_read(cfg, 2) + kv_bytes_read(cfg, b, ctx + 1, 2)) / bw * 1e3
+        L += ["", f"## Batch {b}", ""]
+        L.append(f"roofline {roof:.3f} ms; graph {split['graph_ms']:.3f} ms ({split['graph_ms'] / roof:.2f}×); "
+                 f"whole step {split['step_ms']:.3f} ms ({split['step_ms'] / roof:.2f}×); host enqueue of a step "
+                 f"{split['enqueue_ms']:.3f} ms")  # fmt: skip
+        m = runner.model
+        bs = m.graph_sizes[[s >= b for s in m.graph_sizes].index(True)]
+        rows = kernel_breakdown(partial(m._decode_body, bs))
+        total = sum(r[1] for r in rows)
+        L += ["", f"Kernels of one step, eager (sum {total / 1e3:.3f} ms):", "", "| kernel | µs/step | launches |"]
+        L.append("|---|---|---|")
+        L += [f"| `{k}` | {us:.1f} | {n} |" for k, us, n in rows[:25]]
+        print("\n".join(L), flush=True)
+        for i in range(b):
+            runner.forget(f"p{b}-{i}")
+    del runner
+    torch.cuda.empty_cache()
+    L += ["", "## Projections: time and fraction of the copy bandwidth", ""]
+    L.append("| matrix | N×K | batch | cuBLAS µs | cuBLAS × copy BW | Triton GEMV µs | Triton × copy BW | max err |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for r in gemm_table(cfg, [1, 4, 64, 128], bw):
+        tri = (f"{r['triton_us']:.1f} | {r['triton_frac']:.2f} | {r['triton_err']:.3g}" if "triton_us" in r
+               else "- | - | -")  # fmt: skip
+        L.append(f"| {r['name']} | {r['n']}×{r['k']} | {r['batch']} | {r['cublas_us']:.1f} | "
+                 f"{r['cublas_frac']:.2f} | {tri} |")  # fmt: skip
+    text = "\n".join(L) + "\n"
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
