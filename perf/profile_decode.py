@@ -101,6 +101,7 @@ def gemm_table(cfg, batches, bw) -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:llama3.1-8b")
