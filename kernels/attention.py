@@ -5,8 +5,8 @@ that owns `row`. The pool for one layer is K[slot, kv_head, :] / V[slot, kv_head
 
 - `decode_attention`: one query token per sequence, grouped-query heads handled together (one program loads each
   K/V row once for every query head of its group), the context split into `num_splits` parts computed in parallel
-  and merged by log-sum-exp (split-KV, "flash-decoding"). The split count is fixed per call, so the launch is
-  graph-capturable while sequence lengths change.
+  and merged by log-sum-exp (split-KV, "flash-decoding") by whichever split finishes last, in the same kernel. The
+  split count is fixed per call, so the launch is graph-capturable while sequence lengths change.
 - `prefill_attention`: ragged query blocks (sequence i owns rows [q_start[i], q_start[i] + q_len[i])) over a context
   of ctx_len[i] keys whose last q_len[i] are the new tokens; causal, so a query at position p sees keys [0, p].
 """
@@ -21,13 +21,13 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(
-    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL,
+def _decode_kernel(
+    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t, stride_h,
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK_S: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -63,39 +63,36 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
 
-    nonempty = end > start
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    lse = tl.where(nonempty, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
-    tl.store(
-        MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-        out,
-        mask=mask_g[:, None],
-    )
-    tl.store(MidL + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    MidO, MidL, O, QIdx,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t, stride_h,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
-    mask_s = offs_s < NUM_SPLITS
-    lse = tl.load(MidL + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)
-    w = w / tl.sum(w, 0)
-    o = tl.load(
-        MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :], mask=mask_s[:, None]
-    )
-    o = tl.where(mask_s[:, None], o, 0.0)
-    res = tl.sum(o * w[:, None], 0)
-    qrow = tl.load(QIdx + b).to(tl.int64)
-    tl.store(O + qrow * stride_t + h * stride_h + offs_d, res.to(O.dtype.element_ty))
+    if NUM_SPLITS == 1:
+        o_ptr = O + qrow * stride_t + heads[:, None] * stride_h + offs_d[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_g[:, None])
+    else:
+        lse = tl.where(end > start, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+        tl.store(
+            MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+            out,
+            mask=mask_g[:, None],
+        )
+        tl.store(MidL + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+        # the last split to finish for this (sequence, kv head) merges all of them (no second kernel): every thread's
+        # stores are ordered before the counter's release by the barrier, as in CUTLASS's semaphore
+        tl.debug_barrier()
+        done = tl.atomic_add(Counter + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
+        if done == NUM_SPLITS - 1:
+            offs_s = tl.arange(0, BLOCK_S)
+            mask_s = offs_s < NUM_SPLITS
+            for g in tl.static_range(GROUP):
+                h = kvh * GROUP + g
+                ls = tl.load(MidL + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"),
+                             cache_modifier=".cg")  # fmt: skip
+                w = tl.exp2(ls - tl.max(ls, 0))
+                w = w / tl.sum(w, 0)
+                part = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                               mask=mask_s[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+                res = tl.sum(part * w[:, None], 0)
+                tl.store(O + qrow * stride_t + h * stride_h + offs_d, res.to(O.dtype.element_ty))
+            tl.store(Counter + b * tl.num_programs(1) + kvh, 0)  # ready for the next launch (graph replays)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -121,9 +118,12 @@ def decode_attention(
     q_idx: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
-    table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written."""
+    table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written.
+    counters: int32 zeros, at least B * Hkv of them, that the kernel leaves zeroed (pass a persistent buffer under
+    CUDA graphs; by default a fresh one)."""
     B = rows.shape[0]
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
@@ -133,21 +133,19 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q)
     splits = num_splits or default_splits(B, Hkv)
+    if counters is None:
+        counters = torch.zeros(B * Hkv, device=q.device, dtype=torch.int32)
+    assert counters.numel() >= B * Hkv
     mid_o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     mid_l = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
-    _decode_split_kernel[(B, Hkv, splits)](
-        q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l,
+    _decode_kernel[(B, Hkv, splits)](
+        q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l, out, counters,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
+        out.stride(0), out.stride(1),
         scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
-        PREC=_precision(q), num_warps=4, num_stages=2,
-    )  # fmt: skip
-    _decode_merge_kernel[(B, H)](
-        mid_o, mid_l, out, q_idx,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
-        out.stride(0), out.stride(1),
-        D=D, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), PREC=_precision(q), num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
 

@@ -61,7 +61,3 @@ def copy_kv(src, src_slots, dst, dst_slots):
 def silu_mul(gate_up):
     f = gate_up.shape[1] // 2
     return F.silu(gate_up[:, :f]) * gate_up[:, f:]
-
-
-def gemv(x, w):
-    return F.linear(x, w)

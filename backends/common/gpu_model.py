@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -173,12 +172,9 @@ class GpuLlama:
         max_ctx: int | None = None,
         graph_sizes: tuple[int, ...] | None = (1, 2, 4, 8, 16, 32, 64, 128, 256),
     ):
-        from kernels import act, attention, gemv, norm, rope
+        from kernels import act, attention, norm, rope
 
         self.k_attn, self.k_norm, self.k_rope, self.k_act = attention, norm, rope, act
-        self.k_gemv = gemv
-        # batches up to this size use the Triton GEMV instead of cuBLAS for the projections (0: never)
-        self.gemv_max_batch = int(os.environ.get("TRITON_PD_GEMV_MAX_BATCH", "0"))
         self.cfg, self.kv = cfg, kv
         emb = weights["model.embed_tokens.weight"]
         self.device, self.dtype = emb.device, emb.dtype
@@ -212,6 +208,9 @@ class GpuLlama:
         self.table = SlotTable(2 * max_batch + 1, self.max_ctx, scratch_slot, self.device)
         self.scratch_slot = scratch_slot
         self.max_batch = max_batch
+        # decode attention's per-(sequence, kv head) split counters; the kernel leaves them zeroed
+        self.attn_counters = torch.zeros(max(max_batch, *(graph_sizes or (1,))) * cfg.num_kv_heads, dtype=torch.int32,
+                                         device=self.device)  # fmt: skip
         self.uploader = _Uploader()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stats = {"graph_steps": 0, "eager_steps": 0}
@@ -220,11 +219,6 @@ class GpuLlama:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
 
     # ----- the layer stack, shared by the eager and the captured path -----
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if bias is None and x.shape[0] <= self.gemv_max_batch:
-            return self.k_gemv.gemv(x, w)
-        return F.linear(x, w, bias)
-
     def _layers(self, ids, positions, out_slots, attend) -> torch.Tensor:
         cfg = self.cfg
         T = ids.shape[0]
@@ -233,7 +227,7 @@ class GpuLlama:
         x = self.k_norm.add_rms_norm(h, None, self.layers[0]["ln1"], cfg.rms_norm_eps)
         attn = torch.empty(T, H, D, dtype=self.dtype, device=self.device)
         for i, L in enumerate(self.layers):
-            qkv = self._linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
+            qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             if L["q_norm"] is not None:
                 q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps).contiguous()
@@ -241,15 +235,15 @@ class GpuLlama:
             k_pool, v_pool = self.kv.k(i), self.kv.v(i)
             self.k_rope.rope_store_kv_(q, k, v, positions, self.cos, self.sin, k_pool, v_pool, out_slots)
             attend(q, k_pool, v_pool, attn)
-            o = self._linear(attn.view(T, H * D), L["o"])
+            o = F.linear(attn.view(T, H * D), L["o"])
             x = self.k_norm.add_rms_norm(o, h, L["ln2"], cfg.rms_norm_eps)
-            m = self._linear(self.k_act.silu_mul(self._linear(x, L["gate_up"])), L["down"])
+            m = F.linear(self.k_act.silu_mul(F.linear(x, L["gate_up"])), L["down"])
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
             x = self.k_norm.add_rms_norm(m, h, nxt, cfg.rms_norm_eps)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.lm_head).float()
+        return F.linear(x, self.lm_head).float()
 
     # ----- eager: any mix of prefill chunks and decode tokens -----
     @torch.inference_mode()
@@ -280,7 +274,10 @@ class GpuLlama:
 
         def attend(q, k_pool, v_pool, attn):
             if dec:
-                self.k_attn.decode_attention(q, k_pool, v_pool, table, d[7], d[8], self.scale, out=attn, q_idx=d[9])
+                ctr = self.attn_counters if len(dec) * self.cfg.num_kv_heads <= self.attn_counters.numel() else None
+                self.k_attn.decode_attention(
+                    q, k_pool, v_pool, table, d[7], d[8], self.scale, out=attn, q_idx=d[9], counters=ctr
+                )
             if pre:
                 self.k_attn.prefill_attention(
                     q, k_pool, v_pool, table, d[10], d[11], d[12], d[13], max_q, self.scale, out=attn
@@ -303,8 +300,9 @@ class GpuLlama:
 
         def attend(q, k_pool, v_pool, attn):
             self.k_attn.decode_attention(
-                q, k_pool, v_pool, table, inp[3], inp[4], self.scale, out=attn, q_idx=qidx, num_splits=splits
-            )
+                q, k_pool, v_pool, table, inp[3], inp[4], self.scale, out=attn, q_idx=qidx, num_splits=splits,
+                counters=self.attn_counters,
+            )  # fmt: skip
 
         x = self._layers(inp[0], inp[1], inp[2], attend)
         self.graph_logits[:bs] = self._logits(x)
