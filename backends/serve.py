@@ -86,7 +86,7 @@ def register(sub) -> None:
         choices=["pause", "restart"],
         default="pause",
         help="when decode runs out of KV: pause and recover (default), or end the segment and let master "
-        "re-submit prompt + text so far (the naive baseline, for comparisons)",
+        "re-submit prompt + generated ids, recomputed from scratch (the naive baseline, for comparisons)",
     )
     p.add_argument(
         "--pause-policy",

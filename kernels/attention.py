@@ -27,7 +27,7 @@ def _decode_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t, stride_h,
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,18 +80,23 @@ def _decode_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(Counter + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
         if done == NUM_SPLITS - 1:
+            # one load of every split's partial for the group's heads: [MERGE_G, BLOCK_S, D], from L2 (.cg: this SM
+            # may hold stale lines of these addresses from an earlier launch)
+            offs_mg = tl.arange(0, MERGE_G)
             offs_s = tl.arange(0, BLOCK_S)
-            mask_s = offs_s < NUM_SPLITS
-            for g in tl.static_range(GROUP):
-                h = kvh * GROUP + g
-                ls = tl.load(MidL + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"),
-                             cache_modifier=".cg")  # fmt: skip
-                w = tl.exp2(ls - tl.max(ls, 0))
-                w = w / tl.sum(w, 0)
-                part = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
-                               mask=mask_s[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                res = tl.sum(part * w[:, None], 0)
-                tl.store(O + qrow * stride_t + h * stride_h + offs_d, res.to(O.dtype.element_ty))
+            hm = kvh * GROUP + offs_mg
+            mask_gs = (offs_mg < GROUP)[:, None] & (offs_s < NUM_SPLITS)[None, :]
+            ls = tl.load(MidL + b * stride_lb + hm[:, None] * stride_lh + offs_s[None, :], mask=mask_gs,
+                         other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+            w = tl.exp2(ls - tl.max(ls, 1)[:, None])
+            w = w / tl.sum(w, 1)[:, None]
+            part = tl.load(
+                MidO + b * stride_ob + hm[:, None, None] * stride_oh + offs_s[None, :, None] * stride_os
+                + offs_d[None, None, :], mask=mask_gs[:, :, None], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            res = tl.sum(part * w[:, :, None], 1)
+            o_ptr = O + qrow * stride_t + hm[:, None] * stride_h + offs_d[None, :]
+            tl.store(o_ptr, res.to(O.dtype.element_ty), mask=(offs_mg < GROUP)[:, None])
             tl.store(Counter + b * tl.num_programs(1) + kvh, 0)  # ready for the next launch (graph replays)
 
 
@@ -101,9 +106,10 @@ def _precision(q: torch.Tensor) -> str:
 
 
 def default_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Enough (batch, kv head, split) programs for about two waves over the multiprocessors, at most 64 splits."""
+    """Enough (batch, kv head, split) programs for about two waves over the multiprocessors, at most 16 splits (the
+    last split merges them all in one load)."""
     want = max(1, (2 * num_sms + batch * num_kv_heads - 1) // (batch * num_kv_heads))
-    return min(64, 1 << (want - 1).bit_length())
+    return min(16, 1 << (want - 1).bit_length())
 
 
 def decode_attention(
@@ -145,7 +151,8 @@ def decode_attention(
         out.stride(0), out.stride(1),
         scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), PREC=_precision(q), num_warps=4, num_stages=2,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
 

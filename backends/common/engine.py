@@ -12,7 +12,7 @@ from .kv_pool import KVPool
 from .request import InferReq, ParamError, SamplingParams
 from .runner import ModelRunner, Span
 from .sampler import sample
-from .scheduler import ScheduledSpan, Scheduler
+from .scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -56,6 +56,16 @@ def sample_requests(logits: torch.Tensor, reqs: list[InferReq], eos_ids: list[in
         [len(r.output_ids) for r in reqs],
         [banned_ids(r, eos_ids) for r in reqs],
     ).tolist()
+
+
+def next_tokens(runner: ModelRunner, spans: list[Span], reqs: list[InferReq], eos_ids: list[int]) -> list[int]:
+    """The next token after each span (each span ends its request's tokens). A greedy batch with nothing banned
+    takes the decode graph's own argmax (`ModelRunner.greedy`); anything else samples from the logits."""
+    if all(r.params.temperature == 0 for r in reqs) and not any(banned_ids(r, eos_ids) for r in reqs):
+        tokens = runner.greedy(spans)
+        if tokens is not None:
+            return tokens
+    return sample_requests(runner.forward(spans), reqs, eos_ids)
 
 
 class Engine:
@@ -104,23 +114,23 @@ class Engine:
             if self.scheduler.has_work():
                 raise EngineError("KV pool too small: no request can make progress (raise --kv-tokens)")
             return []
-        logits = self.runner.forward(
-            [Span(s.req.token_slice(s.start, s.start + s.num_new), s.start, s.req.slots, s.req.rid) for s in plan]
-        )
-        self.num_steps += 1
-        return self._postprocess(plan, logits)
-
-    def _postprocess(self, plan: list[ScheduledSpan], logits: torch.Tensor) -> list[InferReq]:
+        spans = [Span(s.req.token_slice(s.start, s.start + s.num_new), s.start, s.req.slots, s.req.rid) for s in plan]
         rows = [i for i, s in enumerate(plan) if s.samples]
-        self.scheduler.after_forward(plan)
-        if not rows:
-            return []
         reqs = [plan[i].req for i in rows]
-        if len(rows) < len(plan):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+        eos = self.cfg.eos_token_ids
+        if len(rows) == len(plan):
+            tokens = next_tokens(self.runner, spans, reqs, eos)
+        else:  # some spans are prefill chunks that do not reach their request's end
+            logits = self.runner.forward(spans)
+            tokens = sample_requests(logits[torch.tensor(rows, device=logits.device)], reqs, eos) if rows else []
+        self.num_steps += 1
+        self.scheduler.after_forward(plan)
+        return self._postprocess(reqs, tokens)
+
+    def _postprocess(self, reqs: list[InferReq], tokens: list[int]) -> list[InferReq]:
         eos = self.cfg.eos_token_ids
         done = []
-        for req, token in zip(reqs, sample_requests(logits, reqs, eos)):
+        for req, token in zip(reqs, tokens):
             req.output_ids.append(token)
             reason = finish_reason(req, token, eos, self.max_context)
             if reason:

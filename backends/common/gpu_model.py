@@ -14,6 +14,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -108,49 +109,31 @@ class _Uploader:
         self.used = [False] * ring
         self.i = 0
 
-    def upload(self, parts: list[list[int]], device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Returns a device view per part. With `into` (a contiguous [k, n] device int32 tensor), the first k parts
-        (n values each) are copied straight into it and their views are its rows."""
-        k = into.shape[0] if into is not None else 0
+    def upload(self, parts: list[list[int]], device) -> list[torch.Tensor]:
+        """Returns a device int32 view per part."""
         if device.type != "cuda":  # Triton's interpreter on the CPU (tests without a GPU)
-            out = [torch.tensor(p, dtype=torch.int32) for p in parts]
-            if k:
-                into.copy_(torch.stack(out[:k]))
-                out[:k] = list(into)
-            return out
+            return [torch.tensor(p, dtype=torch.int32) for p in parts]
         i = self.i = (self.i + 1) % len(self.bufs)
         if self.used[i]:
             self.events[i].synchronize()
-        # the rest start 16-byte aligned: Triton specialises kernels on pointer alignment, and views at odd offsets
-        # would compile a new variant of each kernel for every alignment pattern
-        flat = [x for p in parts[:k] for x in p]
-        head = len(flat)
-        offsets = []
-        for p in parts[k:]:
+        # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, and views at odd
+        # offsets would compile a new variant of each kernel for every alignment pattern
+        flat, offsets = [], []
+        for p in parts:
             flat.extend([0] * (-len(flat) % 4))
-            offsets.append(len(flat) - head)
+            offsets.append(len(flat))
             flat.extend(p)
+        if not flat:
+            empty = torch.empty(0, dtype=torch.int32, device=device)
+            return [empty] * len(parts)
         if len(flat) > self.bufs[i].numel():
             self.bufs[i] = torch.empty(max(len(flat), 2 * self.bufs[i].numel()), dtype=torch.int32, pin_memory=True)
         host = self.bufs[i][: len(flat)]
-        if flat:
-            host.copy_(torch.tensor(flat, dtype=torch.int32))
-        if k:
-            into.view(-1).copy_(host[:head], non_blocking=True)
-        # the rest goes, from its first (aligned) part on, into a fresh device buffer, which is aligned itself
-        tail_start = min(head + (-head % 4), len(flat))
-        empty = torch.empty(0, dtype=torch.int32, device=device) if tail_start == len(flat) else None
-        dev = empty if empty is not None else host[tail_start:].to(device, non_blocking=True)
+        host.copy_(torch.tensor(flat, dtype=torch.int32))
+        dev = host.to(device, non_blocking=True)  # a fresh device buffer, aligned itself
         self.events[i].record()
         self.used[i] = True
-        out = list(into.unbind(0)) if k else []
-        for p, off in zip(parts[k:], offsets):
-            if empty is not None:
-                out.append(empty)
-                continue
-            o = head + off - tail_start
-            out.append(dev[o : o + len(p)])
-        return out
+        return [dev[o : o + len(p)] for p, o in zip(parts, offsets)]
 
 
 class _EagerGraph:
@@ -213,6 +196,7 @@ class GpuLlama:
                                          device=self.device)  # fmt: skip
         self.uploader = _Uploader()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pad_column = np.array([0, 0, scratch_slot, 0, 1], dtype=np.int32)  # ids, pos, out slot, row, length
         self.stats = {"graph_steps": 0, "eager_steps": 0}
         self.graph_sizes: list[int] = []
         if graph_sizes:
@@ -246,10 +230,25 @@ class GpuLlama:
         return F.linear(x, self.lm_head).float()
 
     # ----- eager: any mix of prefill chunks and decode tokens -----
+    def _graphable(self, spans) -> bool:
+        return bool(self.graphs) and len(spans) <= self.graph_sizes[-1] and all(len(s.token_ids) == 1 for s in spans)
+
+    @torch.inference_mode()
+    def greedy(self, spans) -> list[int] | None:
+        """The argmax token after each span, computed and copied back inside the decode graph (no separate argmax
+        launch, no extra copy); None when the batch is not a graph batch (the caller then uses `forward`)."""
+        if not self._graphable(spans):
+            return None
+        bs = self._decode_graph(spans)
+        if self.replayed is not None:
+            self.replayed.synchronize()
+        return self.host_tokens[bs][: len(spans)].tolist()
+
     @torch.inference_mode()
     def forward(self, spans) -> torch.Tensor:
-        if self.graphs and len(spans) <= self.graph_sizes[-1] and all(len(s.token_ids) == 1 for s in spans):
-            return self._decode_graph(spans)
+        if self._graphable(spans):
+            self._decode_graph(spans)
+            return self.graph_logits[: len(spans)]
         rows, wr, wc, ws = self.table.prepare(spans)
         ids, pos, out, q_start, q_len, ctx = [], [], [], [], [], []
         for s in spans:
@@ -294,6 +293,7 @@ class GpuLlama:
     # ----- CUDA graphs for decode -----
     def _decode_body(self, bs: int):
         inp = self.graph_inputs[bs]  # [5, bs] int32: ids, positions, out slots, table rows, sequence lengths
+        inp.copy_(self.host_inputs[bs], non_blocking=True)  # from pinned memory, a copy node of the graph
         splits = self.k_attn.default_splits(bs, self.cfg.num_kv_heads)
         table, qidx = self.table.table, self.qidx[:bs]
         table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot (padding rewrites the scratch entry)
@@ -305,7 +305,14 @@ class GpuLlama:
             )  # fmt: skip
 
         x = self._layers(inp[0], inp[1], inp[2], attend)
-        self.graph_logits[:bs] = self._logits(x)
+        self.graph_logits[:bs].copy_(self._logits(x))
+        self.host_tokens[bs].copy_(self._argmax(bs), non_blocking=True)
+
+    def _argmax(self, bs: int) -> torch.Tensor:
+        """int32 argmax of each of the first bs logits rows, the first index among equal maxima (as torch.argmax)."""
+        vals, idx = self._logits_padded[:bs].view(bs, 128, self.argmax_chunk).max(-1)
+        best = vals.argmax(-1, keepdim=True)  # the first chunk holding the maximum
+        return (best * self.argmax_chunk + idx.gather(1, best)).view(bs).to(torch.int32)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
@@ -314,13 +321,24 @@ class GpuLlama:
         n = max(sizes)
         dev = self.device
         self.qidx = torch.arange(n, dtype=torch.int32, device=dev)
-        self.graph_logits = torch.zeros(n, self.cfg.vocab_size, dtype=torch.float32, device=dev)
-        self.graph_inputs = {}
+        # logits rows padded with -inf to whole chunks for a two-stage argmax: torch's one-row argmax over the
+        # vocabulary runs in a single block (27 µs at batch 1 on an H200)
+        V = self.cfg.vocab_size
+        self.argmax_chunk = -(-V // 128)
+        padded = torch.full((n, 128 * self.argmax_chunk), float("-inf"), dtype=torch.float32, device=dev)
+        self.graph_logits = padded[:, :V]
+        self._logits_padded = padded
+        self.graph_inputs, self.host_inputs, self.host_tokens, self.host_view = {}, {}, {}, {}
+        pin = dev.type == "cuda"
         for bs in sizes:
-            inp = torch.zeros(5, bs, dtype=torch.int32, device=dev)
-            inp[2] = self.scratch_slot
-            inp[4] = 1
-            self.graph_inputs[bs] = inp
+            host = torch.zeros(5, bs, dtype=torch.int32, pin_memory=pin)
+            host[2] = self.scratch_slot
+            host[4] = 1
+            self.host_inputs[bs] = host
+            self.host_view[bs] = host.numpy()  # written in place before each replay
+            self.graph_inputs[bs] = host.to(dev)
+            self.host_tokens[bs] = torch.zeros(bs, dtype=torch.int32, pin_memory=pin)
+        self.replayed = torch.cuda.Event() if pin else None  # the last replay; host buffers are free after it
         if dev.type != "cuda":
             self.graphs = {bs: _EagerGraph(self._decode_body, bs) for bs in sizes}
             self.graph_sizes = sorted(self.graphs)
@@ -340,27 +358,30 @@ class GpuLlama:
         torch.cuda.synchronize()
         self.graph_sizes = sorted(self.graphs)
 
-    def _decode_graph(self, spans) -> torch.Tensor:
+    def _decode_graph(self, spans) -> int:
+        """Replays the graph of the smallest captured size >= len(spans); returns that size. Inputs go into the
+        graph's pinned host buffer (the graph copies them up itself); padding rows read and write the scratch slot
+        through table row 0."""
         B = len(spans)
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, B)]
         rows, wr, wc, ws = self.table.prepare(spans, skip_last=True)
-        pad = bs - B
-        # ids, positions, out slots, rows, lengths; padding rows read and write the scratch slot via table row 0
-        parts = [
-            [s.token_ids[0] for s in spans] + [0] * pad,
-            [s.start for s in spans] + [0] * pad,
-            [s.slots[s.start] for s in spans] + [self.scratch_slot] * pad,
-            rows + [0] * pad,
-            [s.start + 1 for s in spans] + [1] * pad,
-            wr,
-            wc,
-            ws,
-        ]
-        d = self.uploader.upload(parts, self.device, into=self.graph_inputs[bs])
-        self._apply_writes(*d[5:])
+        if self.replayed is not None:
+            self.replayed.synchronize()  # the previous replay has read the host buffer (it normally has)
+        h = self.host_view[bs]
+        h[0, :B] = [s.token_ids[0] for s in spans]
+        h[1, :B] = [s.start for s in spans]
+        h[2, :B] = [s.slots[s.start] for s in spans]
+        h[3, :B] = rows
+        h[4, :B] = [s.start + 1 for s in spans]
+        if B < bs:
+            h[:, B:] = self._pad_column[:, None]
+        if wr:  # rows new to the table, or whose slot lists changed
+            self._apply_writes(*self.uploader.upload([wr, wc, ws], self.device))
         self.graphs[bs].replay()
+        if self.replayed is not None:
+            self.replayed.record()
         self.stats["graph_steps"] += 1
-        return self.graph_logits[:B]
+        return bs
 
     def forget(self, key) -> None:
         self.table.forget(key)

@@ -122,6 +122,10 @@ class ModelRunner:
             return self.model.forward(spans)
         return self.model.forward(self.build_batch(spans), self.kv)
 
+    def greedy(self, spans: list[Span]) -> list[int] | None:
+        """The argmax token after each span when the GPU path can produce it inside a decode graph, else None."""
+        return self.model.greedy(spans) if self.backend == "triton" else None
+
     def forget(self, key) -> None:
         """The request `key` is done: the GPU path may reuse its slot-table row (it would evict it anyway)."""
         if self.backend == "triton":

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from backends.common import triton_io as tio
-from backends.common.engine import finish_reason, sample_requests
+from backends.common.engine import finish_reason, next_tokens
 from backends.common.kv_handoff import export_handle
 from backends.common.kv_pool import KVPool
 from backends.common.mailbox import Mailbox
@@ -232,8 +232,7 @@ class DecodeModel:
 
     def _decode_step(self, reqs: list[InferReq]) -> None:
         spans = [Span([r.all_ids[-1]], r.num_tokens - 1, r.slots, r.rid) for r in reqs]
-        logits = self.runner.forward(spans)
-        for req, token in zip(reqs, sample_requests(logits, reqs, self.eos)):
+        for req, token in zip(reqs, next_tokens(self.runner, spans, reqs, self.eos)):
             self.sched.after_decode(req, token)
             self._after_token(req, token)
 

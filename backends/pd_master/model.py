@@ -245,12 +245,10 @@ class MasterModel:
                     raise RuntimeError("decode closed the stream without a final response")
             if req.abort_reason and finish is None:
                 return  # the watchdog already answered the client (cancel or deadline)
-            if finish is None:  # restart: end of segment; re-submit prompt + text so far, re-tokenised
+            if finish is None:  # restart: end of segment; re-submit prompt + generated ids, all recomputed
                 self.m_restarts.increment(1)
                 segment += 1
-                text_so_far = "".join(text_parts)
-                base = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(req.prompt_ids)
-                prompt_ids = self.tokenizer.encode(base + text_so_far)
+                prompt_ids = req.prompt_ids + all_ids
                 left = req.params.max_tokens - len(all_ids)
                 if left <= 0 or len(prompt_ids) >= self.max_context:
                     finish = "length"

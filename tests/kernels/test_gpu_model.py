@@ -99,13 +99,19 @@ def test_decode_graphs_match_reference():
         ids = torch.randint(0, cfg.vocab_size, (30 + 13 * i,), generator=gen).tolist()
         seqs.append({"key": f"s{i}", "ids": ids, "slots": list(range(i * 200, i * 200 + len(ids))), "n": 20 + 13 * i})
     close(*run_both(r, gpu, [Span(s["ids"][: s["n"]], 0, s["slots"][: s["n"]], s["key"]) for s in seqs]))
-    for bsz in (1, 3, 7, 5, 2, 7, 4):
+    for i, bsz in enumerate((1, 3, 7, 5, 2, 7, 4)):
         spans = []
         for s in seqs[:bsz]:
             n = s["n"]
             spans.append(Span([s["ids"][n]], n, s["slots"], s["key"]))  # one list object: incremental rows
             s["n"] += 1
-        close(*run_both(r, gpu, spans))
+        if i % 2:
+            close(*run_both(r, gpu, spans))
+        else:  # the graph's own argmax, copied back inside the graph, against its logits and the reference's
+            tokens = gpu.greedy(spans)
+            logits = gpu.graph_logits[:bsz]
+            assert tokens == logits.argmax(-1).tolist()
+            close(r.forward(spans), logits)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine's GPU path needs a GPU")
@@ -134,3 +140,17 @@ def test_engine_tokens_are_reference_argmax():
             logits = r.forward([Span(seq[: j + 1], 0, list(range(j + 1)))])[0]
             tok = o.output_ids[j - len(p) + 1]
             assert logits[tok] >= logits.max() - 1e-3, (j, tok, int(logits.argmax()))
+
+
+def test_graph_argmax_takes_the_first_maximum():
+    """The decode graph's two-stage argmax (chunk maxima, then the best chunk) equals torch.argmax, ties included."""
+    cfg = tiny()
+    _, _, gpu, _ = pair(cfg, graphs=(1, 2, 4))
+    V = cfg.vocab_size
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    logits[1, [7, V - 3]] = 50.0  # equal maxima in different chunks
+    logits[2, [0, 1]] = 50.0  # equal maxima in one chunk
+    logits[3, V - 1] = 50.0  # the last real column, next to the -inf padding
+    with torch.inference_mode():
+        gpu.graph_logits[:4] = logits
+    assert gpu._argmax(4).tolist() == logits.argmax(-1).tolist() == [int(logits[0].argmax()), 7, 0, V - 1]

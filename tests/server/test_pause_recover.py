@@ -115,3 +115,24 @@ def test_prefill_recovery_epoch_3_still_exact(forced, expected):
     assert forced.metric("pd_stale_messages_total") >= forced.metric("pd_recoveries_total", path="prefill")
     assert forced.metric("pd_prefill_jobs_total", kind="recovery") >= 3
     assert forced.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
+
+
+def test_restart_baseline_resubmits_ids_and_loses_nothing(expected):
+    """--on-decode-oom restart (the comparison baseline): a segment that runs out of KV ends, and master re-submits
+    prompt + generated ids. Answers stay whole; greedy ones equal the offline engine's (ids are never re-tokenised,
+    so the recomputed context is exactly the one decode lost)."""
+    prompts, want = expected
+    s = Server("--kv-tokens", "1024", "--on-decode-oom", "restart", name="restart")
+    try:
+        results = run_streams(s, prompts)
+        for i, (res, exp) in enumerate(zip(results, want)):
+            assert res.error is None, res.error
+            assert res.finish_reason == "length"
+            assert len(res.ids) == N_OUT
+            if params(i)["temperature"] == 0:
+                assert res.ids == exp, f"greedy stream {i} differs from the offline engine after restarts"
+        assert s.metric("pd_restarts_total") > 0
+        assert s.metric("pd_pauses_total") == 0
+        s.assert_released(timeout=10)
+    finally:
+        s.stop()
