@@ -169,3 +169,7 @@ SHAPES: dict[str, ModelConfig] = {
     ),
 }
 SHAPES["llama3.1-8b"] = SHAPES["llama3-8b"]
+SHAPES["tiny-test"] = ModelConfig(
+    vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+    max_position_embeddings=4096, rope_theta=10000.0, eos_token_ids=[2],
+)  # fmt: skip

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,14 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 def pick_backend(backend: str, device: torch.device) -> str:
-    """auto: the Triton kernels with CUDA graphs on a CUDA device when triton imports, else plain PyTorch."""
+    """auto: the Triton kernels with CUDA graphs on a CUDA device when triton imports, else plain PyTorch. The
+    environment variable TRITON_PD_BACKEND overrides the argument (for every model of a server); with
+    TRITON_INTERPRET=1, `triton` also runs on the CPU, through Triton's interpreter (debugging without a GPU)."""
+    backend = os.environ.get("TRITON_PD_BACKEND", backend)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return "triton"
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
     import kernels
