@@ -11,17 +11,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(base, stride_h, nh, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+def _rotate(src, stride_h, dst, dst_stride_h, nh, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Rotate nh heads at src (stride_h apart) into dst (dst_stride_h apart); dst may be src (in place)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < nh)[:, None]
-    p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+    p1 = src + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
     y1 = x1.to(tl.float32) * c - x2.to(tl.float32) * s
     y2 = x2.to(tl.float32) * c + x1.to(tl.float32) * s
-    tl.store(p1, y1.to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, y2.to(x1.dtype), mask=mask)
+    d1 = dst + offs_h[:, None] * dst_stride_h + offs_d[None, :]
+    tl.store(d1, y1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(d1 + HALF, y2.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -34,24 +36,8 @@ def _rope_kernel(
     offs_d = tl.arange(0, HALF)
     c = tl.load(Cos + pos * stride_c + offs_d)[None, :]
     s = tl.load(Sin + pos * stride_c + offs_d)[None, :]
-    _rotate(Q + t * stride_qt, stride_qh, HQ, c, s, BLOCK_H, HALF)
-    _rotate(K + t * stride_kt, stride_kh, HK, c, s, BLOCK_H, HALF)
-
-
-@triton.jit
-def _rotate_into(src, stride_h, dst, nh, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    """Rotate nh heads at src (stride_h apart) and write them contiguously at dst ([nh, 2 * HALF])."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HALF)
-    mask = (offs_h < nh)[:, None]
-    p1 = src + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    y1 = x1.to(tl.float32) * c - x2.to(tl.float32) * s
-    y2 = x2.to(tl.float32) * c + x1.to(tl.float32) * s
-    d1 = dst + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(d1, y1.to(dst.dtype.element_ty), mask=mask)
-    tl.store(d1 + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+    _rotate(Q + t * stride_qt, stride_qh, Q + t * stride_qt, stride_qh, HQ, c, s, BLOCK_H, HALF)
+    _rotate(K + t * stride_kt, stride_kh, K + t * stride_kt, stride_kh, HK, c, s, BLOCK_H, HALF)
 
 
 @triton.jit
@@ -66,8 +52,8 @@ def _rope_store_kernel(
     offs_d = tl.arange(0, HALF)
     c = tl.load(Cos + pos * stride_c + offs_d)[None, :]
     s = tl.load(Sin + pos * stride_c + offs_d)[None, :]
-    _rotate(Q + t * stride_qt, stride_qh, HQ, c, s, BLOCK_H, HALF)
-    _rotate_into(K + t * stride_kt, stride_kh, KP + slot * stride_ps, HK, c, s, BLOCK_H, HALF)
+    _rotate(Q + t * stride_qt, stride_qh, Q + t * stride_qt, stride_qh, HQ, c, s, BLOCK_H, HALF)
+    _rotate(K + t * stride_kt, stride_kh, KP + slot * stride_ps, 2 * HALF, HK, c, s, BLOCK_H, HALF)
     offs = tl.arange(0, BLOCK_V)
     mask = offs < HK * 2 * HALF
     tl.store(VP + slot * stride_ps + offs, tl.load(V + t * stride_vt + offs, mask=mask), mask=mask)
