@@ -319,10 +319,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         f"--backend-config=python,shm-default-byte-size={a.shm_mb << 20}",
         "--backend-config=python,shm-growth-byte-size=67108864",
         # One thread of this pool (per model instance, in tritonserver) is held by every BLS call until its first
-        # response, and the same pool sends every decoupled response. Master holds one decode stream per request
-        # in flight, so a pool smaller than that starves master's sends to clients: with the default (32),
-        # 200 concurrent streams stalled every answer until some finished.
-        f"--backend-config=python,thread-pool-size={a.max_inflight + 64}",
+        # response, and the same pool sends every decoupled response. Master holds at most --max-streams decode
+        # streams, so a pool smaller than that starves master's sends to clients: with the default (32), 200
+        # concurrent streams stalled every answer until some finished. A pool of --max-inflight + 64 (1088
+        # threads) let 200 clients on 2 cores crash tritonserver (boost::interprocess::lock_exception).
+        f"--backend-config=python,thread-pool-size={a.max_streams + 64}",
     ]
     log_path = workdir / "tritonserver.log"
     print(
