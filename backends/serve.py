@@ -72,7 +72,8 @@ def register(sub) -> None:
         type=int,
         default=64,
         help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT "
-        "and in the deadline). Keep it moderate: with ~120 concurrent streams master's stub crashed in Triton 2.51",
+        "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Keep it moderate: with "
+        "120-200 concurrent streams master's stub has crashed in Triton 2.51 (README, operating notes)",
     )
     p.add_argument(
         "--request-timeout",
