@@ -231,11 +231,14 @@ class MasterModel:
                     (self.m_ttft if last == req.started else self.m_itl).observe(now - last)
                     last = now
                 text_parts.append(delta)
-                if reason == "restart":
-                    break
-                final = bool(reason)
+                # decode's sender merges what is pending for a stream, so a segment's last tokens can arrive in
+                # the same response as its "restart": they go to the client before the segment ends
+                restart = reason == "restart"
+                final = bool(reason) and not restart
                 if req.stream and (new_ids or final):
                     self._send(req, delta, new_ids, reason if final else None, len(all_ids), final)
+                if restart:
+                    break
                 if final:
                     finish = reason
                     if stops.stopped:
