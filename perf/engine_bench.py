@@ -66,6 +66,19 @@ def kv_bytes_read(cfg, batch: int, ctx: int, dtype_size: int) -> int:
     return dtype_size * batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
 
 
+def cuda_time(fn, reps: int = 50) -> float:
+    """Seconds per call, CUDA events around `reps` back-to-back calls (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps / 1e3
+
+
 def engine_step(runner, spans) -> list[int]:
     """What the engine does for a greedy decode batch: the graph's own argmax when it can, else logits + argmax."""
     tokens = runner.greedy(spans)
@@ -82,16 +95,8 @@ def ours_decode_steps(engine, batches, ctx, bw):
         spans = [Span([1], ctx, list(range(i * (ctx + 1), (i + 1) * (ctx + 1))), f"bench{b}-{i}") for i in range(b)]
         for _ in range(3):
             engine_step(runner, spans)
-        torch.cuda.synchronize()
-        graph = runner.model.graphs[runner.model.graph_sizes[[s >= b for s in runner.model.graph_sizes].index(True)]]
         reps = 50
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        t_graph = s.elapsed_time(e) / reps / 1e3
+        t_graph = cuda_time(runner.model.graphs[runner.model.graph_size(b)].replay, reps)
         t0 = time.perf_counter()
         for _ in range(reps):
             engine_step(runner, spans)

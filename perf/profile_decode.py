@@ -19,20 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.engine_bench import kv_bytes_read, measure_bandwidth, weight_bytes_read  # noqa: E402
-
-
-def cuda_time(fn, reps: int = 50) -> float:
-    """Seconds per call, CUDA events around `reps` back-to-back calls."""
-    for _ in range(3):
-        fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps / 1e3
+from perf.engine_bench import cuda_time, kv_bytes_read, measure_bandwidth, weight_bytes_read  # noqa: E402
 
 
 def kernel_breakdown(fn, reps: int = 10) -> list[tuple[str, float, int]]:
@@ -63,7 +50,7 @@ def host_split(runner, spans, reps: int = 30) -> dict:
     from perf.engine_bench import engine_step
 
     m = runner.model
-    bs = m.graph_sizes[[s >= len(spans) for s in m.graph_sizes].index(True)]
+    bs = m.graph_size(len(spans))
     t_graph = cuda_time(m.graphs[bs].replay, reps)
     for _ in range(3):
         engine_step(runner, spans)
@@ -134,7 +121,7 @@ def main(argv=None) -> int:
             f"inputs + graph launch {split['launch_ms']:.3f} ms, tokens back {split['tail_ms']:.3f} ms"
         )
         m = runner.model
-        bs = m.graph_sizes[[s >= b for s in m.graph_sizes].index(True)]
+        bs = m.graph_size(b)
         rows = kernel_breakdown(partial(m._decode_body, bs))
         total = sum(r[1] for r in rows)
         L += ["", f"Kernels of one step, eager (sum {total / 1e3:.3f} ms):", "", "| kernel | µs/step | launches |"]

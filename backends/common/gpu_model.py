@@ -106,7 +106,6 @@ class _Uploader:
     def __init__(self, n: int = 1 << 16, ring: int = 3):
         self.bufs = [torch.empty(n, dtype=torch.int32, pin_memory=torch.cuda.is_available()) for _ in range(ring)]
         self.events = [torch.cuda.Event() if torch.cuda.is_available() else None for _ in range(ring)]
-        self.used = [False] * ring
         self.i = 0
 
     def upload(self, parts: list[list[int]], device) -> list[torch.Tensor]:
@@ -114,8 +113,7 @@ class _Uploader:
         if device.type != "cuda":  # Triton's interpreter on the CPU (tests without a GPU)
             return [torch.tensor(p, dtype=torch.int32) for p in parts]
         i = self.i = (self.i + 1) % len(self.bufs)
-        if self.used[i]:
-            self.events[i].synchronize()
+        self.events[i].synchronize()  # returns at once for an event never recorded
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, and views at odd
         # offsets would compile a new variant of each kernel for every alignment pattern
         flat, offsets = [], []
@@ -132,7 +130,6 @@ class _Uploader:
         host.copy_(torch.tensor(flat, dtype=torch.int32))
         dev = host.to(device, non_blocking=True)  # a fresh device buffer, aligned itself
         self.events[i].record()
-        self.used[i] = True
         return [dev[o : o + len(p)] for p, o in zip(parts, offsets)]
 
 
@@ -192,8 +189,8 @@ class GpuLlama:
         self.scratch_slot = scratch_slot
         self.max_batch = max_batch
         # decode attention's per-(sequence, kv head) split counters; the kernel leaves them zeroed
-        self.attn_counters = torch.zeros(max(max_batch, *(graph_sizes or (1,))) * cfg.num_kv_heads, dtype=torch.int32,
-                                         device=self.device)  # fmt: skip
+        # (graphs are captured for batches up to max_batch; a larger eager batch gets fresh counters)
+        self.attn_counters = torch.zeros(max_batch * cfg.num_kv_heads, dtype=torch.int32, device=self.device)
         self.uploader = _Uploader()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pad_column = np.array([0, 0, scratch_slot, 0, 1], dtype=np.int32)  # ids, pos, out slot, row, length
@@ -358,12 +355,15 @@ class GpuLlama:
         torch.cuda.synchronize()
         self.graph_sizes = sorted(self.graphs)
 
+    def graph_size(self, batch: int) -> int:
+        """The captured batch size a decode batch of `batch` sequences replays: the smallest one >= batch."""
+        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, batch)]
+
     def _decode_graph(self, spans) -> int:
-        """Replays the graph of the smallest captured size >= len(spans); returns that size. Inputs go into the
-        graph's pinned host buffer (the graph copies them up itself); padding rows read and write the scratch slot
-        through table row 0."""
+        """Replays the graph of `graph_size(len(spans))`; returns that size. Inputs go into the graph's pinned host
+        buffer (the graph copies them up itself); padding rows read and write the scratch slot through table row 0."""
         B = len(spans)
-        bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, B)]
+        bs = self.graph_size(B)
         rows, wr, wc, ws = self.table.prepare(spans, skip_last=True)
         if self.replayed is not None:
             self.replayed.synchronize()  # the previous replay has read the host buffer (it normally has)
