@@ -61,7 +61,11 @@ class StreamClient:
         while r.finish_reason is None and r.error is None:
             if until_tokens is not None and len(r.ids) >= until_tokens:
                 break
-            res, err = self.q.get(timeout=timeout)
+            try:
+                res, err = self.q.get(timeout=timeout)
+            except queue.Empty:
+                r.error = f"no response from the server for {timeout:.0f} s"
+                break
             if err is not None:
                 r.error = f"{err.status()}: {err.message()}"
                 break
@@ -88,12 +92,19 @@ class StreamClient:
         self.client.close()
 
 
-def grpc_generate(url: str, **kw) -> Result:
+def grpc_generate(url: str, timeout: float = 300, **kw) -> Result:
     c = StreamClient(url, **kw)
+    done = False
     try:
-        return c.read()
+        r = c.read(timeout=timeout)
+        done = r.finish_reason is not None
+        return r
     finally:
-        c.close()
+        # a plain close waits for the server to end the stream; one that is stuck would hang the caller for ever
+        if done:
+            c.close()
+        else:
+            c.cancel()
 
 
 def http_post(url: str, path: str, body: dict) -> tuple[int, str]:

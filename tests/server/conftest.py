@@ -29,7 +29,10 @@ def free_ports(n: int) -> list[int]:
 
 
 class Server:
+    live: list[Server] = []  # started and not yet stopped: their logs go into a failing test's report
+
     def __init__(self, *extra: str, env: dict | None = None, name: str = "server"):
+        self.name = name
         self.http, self.grpc, self.metrics = free_ports(3)
         self.workdir = ROOT / ".run" / f"test-{name}-{self.http}"
         cmd = [
@@ -57,6 +60,7 @@ class Server:
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
+        Server.live.append(self)
         self._wait()
 
     @property
@@ -124,7 +128,18 @@ class Server:
         except Exception:
             return False
 
+    def log_tail(self, chars: int = 4000) -> str:
+        parts = []
+        for path in (Path(self.log.name), self.workdir / "tritonserver.log"):
+            try:
+                parts.append(f"--- {path}\n{path.read_text(errors='replace')[-chars:]}")
+            except OSError as e:
+                parts.append(f"--- {path}: {e}")
+        return "\n".join(parts)
+
     def stop(self) -> None:
+        if self in Server.live:
+            Server.live.remove(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -132,6 +147,16 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing (or timed-out) server test reports the tail of every running server's logs."""
+    report = yield
+    if report.failed:
+        for srv in Server.live:
+            report.sections.append((f"server {srv.name} logs", srv.log_tail()))
+    return report
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def start_streams(server, n: int, max_tokens: int, repeat: int = 12) -> tuple[li
             params={"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
         )
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     return threads, results

@@ -61,7 +61,7 @@ def run_streams(server, prompts, n_out: int = N_OUT) -> list:
     def go(i):
         results[i] = grpc_generate(server.grpc_url, ids=prompts[i], params=params(i, n_out))
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:

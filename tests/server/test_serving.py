@@ -41,7 +41,7 @@ def test_eight_concurrent_streams_equal_offline_engine(server, engine):
     def run(i):
         results[i] = grpc_generate(server.grpc_url, text=PROMPTS[i], params=greedy(n))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
     for t in threads:
