@@ -58,6 +58,13 @@ def register(sub) -> None:
         help="prefill's own KV pool (its prefix cache) in tokens (default: max(8192, 2 x context) on "
         "CPU, 131072 on GPU)",
     )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="torch threads of each prefill and decode instance (default: the usable cores divided among the "
+        "instances, at least 1; more threads than cores between them make each step many times slower)",
+    )
     p.add_argument("--max-batch", type=int, default=256, help="decode: requests decoded together at most")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill: chunk size in tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prefill: tokens per forward pass at most")
@@ -196,6 +203,16 @@ def instance_groups(count: int, gpu: bool, gpus: str, available: int | None = No
     return ", ".join(f"{{ count: {n} kind: KIND_GPU gpus: [ {g} ] }}" for g, n in per.items() if n)
 
 
+def cpu_threads_per_instance(instances: int) -> int:
+    """The cores this process may use, shared among the compute instances (prefill and decode run at the same
+    time; torch's OpenMP threads spin at every barrier, so oversubscribed cores slow each step several-fold)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, instances))
+
+
 def gpu_count() -> int:
     try:
         import torch
@@ -270,6 +287,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.request_timeout is not None
         else float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
     )
+    cpu_threads = a.cpu_threads or cpu_threads_per_instance(a.prefill_instances + a.decode_instances)
     values = {
         "PROJECT_ROOT": str(PROJECT_ROOT),
         "MODEL": a.model,
@@ -280,6 +298,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         "KV_TOKENS": str(kv_tokens),
         "PREFILL_KV_TOKENS": str(prefill_kv),
         "MAX_BATCH": str(a.max_batch),
+        "CPU_THREADS": str(cpu_threads),
         "CHUNK_SIZE": str(a.chunk_size),
         "MAX_PREFILL_TOKENS": str(a.max_prefill_tokens),
         "MAX_INFLIGHT": str(a.max_inflight),
@@ -330,7 +349,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(
         f"[triton-pd] model {a.model} ({dtype}, {'GPU' if gpu else 'CPU'}), {a.prefill_instances} prefill + "
         f"{a.decode_instances} decode instance(s), decode KV pool {kv_tokens} tokens, on_decode_oom="
-        f"{a.on_decode_oom}",
+        f"{a.on_decode_oom}, {cpu_threads} CPU thread(s) per instance",
         flush=True,
     )
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)

@@ -1,10 +1,18 @@
-"""Instance placement across GPUs (pure Python): the instance_group entries `triton-pd serve` renders."""
+"""Instance placement (pure Python): the instance_group entries `triton-pd serve` renders across GPUs, and the
+CPU threads each compute instance gets."""
 
 from __future__ import annotations
 
-import pytest
+import os
+from pathlib import Path
 
-from backends.serve import instance_groups, parse_gpus
+import pytest
+import torch
+
+from backends.common.runner import set_cpu_threads
+from backends.serve import cpu_threads_per_instance, instance_groups, parse_gpus
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_two_prefill_one_decode_on_three_gpus():
@@ -30,3 +38,26 @@ def test_bad_gpu_lists_name_the_flag(gpus, available, needle):
     with pytest.raises(SystemExit) as e:
         parse_gpus(gpus, available, "--prefill-gpus")
     assert "--prefill-gpus" in str(e.value) and needle in str(e.value)
+
+
+def test_cpu_threads_divide_the_usable_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_threads_per_instance(2) == 4  # 1 prefill + 1 decode on 8 cores
+    assert cpu_threads_per_instance(3) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert cpu_threads_per_instance(2) == 1  # the CI machine: never 2 + 2 threads on 2 cores
+    assert cpu_threads_per_instance(5) == 1
+
+
+@pytest.mark.parametrize("model", ["pd_prefill", "pd_decode"])
+def test_compute_instances_take_their_thread_count(model):
+    config = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
+    assert '{ key: "cpu_threads" value: { string_value: "${CPU_THREADS}" } }' in config
+    before = torch.get_num_threads()
+    try:
+        set_cpu_threads({"cpu_threads": "1"})
+        assert torch.get_num_threads() == 1
+        set_cpu_threads({})  # absent: unchanged
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -17,7 +17,7 @@ from backends.common.kv_pool import KVPool
 from backends.common.mailbox import Mailbox
 from backends.common.metrics import Metrics
 from backends.common.request import InferReq, ParamError, ReqState, SamplingParams
-from backends.common.runner import ModelRunner, Span
+from backends.common.runner import ModelRunner, Span, set_cpu_threads
 from backends.common.streaming import Item, Stream, StreamSender
 
 from .scheduler import DecodeScheduler, TransferJob
@@ -26,6 +26,7 @@ from .scheduler import DecodeScheduler, TransferJob
 class DecodeModel:
     def __init__(self, args: dict):
         p = tio.model_params(args)
+        set_cpu_threads(p)
         self.instance = args.get("model_instance_name", "pd_decode")
         gpu = args.get("model_instance_kind") == "GPU"
         device = f"cuda:{args.get('model_instance_device_id', 0)}" if gpu else "cpu"

@@ -14,6 +14,7 @@ from backends.common.engine import Engine
 from backends.common.kv_handoff import HandoffCache, copy_rows
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
+from backends.common.runner import set_cpu_threads
 
 
 class PrefillJob:
@@ -38,6 +39,7 @@ class PrefillJob:
 class PrefillModel:
     def __init__(self, args: dict):
         p = tio.model_params(args)
+        set_cpu_threads(p)
         device = "cuda" if args.get("model_instance_kind") == "GPU" else "cpu"
         if device == "cuda":
             import torch
