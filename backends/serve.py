@@ -19,6 +19,7 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("pd_master", "pd_decode", "pd_prefill")
+EXIT_TIMEOUT_S = 20  # tritonserver --exit-timeout-secs: how long its shutdown waits for requests in flight
 
 
 def register(sub) -> None:
@@ -332,7 +333,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         "--allow-metrics=true",
         "--exit-on-error=true",
         "--strict-readiness=true",
-        "--exit-timeout-secs=20",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         f"--log-verbose={a.log_verbose}",
         # a pool large enough not to grow under load (growth of the Python backend's pool under concurrent BLS
         # traffic is where 2.51 has crashed for us); tensors are small, so this is address space, not RAM
@@ -385,18 +386,68 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
                 flush=True,
             )
-        rc = proc.wait()
+        master_stub = stub_pid(proc.pid, "pd_master_0_0") if not stopping else None
+        master_died, kill_at = False, None
+        while True:
+            try:
+                rc = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if kill_at is not None and time.monotonic() > kill_at:
+                _signal_group(proc, signal.SIGKILL)  # its shutdown waits for requests the dead stub will never end
+            if master_stub is not None and not stopping and not master_died and not process_alive(master_stub):
+                # Triton 2.51 neither restarts a dead Python stub nor fails the requests it held: every client
+                # stream through master would hang. Stop, so that clients see an error and a supervisor restarts us.
+                master_died = True
+                print(
+                    f"[triton-pd] pd_master's stub (pid {master_stub}) died and Triton does not restart it: "
+                    f"stopping the server (see {log_path})",
+                    flush=True,
+                )
+                _signal_group(proc, signal.SIGTERM, group=False)
+                kill_at = time.monotonic() + EXIT_TIMEOUT_S + 10
     finally:
         if proc.poll() is None:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
         _signal_group(proc, signal.SIGKILL)  # stub processes left behind by a crash
         cleanup(deployment, mailbox)
+    if master_died:
+        print(f"triton-pd: error: pd_master's stub died (see {log_path})", file=sys.stderr)
+        return 1
     if stopping:
         print("[triton-pd] stopped", flush=True)
         return 0
     print(f"triton-pd: error: tritonserver exited with status {rc} (see {log_path})", file=sys.stderr)
     return 1
+
+
+def stub_pid(server_pid: int, instance: str) -> int | None:
+    """The pid of the Python stub tritonserver `server_pid` runs for model instance `instance` (from /proc)."""
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) != server_pid:  # the parent pid
+                continue
+            with open(stat[: -len("stat")] + "cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if instance.encode() in argv and any(a.endswith(b"triton_python_backend_stub") for a in argv):
+            return int(stat.split("/")[2])
+    return None
+
+
+def process_alive(pid: int) -> bool:
+    """False once the process is gone or a zombie (tritonserver does not reap a stub that died)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _signal_group(proc: subprocess.Popen, sig: int, group: bool = True) -> None:

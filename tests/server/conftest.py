@@ -146,6 +146,9 @@ class Server:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        # tritonserver runs in its own session: if the launcher could not stop it, nothing else will, and a client
+        # stream it still holds open keeps this test process from exiting
+        subprocess.run(["pkill", "-KILL", "-f", f"{self.workdir}/"], capture_output=True)
         self.log.close()
 
 

@@ -1,4 +1,4 @@
-"""Deadline expiry during a pause, and a prefill instance killed during recovery."""
+"""Deadline expiry during a pause, a prefill instance killed during recovery, and master's stub killed."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.server.client import grpc_generate
+from tests.server.client import StreamClient, grpc_generate
 from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -106,5 +107,26 @@ def test_prefill_killed_during_recovery():
         assert again.error is not None and "pd_prefill" in again.error and "not healthy" in again.error
         s.assert_released(timeout=5.0)
         assert s.metric("pd_master_inflight_requests") == 0
+    finally:
+        s.stop()
+
+
+def test_master_stub_death_stops_the_server():
+    """Triton 2.51 neither restarts a dead stub nor fails what it held: with master gone every client stream would
+    hang. The launcher notices, stops tritonserver and exits non-zero; the open stream ends with an error."""
+    s = Server("--kv-tokens", "1024", name="killmaster")
+    try:
+        c = StreamClient(s.grpc_url, text=long_prompt(0, 2), params={"max_tokens": 400, "ignore_eos": True})
+        assert c.read(until_tokens=2, timeout=60).error is None
+        out = subprocess.run(["pgrep", "-f", f"{s.workdir}/models/pd_master/"], capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split()]
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        assert s.proc.wait(timeout=90) == 1
+        log = Path(s.log.name).read_text()
+        assert f"pd_master's stub (pid {pids[0]}) died" in log, log[-2000:]
+        r = c.read(timeout=30)
+        assert r.error is not None and r.finish_reason is None and len(r.ids) < 400
+        c.cancel()
     finally:
         s.stop()
