@@ -370,6 +370,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    stubs: dict[str, tuple[int, str]] = {}
     try:
         wait_ready(proc, a.http_port, a.ready_timeout, log_path, stopping)
         if not stopping:
@@ -386,7 +387,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
                 flush=True,
             )
-        master_stub = stub_pid(proc.pid, "pd_master_0_0") if not stopping else None
+        stubs = python_stubs(proc.pid) if not stopping else {}
+        master_stub = stubs.get("pd_master_0_0", (None, ""))[0]
         master_died, kill_at = False, None
         while True:
             try:
@@ -412,7 +414,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
         _signal_group(proc, signal.SIGKILL)  # stub processes left behind by a crash
-        cleanup(deployment, mailbox)
+        cleanup(deployment, mailbox, [region for _, region in stubs.values()])
     if master_died:
         print(f"triton-pd: error: pd_master's stub died (see {log_path})", file=sys.stderr)
         return 1
@@ -423,21 +425,24 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 1
 
 
-def stub_pid(server_pid: int, instance: str) -> int | None:
-    """The pid of the Python stub tritonserver `server_pid` runs for model instance `instance` (from /proc)."""
+def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
+    """The Python stubs tritonserver `server_pid` runs, from /proc: instance name -> (pid, name of the stub's
+    shared-memory region in /dev/shm)."""
+    stubs = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) != server_pid:  # the parent pid
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != server_pid:
                 continue
             with open(stat[: -len("stat")] + "cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
+                argv = [a.decode() for a in f.read().rstrip(b"\0").split(b"\0")]
+        except (OSError, IndexError, ValueError, UnicodeDecodeError):
             continue
-        if instance.encode() in argv and any(a.endswith(b"triton_python_backend_stub") for a in argv):
-            return int(stat.split("/")[2])
-    return None
+        # stub, model.py, shm region, shm sizes, parent pid, backend dir, ..., instance name, execution env
+        if len(argv) >= 4 and argv[0].endswith("triton_python_backend_stub"):
+            stubs[argv[-2]] = (int(stat.split("/")[2]), argv[2])
+    return stubs
 
 
 def process_alive(pid: int) -> bool:
@@ -460,10 +465,12 @@ def _signal_group(proc: subprocess.Popen, sig: int, group: bool = True) -> None:
         pass
 
 
-def cleanup(deployment: str, mailbox: Path) -> None:
-    """Shared-memory segments and the mailbox of this deployment, even if a stub died without finalize()."""
+def cleanup(deployment: str, mailbox: Path, stub_regions: list[str] = ()) -> None:
+    """Shared-memory segments and the mailbox of this deployment, even if a stub died without finalize(), and the
+    stubs' own regions, which tritonserver removes only when it stops cleanly."""
     shutil.rmtree(mailbox, ignore_errors=True)
-    for path in glob.glob(f"/dev/shm/tpd_{deployment}_*"):
+    regions = [f"/dev/shm/{r}" for r in stub_regions if r.startswith("triton_python_backend_shm_region")]
+    for path in glob.glob(f"/dev/shm/tpd_{deployment}_*") + regions:
         try:
             os.unlink(path)
         except OSError:

@@ -121,10 +121,15 @@ def test_master_stub_death_stops_the_server():
         out = subprocess.run(["pgrep", "-f", f"{s.workdir}/models/pd_master/"], capture_output=True, text=True)
         pids = [int(p) for p in out.stdout.split()]
         assert len(pids) == 1
+        out = subprocess.run(["pgrep", "-f", f"{s.workdir}/models/"], capture_output=True, text=True)
+        regions = [Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[2].decode() for p in out.stdout.split()]
+        assert len(regions) == 3 and all(Path("/dev/shm", r).exists() for r in regions)
         os.kill(pids[0], signal.SIGKILL)
         assert s.proc.wait(timeout=90) == 1
         log = Path(s.log.name).read_text()
         assert f"pd_master's stub (pid {pids[0]}) died" in log, log[-2000:]
+        # a killed tritonserver leaves its stubs' shared-memory regions behind; the launcher removes them
+        assert not [r for r in regions if Path("/dev/shm", r).exists()]
         r = c.read(timeout=30)
         assert r.error is not None and r.finish_reason is None and len(r.ids) < 400
         c.cancel()
