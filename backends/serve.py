@@ -371,6 +371,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stubs: dict[str, tuple[int, str]] = {}
+    died = None
     try:
         wait_ready(proc, a.http_port, a.ready_timeout, log_path, stopping)
         if not stopping:
@@ -388,8 +389,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 flush=True,
             )
         stubs = python_stubs(proc.pid) if not stopping else {}
-        master_stub = stubs.get("pd_master_0_0", (None, ""))[0]
-        master_died, kill_at = False, None
+        # Triton 2.51 neither restarts a dead Python stub nor fails the requests it held: with master's or a decode
+        # instance's stub gone, the client streams through it would hang for ever. Stop instead, so that clients see
+        # an error and a supervisor can restart the server. (A dead prefill instance fails its jobs at once:
+        # decode reports them, and the server keeps serving.)
+        watched = {name: pid for name, (pid, _) in stubs.items() if name.startswith(("pd_master", "pd_decode"))}
+        died, kill_at = None, None
         while True:
             try:
                 rc = proc.wait(timeout=1.0)
@@ -398,25 +403,24 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 pass
             if kill_at is not None and time.monotonic() > kill_at:
                 _signal_group(proc, signal.SIGKILL)  # its shutdown waits for requests the dead stub will never end
-            if master_stub is not None and not stopping and not master_died and not process_alive(master_stub):
-                # Triton 2.51 neither restarts a dead Python stub nor fails the requests it held: every client
-                # stream through master would hang. Stop, so that clients see an error and a supervisor restarts us.
-                master_died = True
-                print(
-                    f"[triton-pd] pd_master's stub (pid {master_stub}) died and Triton does not restart it: "
-                    f"stopping the server (see {log_path})",
-                    flush=True,
-                )
-                _signal_group(proc, signal.SIGTERM, group=False)
-                kill_at = time.monotonic() + EXIT_TIMEOUT_S + 10
+            if died is None and not stopping:
+                died = next((name for name, pid in watched.items() if not process_alive(pid)), None)
+                if died is not None:
+                    print(
+                        f"[triton-pd] {died}'s stub (pid {watched[died]}) died and Triton does not restart it: "
+                        f"stopping the server (see {log_path})",
+                        flush=True,
+                    )
+                    _signal_group(proc, signal.SIGTERM, group=False)
+                    kill_at = time.monotonic() + EXIT_TIMEOUT_S + 10
     finally:
         if proc.poll() is None:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
         _signal_group(proc, signal.SIGKILL)  # stub processes left behind by a crash
         cleanup(deployment, mailbox, [region for _, region in stubs.values()])
-    if master_died:
-        print(f"triton-pd: error: pd_master's stub died (see {log_path})", file=sys.stderr)
+    if died is not None:
+        print(f"triton-pd: error: {died}'s stub died (see {log_path})", file=sys.stderr)
         return 1
     if stopping:
         print("[triton-pd] stopped", flush=True)

@@ -1,4 +1,4 @@
-"""Deadline expiry during a pause, a prefill instance killed during recovery, and master's stub killed."""
+"""Deadline expiry during a pause, a prefill instance killed during recovery, master's or decode's stub killed."""
 
 from __future__ import annotations
 
@@ -111,14 +111,16 @@ def test_prefill_killed_during_recovery():
         s.stop()
 
 
-def test_master_stub_death_stops_the_server():
-    """Triton 2.51 neither restarts a dead stub nor fails what it held: with master gone every client stream would
-    hang. The launcher notices, stops tritonserver and exits non-zero; the open stream ends with an error."""
-    s = Server("--kv-tokens", "1024", name="killmaster")
+@pytest.mark.parametrize("role", ["pd_master", "pd_decode"])
+def test_master_or_decode_stub_death_stops_the_server(role):
+    """Triton 2.51 neither restarts a dead stub nor fails what it held: with master or decode gone, every client
+    stream through it would hang (measured: no response for 40 s, while new requests failed at once). The launcher
+    notices, stops tritonserver and exits non-zero; the open stream ends with an error."""
+    s = Server("--kv-tokens", "1024", name=f"kill-{role}")
     try:
         c = StreamClient(s.grpc_url, text=long_prompt(0, 2), params={"max_tokens": 400, "ignore_eos": True})
         assert c.read(until_tokens=2, timeout=60).error is None
-        out = subprocess.run(["pgrep", "-f", f"{s.workdir}/models/pd_master/"], capture_output=True, text=True)
+        out = subprocess.run(["pgrep", "-f", f"{s.workdir}/models/{role}/"], capture_output=True, text=True)
         pids = [int(p) for p in out.stdout.split()]
         assert len(pids) == 1
         out = subprocess.run(["pgrep", "-f", f"{s.workdir}/models/"], capture_output=True, text=True)
@@ -127,7 +129,7 @@ def test_master_stub_death_stops_the_server():
         os.kill(pids[0], signal.SIGKILL)
         assert s.proc.wait(timeout=90) == 1
         log = Path(s.log.name).read_text()
-        assert f"pd_master's stub (pid {pids[0]}) died" in log, log[-2000:]
+        assert f"{role}_0_0's stub (pid {pids[0]}) died" in log, log[-2000:]
         # a killed tritonserver leaves its stubs' shared-memory regions behind; the launcher removes them
         assert not [r for r in regions if Path("/dev/shm", r).exists()]
         r = c.read(timeout=30)
