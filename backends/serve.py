@@ -63,8 +63,8 @@ def register(sub) -> None:
         "--cpu-threads",
         type=int,
         default=0,
-        help="torch threads of each prefill and decode instance (default: the usable cores divided among the "
-        "instances, at least 1; more threads than cores between them make each step many times slower)",
+        help="torch threads of each prefill and decode instance; 0: the usable cores divided among the instances, "
+        "at least 1 (more threads than cores between them make each step many times slower)",
     )
     p.add_argument("--max-batch", type=int, default=256, help="decode: requests decoded together at most")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill: chunk size in tokens")
