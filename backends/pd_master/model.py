@@ -200,12 +200,15 @@ class MasterModel:
         finish = None
         while finish is None:
             seg_rid = req.current_rid = req.rid if segment == 0 else f"{req.rid}.{segment}"
+            # every stream is read to its end, whatever happens: a response iterator dropped before its end (master
+            # used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died
+            restarted, failure = False, None
             for resp in self._decode_stream(req, seg_rid, prompt_ids, params):
-                if req.abort_reason:
-                    continue  # drain what decode still sends after a cancel; the client is done
+                if req.abort_reason or restarted or failure is not None:
+                    continue  # drain what decode still sends after a cancel, a restart or an error
                 if resp.has_error():
-                    self._finish_with_error(req, resp.error().message(), "INTERNAL")
-                    return
+                    failure = resp.error().message()
+                    continue
                 ids_t = tio.pb().get_output_tensor_by_name(resp, "output_ids")
                 if ids_t is None:
                     continue  # the empty closing response of the stream
@@ -214,9 +217,8 @@ class MasterModel:
                 reason = reason_t.as_numpy().reshape(-1)[0].decode() if reason_t is not None else ""
                 if reason == "error":
                     msg_t = tio.pb().get_output_tensor_by_name(resp, "error_message")
-                    msg = msg_t.as_numpy().reshape(-1)[0].decode() if msg_t is not None else "decode failed"
-                    self._finish_with_error(req, msg, "INTERNAL")
-                    return
+                    failure = msg_t.as_numpy().reshape(-1)[0].decode() if msg_t is not None else "decode failed"
+                    continue
                 if not new_ids and not reason:
                     continue
                 all_ids.extend(new_ids)
@@ -233,19 +235,19 @@ class MasterModel:
                 text_parts.append(delta)
                 # decode's sender merges what is pending for a stream, so a segment's last tokens can arrive in
                 # the same response as its "restart": they go to the client before the segment ends
-                restart = reason == "restart"
-                final = bool(reason) and not restart
+                restarted = reason == "restart"
+                final = bool(reason) and not restarted
                 if req.stream and (new_ids or final):
                     self._send(req, delta, new_ids, reason if final else None, len(all_ids), final)
-                if restart:
-                    break
                 if final:
                     finish = reason
                     if stops.stopped:
                         req.abort_reason = "stop"  # keep draining quietly
-            else:
-                if finish is None and not req.abort_reason:
-                    raise RuntimeError("decode closed the stream without a final response")
+            if failure is not None:
+                self._finish_with_error(req, failure, "INTERNAL")
+                return
+            if finish is None and not restarted and not req.abort_reason:
+                raise RuntimeError("decode closed the stream without a final response")
             if req.abort_reason and finish is None:
                 return  # the watchdog already answered the client (cancel or deadline)
             if finish is None:  # restart: end of segment; re-submit prompt + generated ids, all recomputed
