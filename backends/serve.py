@@ -388,13 +388,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
                 flush=True,
             )
-        stubs = python_stubs(proc.pid) if not stopping else {}
+        if not stopping:
+            stubs = python_stubs(proc.pid)
         # Triton 2.51 neither restarts a dead Python stub nor fails the requests it held: with master's or a decode
         # instance's stub gone, the client streams through it would hang for ever. Stop instead, so that clients see
         # an error and a supervisor can restart the server. (A dead prefill instance fails its jobs at once:
         # decode reports them, and the server keeps serving.)
         watched = {name: pid for name, (pid, _) in stubs.items() if name.startswith(("pd_master", "pd_decode"))}
-        died, kill_at = None, None
+        kill_at = None
         while True:
             try:
                 rc = proc.wait(timeout=1.0)
@@ -435,9 +436,7 @@ def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
     stubs = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
-            with open(stat) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != server_pid:
+            if int(_stat_fields(stat)[1]) != server_pid:  # the parent pid
                 continue
             with open(stat[: -len("stat")] + "cmdline", "rb") as f:
                 argv = [a.decode() for a in f.read().rstrip(b"\0").split(b"\0")]
@@ -452,11 +451,15 @@ def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
 def process_alive(pid: int) -> bool:
     """False once the process is gone or a zombie (tritonserver does not reap a stub that died)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+        return _stat_fields(f"/proc/{pid}/stat")[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
-    return state not in ("Z", "X")
+
+
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a /proc/<pid>/stat after the command name (which may hold spaces): state, parent pid, ..."""
+    with open(path) as f:
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int, group: bool = True) -> None:
@@ -469,7 +472,7 @@ def _signal_group(proc: subprocess.Popen, sig: int, group: bool = True) -> None:
         pass
 
 
-def cleanup(deployment: str, mailbox: Path, stub_regions: list[str] = ()) -> None:
+def cleanup(deployment: str, mailbox: Path, stub_regions: tuple[str, ...] | list[str] = ()) -> None:
     """Shared-memory segments and the mailbox of this deployment, even if a stub died without finalize(), and the
     stubs' own regions, which tritonserver removes only when it stops cleanly."""
     shutil.rmtree(mailbox, ignore_errors=True)
