@@ -22,12 +22,13 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter,
+    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter, KNew, VNew, Cos, Sin, OutSlots,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t, stride_h,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_c,
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -43,14 +44,29 @@ def _decode_kernel(
     offs_d = tl.arange(0, D)
     mask_g = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    q = tl.load(Q + qrow * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    q_ptr = Q + qrow * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_ptr + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    kend = end
+    if FUSE_ROPE:
+        # rotate q here (half-split layout: element d pairs with d +- D/2), and leave the new token (position
+        # seq_len - 1) out of the loop: the split that owns it rotates its k, stores k and v into the pool and
+        # adds it from registers below
+        pos = (seq_len - 1).to(tl.int64)
+        HALF: tl.constexpr = D // 2
+        offs_sw = (offs_d + HALF) % D
+        c = tl.load(Cos + pos * stride_c + offs_d % HALF)
+        sn = tl.load(Sin + pos * stride_c + offs_d % HALF)
+        sn = tl.where(offs_d < HALF, -sn, sn)
+        q_sw = tl.load(q_ptr + offs_sw[None, :], mask=mask_g[:, None], other=0.0)
+        q = (q.to(tl.float32) * c[None, :] + q_sw.to(tl.float32) * sn[None, :]).to(Q.dtype.element_ty)
+        kend = tl.minimum(end, seq_len - 1)
 
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, kend, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
+        mask_n = offs_n < kend
         slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G, N], in log2 units
@@ -62,6 +78,23 @@ def _decode_kernel(
         v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
+
+    if FUSE_ROPE:
+        if (start <= seq_len - 1) & (seq_len - 1 < end):
+            kn_ptr = KNew + qrow * stride_knt + kvh * stride_knh
+            kn = tl.load(kn_ptr + offs_d).to(tl.float32) * c + tl.load(kn_ptr + offs_sw).to(tl.float32) * sn
+            kn = kn.to(K.dtype.element_ty)
+            vn = tl.load(VNew + qrow * stride_vnt + kvh * stride_vnh + offs_d)
+            slot = tl.load(OutSlots + qrow).to(tl.int64)
+            tl.store(K + slot * stride_ks + kvh * stride_kh + offs_d, kn)
+            tl.store(V + slot * stride_vs + kvh * stride_vh + offs_d, vn)
+            s_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale_log2  # [G]
+            m_new = tl.maximum(m, s_new)
+            alpha = tl.exp2(m - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_sum = l_sum * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+            m = m_new
 
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -112,6 +145,11 @@ def default_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
     return min(16, 1 << (want - 1).bit_length())
 
 
+def decode_settings(batch: int, num_kv_heads: int) -> dict:
+    """Launch settings of `decode_attention` for a decode graph of `batch` sequences (keyword arguments)."""
+    return {"num_splits": default_splits(batch, num_kv_heads), "block_n": 64, "num_warps": 4, "num_stages": 2}
+
+
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -125,11 +163,19 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int = 64,
     counters: torch.Tensor | None = None,
+    rope: tuple | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
     table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written.
     counters: int32 zeros, at least B * Hkv of them, that the kernel leaves zeroed (pass a persistent buffer under
-    CUDA graphs; by default a fresh one)."""
+    CUDA graphs; by default a fresh one).
+
+    rope = (k, v, cos, sin, out_slots) fuses the rotary embedding and the KV store of the new token into the
+    kernel (what `rope.rope_store_kv_` would do first): q and k ([T, Hkv, D], as the projection left them) are
+    rotated at position seq_lens[b] - 1 with cos/sin [max_position, D/2]; the rotated k and v go into the pool at
+    out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated."""
     B = rows.shape[0]
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
@@ -144,15 +190,23 @@ def decode_attention(
     assert counters.numel() >= B * Hkv
     mid_o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     mid_l = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+    if rope is not None:
+        k_new, v_new, cos, sin, out_slots = rope
+        assert k_new.stride(2) == v_new.stride(2) == 1 and cos.shape[1] * 2 == D
+        rope_args = (k_new, v_new, cos, sin, out_slots)
+        rope_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0))
+    else:
+        rope_args = (q, q, q, q, rows)  # unused
+        rope_strides = (0, 0, 0, 0, 0)
     _decode_kernel[(B, Hkv, splits)](
-        q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l, out, counters,
+        q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l, out, counters, *rope_args,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *rope_strides,
         scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
-        num_warps=4, num_stages=2,
+        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

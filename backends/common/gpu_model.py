@@ -200,7 +200,9 @@ class GpuLlama:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
 
     # ----- the layer stack, shared by the eager and the captured path -----
-    def _layers(self, ids, positions, out_slots, attend) -> torch.Tensor:
+    def _layers(self, ids, attend) -> torch.Tensor:
+        """attend(q, k, v, k_pool, v_pool, attn) rotates q and k, stores k and v into the pool and writes the
+        attention output into attn."""
         cfg = self.cfg
         T = ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -213,9 +215,7 @@ class GpuLlama:
             if L["q_norm"] is not None:
                 q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps).contiguous()
                 k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps).contiguous()
-            k_pool, v_pool = self.kv.k(i), self.kv.v(i)
-            self.k_rope.rope_store_kv_(q, k, v, positions, self.cos, self.sin, k_pool, v_pool, out_slots)
-            attend(q, k_pool, v_pool, attn)
+            attend(q, k, v, self.kv.k(i), self.kv.v(i), attn)
             o = F.linear(attn.view(T, H * D), L["o"])
             x = self.k_norm.add_rms_norm(o, h, L["ln2"], cfg.rms_norm_eps)
             m = F.linear(self.k_act.silu_mul(F.linear(x, L["gate_up"])), L["down"])
@@ -268,7 +268,8 @@ class GpuLlama:
         max_q = max((q_len[i] for i in pre), default=0)
         table = self.table.table
 
-        def attend(q, k_pool, v_pool, attn):
+        def attend(q, k, v, k_pool, v_pool, attn):
+            self.k_rope.rope_store_kv_(q, k, v, pos_t, self.cos, self.sin, k_pool, v_pool, out_t)
             if dec:
                 ctr = self.attn_counters if len(dec) * self.cfg.num_kv_heads <= self.attn_counters.numel() else None
                 self.k_attn.decode_attention(
@@ -279,7 +280,7 @@ class GpuLlama:
                     q, k_pool, v_pool, table, d[10], d[11], d[12], d[13], max_q, self.scale, out=attn
                 )
 
-        x = self._layers(ids_t, pos_t, out_t, attend)
+        x = self._layers(ids_t, attend)
         self.stats["eager_steps"] += 1
         return self._logits(x.index_select(0, last_t))
 
@@ -291,17 +292,17 @@ class GpuLlama:
     def _decode_body(self, bs: int):
         inp = self.graph_inputs[bs]  # [5, bs] int32: ids, positions, out slots, table rows, sequence lengths
         inp.copy_(self.host_inputs[bs], non_blocking=True)  # from pinned memory, a copy node of the graph
-        splits = self.k_attn.default_splits(bs, self.cfg.num_kv_heads)
+        launch = self.k_attn.decode_settings(bs, self.cfg.num_kv_heads)
         table, qidx = self.table.table, self.qidx[:bs]
         table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot (padding rewrites the scratch entry)
 
-        def attend(q, k_pool, v_pool, attn):
+        def attend(q, k, v, k_pool, v_pool, attn):  # rotary embedding and KV store inside the attention kernel
             self.k_attn.decode_attention(
-                q, k_pool, v_pool, table, inp[3], inp[4], self.scale, out=attn, q_idx=qidx, num_splits=splits,
-                counters=self.attn_counters,
+                q, k_pool, v_pool, table, inp[3], inp[4], self.scale, out=attn, q_idx=qidx,
+                counters=self.attn_counters, rope=(k, v, self.cos, self.sin, inp[2]), **launch,
             )  # fmt: skip
 
-        x = self._layers(inp[0], inp[1], inp[2], attend)
+        x = self._layers(inp[0], attend)
         self.graph_logits[:bs].copy_(self._logits(x))
         self.host_tokens[bs].copy_(self._argmax(bs), non_blocking=True)
 

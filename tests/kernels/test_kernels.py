@@ -72,6 +72,48 @@ def test_decode_attention(lens, heads, kv_heads, d, splits):
         assert not counters.any()
 
 
+@pytest.mark.parametrize(
+    "lens,heads,kv_heads,d,splits",
+    [([1, 7, 64, 300], 8, 2, 64, None), ([1024, 65, 128], 32, 8, 128, 16), ([2, 129], 9, 3, 64, 1)],
+)
+def test_decode_attention_fused_rope_store(lens, heads, kv_heads, d, splits):
+    """rope=(...) gives what rope_store_kv_ followed by decode_attention gives: the same output, the new token's
+    rotated k and its v in the pool at its slot, no other slot touched, q and k left as they were."""
+    gen = torch.Generator().manual_seed(sum(lens) + d)
+    num_slots = sum(lens) + 16
+    k_pool, v_pool = make_pool(num_slots, kv_heads, d, gen)
+    table = make_table(lens, num_slots, max(lens) + 8, gen)
+    B = len(lens)
+    qkv = torch.randn(B, heads + 2 * kv_heads, d, generator=gen).to(DEVICE, BF16)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope.rope_cache(inv_freq, 2048, DEVICE)
+    rows = torch.arange(1, B + 1, dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    pos = (seq - 1).long()
+    out_slots = table[rows.long(), pos].clone()
+    scale = d**-0.5
+    # reference: rotate, store, attend
+    q2, k2, kp2, vp2 = q.clone(), k.clone(), k_pool.clone(), v_pool.clone()
+    reference.apply_rope_(q2, k2, pos, cos, sin)
+    reference.store_kv(k2, v.clone(), kp2, vp2, out_slots)
+    ref = reference.decode_attention(q2, kp2, vp2, table, rows, seq, scale)
+    # the pool's entries at the new slots hold garbage before the fused kernel writes them
+    k_pool[out_slots.long()] = 7.0
+    v_pool[out_slots.long()] = -7.0
+    before = qkv.clone()
+    counters = torch.zeros(B * kv_heads, dtype=torch.int32, device=DEVICE)
+    got = attention.decode_attention(
+        q, k_pool, v_pool, table, rows, seq, scale, num_splits=splits, counters=counters,
+        rope=(k, v, cos, sin, out_slots),
+    )  # fmt: skip
+    close(got, ref)
+    close(k_pool, kp2)
+    assert torch.equal(v_pool, vp2)
+    assert torch.equal(qkv, before)
+    assert not counters.any()
+
+
 def test_decode_attention_scattered_queries():
     """q_idx picks the query rows out of a larger ragged batch; other rows are left alone."""
     gen = torch.Generator().manual_seed(3)
@@ -200,3 +242,16 @@ def test_silu_mul(T, f):
     gen = torch.Generator().manual_seed(T)
     gu = torch.randn(T, 2 * f, generator=gen).to(DEVICE, BF16)
     close(act.silu_mul(gu), reference.silu_mul(gu))
+
+
+@pytest.mark.parametrize(
+    "M,N,K,dot", [(1, 96, 512, False), (1, 70, 256, True), (3, 64, 768, True), (16, 33, 256, True)]
+)
+def test_skinny_linear(M, N, K, dot):
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    got = linear.skinny_linear(x, w, block_n=32, block_k=256, dot=dot)
+    close(got, (x.float() @ w.float().T).to(BF16))

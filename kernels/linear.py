@@ -1,0 +1,76 @@
+"""y = x @ w.T for a few rows of x (decode at small batch), in Triton: one program per BLOCK_N output columns reads
+its rows of w once, in BLOCK_K pieces, for every row of x. No split over K, so no second pass to reduce partial
+sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows up to 16; more go to cuBLAS."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _skinny_kernel(
+    X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    w_ptr = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if DOT:  # tensor cores over x padded to BLOCK_M rows
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        x_ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + k0, mask=mask_m[:, None], other=0.0)
+            w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+        y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    else:  # one row: products summed along K at the end
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(X + k0 + offs_k)
+            w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(Y + offs_n, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=mask_n)
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor | None = None,
+    block_n: int = 32,
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    dot: bool | None = None,
+) -> torch.Tensor:
+    """x: [M, K] with M <= 16, w: [N, K], both with unit stride along K, K a multiple of block_k. Returns [M, N].
+    dot: tensor cores (default for M > 1) or plain products (default for M == 1)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert M <= MAX_ROWS and K % block_k == 0 and x.stride(1) == 1 and w.stride(1) == 1, (x.shape, w.shape)
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    dot = M > 1 if dot is None else dot
+    if not dot:
+        assert M == 1
+    _skinny_kernel[(triton.cdiv(N, block_n),)](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
+    """skinny_linear with `settings` (its keyword arguments) when given, else cuBLAS (F.linear)."""
+    if settings is None:
+        return F.linear(x, w)
+    return skinny_linear(x, w, **settings)

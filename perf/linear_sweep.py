@@ -1,0 +1,107 @@
+"""The decode step's projections at small batch on the GPU: cuBLAS (F.linear) against `kernels.linear.skinny_linear`
+over a grid of launch settings, for the Llama-3.1-8B shapes, each timed in a CUDA graph of 32 launches over 32
+distinct weights (as the 32 layers run, so L2 holds none of them), against the weight bytes at the copy bandwidth
+measured in the same run.
+
+    python perf/linear_sweep.py [--rows 1 2 4 8] [--out FILE.md] [--json FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.attn_sweep import graph_time  # noqa: E402
+from perf.engine_bench import measure_bandwidth  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LAYERS = 32
+
+
+def run(x, ws, out, settings):
+    from kernels import linear
+
+    for w in ws:
+        linear.skinny_linear(x, w, out=out, **settings)
+
+
+def main(argv=None) -> int:
+    from kernels import linear
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    bw = measure_bandwidth()
+    lines = [f"# Small-batch projections: cuBLAS against skinny_linear ({torch.cuda.get_device_name()})", "",
+             f"Command: `python perf/linear_sweep.py {' '.join(sys.argv[1:])}`  ",
+             f"Copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s. µs per launch (a graph of {LAYERS} "
+             "launches over distinct weights, divided by 32); fraction = weight bytes / time / copy bandwidth.", "",
+             "| matrix | N×K | rows | cuBLAS µs (fraction) | skinny best µs (fraction) | settings |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    res = {"bandwidth_TBps": bw / 1e12, "results": []}
+    for name in a.shapes:
+        N, K = SHAPES[name]
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.01 for _ in range(LAYERS)]
+        nbytes = N * K * 2
+        for M in a.rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            t0 = time.perf_counter()
+            t_cublas = graph_time(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]) / LAYERS
+            ref = F.linear(x.float(), ws[0].float())
+            best = None
+            modes = [False, True] if M == 1 else [True]
+            for dot, bn, bk, nw, ns in itertools.product(modes, a.block_n, a.block_k, a.warps, a.stages):
+                if K % bk:
+                    continue
+                s = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=dot)
+                try:
+                    linear.skinny_linear(x, ws[0], out=out, **s)
+                    err = (out.float() - ref).abs().max().item()
+                    t = graph_time(partial(run, x, ws, out, s)) / LAYERS
+                except Exception as e:  # e.g. out of shared memory: reported, not fatal
+                    print(f"{name} M={M} {s}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                if err > 0.05 * ref.abs().max().item():
+                    print(f"{name} M={M} {s}: WRONG, max error {err:.3g}", flush=True)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, s)
+            fc = nbytes / t_cublas / bw
+            fs = nbytes / best[0] / bw
+            print(f"{name} M={M}: cuBLAS {t_cublas * 1e6:.1f} us ({fc:.2f}), skinny {best[0] * 1e6:.1f} us ({fs:.2f}) "
+                  f"{best[1]} [{time.perf_counter() - t0:.0f} s]", flush=True)  # fmt: skip
+            res["results"].append({"matrix": name, "N": N, "K": K, "rows": M, "cublas_us": t_cublas * 1e6,
+                                   "skinny_us": best[0] * 1e6, "settings": best[1]})  # fmt: skip
+            lines.append(f"| {name} | {N}×{K} | {M} | {t_cublas * 1e6:.1f} ({fc:.2f}) | {best[0] * 1e6:.1f} ({fs:.2f}) "
+                         f"| {best[1]} |")  # fmt: skip
+        ws = None
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
