@@ -10,6 +10,22 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16
+TUNE_ROWS = 8  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
+
+# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections): one row, then more
+CANDIDATES = {
+    True: [
+        dict(block_n=16, block_k=512, num_warps=8, num_stages=4, dot=False),
+        dict(block_n=16, block_k=512, num_warps=8, num_stages=3, dot=False),
+        dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=False),
+    ],
+    False: [
+        dict(block_n=64, block_k=256, num_warps=4, num_stages=4, dot=True),
+        dict(block_n=64, block_k=256, num_warps=4, num_stages=3, dot=True),
+        dict(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True),
+        dict(block_n=32, block_k=512, num_warps=4, num_stages=4, dot=True),
+    ],
+}
 
 
 @triton.jit
@@ -74,3 +90,45 @@ def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Ten
     if settings is None:
         return F.linear(x, w)
     return skinny_linear(x, w, **settings)
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Seconds per replay of a CUDA graph holding fn() (run once outside the capture first, which compiles)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps / 1e3
+
+
+def tune(weights: list[torch.Tensor], rows: int) -> tuple[dict | None, dict]:
+    """The fastest way to multiply `rows` rows by each of `weights` (one projection of every layer, all the same
+    shape): None for cuBLAS, or skinny_linear's settings. Each candidate is timed as a CUDA graph running all the
+    weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. Returns (choice,
+    {description: seconds per weight})."""
+    N, K = weights[0].shape
+    x = torch.randn(rows, K, device=weights[0].device, dtype=weights[0].dtype)
+    out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
+    times = {"cublas": graph_time(lambda: [F.linear(x, w) for w in weights], 10) / len(weights)}
+    best, best_t = None, times["cublas"]
+    for s in CANDIDATES[rows == 1]:
+        if K % s["block_k"]:
+            continue
+        t = graph_time(lambda s=s: [skinny_linear(x, w, out=out, **s) for w in weights], 10) / len(weights)
+        times[str(s)] = t
+        if t < best_t:
+            best, best_t = s, t
+    return best, times

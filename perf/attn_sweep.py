@@ -20,31 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.linear import graph_time  # noqa: E402
 from perf.engine_bench import measure_bandwidth  # noqa: E402
 
 LAYERS, H, HKV, D = 32, 32, 8, 128  # Llama-3.1-8B
-
-
-def graph_time(fn, reps: int = 20) -> float:
-    """Seconds per replay of a CUDA graph holding fn()."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps / 1e3
 
 
 def main(argv=None) -> int:

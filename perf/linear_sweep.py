@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.attn_sweep import graph_time  # noqa: E402
+from kernels.linear import graph_time  # noqa: E402
 from perf.engine_bench import measure_bandwidth  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, on the GPU: per-kernel time of one step (torch.profiler over the eager body of
-the captured graph, the same kernels), the host's share of a whole step, and the bandwidth each projection's
-matmul reaches (cuBLAS) against the copy bandwidth measured in the same run.
+the captured graph, the same kernels), the host's share of a whole step, and how each projection of the small
+decode graphs runs (cuBLAS or skinny_linear, as timed and chosen at graph capture).
 
     python perf/profile_decode.py [--model random:llama3.1-8b] [--batches 1 64] [--context 1024] [--out FILE.md]
 """
@@ -15,7 +15,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -74,22 +73,6 @@ def host_split(runner, spans, reps: int = 30) -> dict:
             "tail_ms": tail / reps * 1e3}  # fmt: skip
 
 
-def gemm_table(cfg, batches, bw) -> list[dict]:
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * f, h), "down": (h, f)}
-    shapes["lm_head"] = (cfg.vocab_size, h)
-    rows = []
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for b in batches:
-            x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
-            nbytes = w.numel() * 2
-            t = cuda_time(partial(F.linear, x, w))
-            rows.append({"name": name, "n": n, "k": k, "batch": b, "us": t * 1e6, "frac": nbytes / t / bw})
-    return rows
-
-
 @torch.inference_mode()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,13 +113,16 @@ def main(argv=None) -> int:
         print("\n".join(L), flush=True)
         for i in range(b):
             runner.forget(f"p{b}-{i}")
-    del runner
-    torch.cuda.empty_cache()
-    L += ["", "## Projections: time and fraction of the copy bandwidth", ""]
-    L.append("| matrix | N×K | batch | cuBLAS µs | weight bytes / time, × copy bandwidth |")
-    L.append("|---|---|---|---|---|")
-    for r in gemm_table(cfg, [1, 4, 64, 128], bw):
-        L.append(f"| {r['name']} | {r['n']}×{r['k']} | {r['batch']} | {r['us']:.1f} | {r['frac']:.2f} |")
+    L += ["", "## Projections of the small decode graphs: cuBLAS or skinny_linear", ""]
+    L.append("Timed at graph capture (kernels.linear.tune): µs per layer, a CUDA graph over the 32 layers' weights; "
+             "the chosen one in bold.")  # fmt: skip
+    L += ["", "| projection | graph batch | cuBLAS µs | best skinny_linear µs | chosen |", "|---|---|---|---|---|"]
+    m = runner.model
+    for (name, bs), times in sorted(m.linear_times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        sk = min((t for k, t in times.items() if k != "cublas"), default=None)
+        pick = m.linear_choice.get((name, bs))
+        skc = f"{sk * 1e6:.1f}" if sk is not None else "-"
+        L.append(f"| {name} | {bs} | {times['cublas'] * 1e6:.1f} | {skc} | {'skinny' if pick else 'cuBLAS'} |")
     text = "\n".join(L) + "\n"
     print(text)
     if a.out:

@@ -152,9 +152,9 @@ class GpuLlama:
         max_ctx: int | None = None,
         graph_sizes: tuple[int, ...] | None = (1, 2, 4, 8, 16, 32, 64, 128, 256),
     ):
-        from kernels import act, attention, norm, rope
+        from kernels import act, attention, linear, norm, rope
 
-        self.k_attn, self.k_norm, self.k_rope, self.k_act = attention, norm, rope, act
+        self.k_attn, self.k_norm, self.k_rope, self.k_act, self.k_lin = attention, norm, rope, act, linear
         self.cfg, self.kv = cfg, kv
         emb = weights["model.embed_tokens.weight"]
         self.device, self.dtype = emb.device, emb.dtype
@@ -196,29 +196,37 @@ class GpuLlama:
         self._pad_column = np.array([0, 0, scratch_slot, 0, 1], dtype=np.int32)  # ids, pos, out slot, row, length
         self.stats = {"graph_steps": 0, "eager_steps": 0}
         self.graph_sizes: list[int] = []
+        # (projection, graph batch size) -> skinny_linear settings where they beat cuBLAS (`_tune_linear`)
+        self.linear_choice: dict[tuple[str, int], dict] = {}
+        self.linear_times: dict[tuple[str, int], dict] = {}
         if graph_sizes:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
 
     # ----- the layer stack, shared by the eager and the captured path -----
-    def _layers(self, ids, attend) -> torch.Tensor:
+    def _layers(self, ids, attend, bs: int = 0) -> torch.Tensor:
         """attend(q, k, v, k_pool, v_pool, attn) rotates q and k, stores k and v into the pool and writes the
-        attention output into attn."""
+        attention output into attn. bs: the decode graph's batch size, whose projections may run skinny_linear."""
         cfg = self.cfg
+        choice = {n: self.linear_choice.get((n, bs)) for n in ("qkv", "o", "gate_up", "down")}
+        lin = self.k_lin.linear
         T = ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.embedding(ids, self.embed)
         x = self.k_norm.add_rms_norm(h, None, self.layers[0]["ln1"], cfg.rms_norm_eps)
         attn = torch.empty(T, H, D, dtype=self.dtype, device=self.device)
         for i, L in enumerate(self.layers):
-            qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
+            if L["qkv_bias"] is None:
+                qkv = lin(x, L["qkv"], choice["qkv"]).view(T, H + 2 * Hkv, D)
+            else:
+                qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
             if L["q_norm"] is not None:
                 q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps).contiguous()
                 k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps).contiguous()
             attend(q, k, v, self.kv.k(i), self.kv.v(i), attn)
-            o = F.linear(attn.view(T, H * D), L["o"])
+            o = lin(attn.view(T, H * D), L["o"], choice["o"])
             x = self.k_norm.add_rms_norm(o, h, L["ln2"], cfg.rms_norm_eps)
-            m = F.linear(self.k_act.silu_mul(F.linear(x, L["gate_up"])), L["down"])
+            m = lin(self.k_act.silu_mul(lin(x, L["gate_up"], choice["gate_up"])), L["down"], choice["down"])
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
             x = self.k_norm.add_rms_norm(m, h, nxt, cfg.rms_norm_eps)
         return x
@@ -302,7 +310,7 @@ class GpuLlama:
                 counters=self.attn_counters, rope=(k, v, self.cos, self.sin, inp[2]), **launch,
             )  # fmt: skip
 
-        x = self._layers(inp[0], attend)
+        x = self._layers(inp[0], attend, bs)
         self.graph_logits[:bs].copy_(self._logits(x))
         self.host_tokens[bs].copy_(self._argmax(bs), non_blocking=True)
 
@@ -341,12 +349,14 @@ class GpuLlama:
             self.graphs = {bs: _EagerGraph(self._decode_body, bs) for bs in sizes}
             self.graph_sizes = sorted(self.graphs)
             return
+        self._tune_linear([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in sorted(sizes, reverse=True):
                 self._decode_body(bs)  # compiles the kernels for this size outside the capture
+                self._warm_eager_decode(bs)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
@@ -355,6 +365,28 @@ class GpuLlama:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.graph_sizes = sorted(self.graphs)
+
+    def _tune_linear(self, sizes: list[int]) -> None:
+        """For each small graph batch size and projection, cuBLAS or skinny_linear, whichever runs the layers'
+        weights faster here (kernels.linear.tune); a bias on q|k|v keeps cuBLAS for it."""
+        mats = ["o", "gate_up", "down"] + (["qkv"] if self.layers[0]["qkv_bias"] is None else [])
+        for bs in sizes:
+            for name in mats:
+                ws = [L[name] for L in self.layers]
+                self.linear_choice[(name, bs)], self.linear_times[(name, bs)] = self.k_lin.tune(ws, bs)
+        self.linear_choice = {k: v for k, v in self.linear_choice.items() if v is not None}
+
+    def _warm_eager_decode(self, bs: int) -> None:
+        """Compile the attention variant that eager steps use for decode rows (no fused rotary embedding) at this
+        size's split count, so that the first mixed prefill + decode step does not stall on Triton's compiler."""
+        cfg = self.cfg
+        inp = self.graph_inputs[bs]
+        q = torch.zeros(bs, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        split = self.k_attn.default_splits(bs, cfg.num_kv_heads)
+        self.k_attn.decode_attention(
+            q, self.kv.k(0), self.kv.v(0), self.table.table, inp[3], inp[4], self.scale, q_idx=self.qidx[:bs],
+            num_splits=split, counters=self.attn_counters,
+        )  # fmt: skip
 
     def graph_size(self, batch: int) -> int:
         """The captured batch size a decode batch of `batch` sequences replays: the smallest one >= batch."""
