@@ -119,7 +119,9 @@ def main(argv=None) -> int:
     L += ["", "| projection | graph batch | cuBLAS µs | best skinny_linear µs | chosen |", "|---|---|---|---|---|"]
     m = runner.model
     for (name, bs), times in sorted(m.linear_times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        sk = min((t for k, t in times.items() if k != "cublas"), default=None)
+        if not times:
+            continue
+        sk = min((t for k, t in times.items() if k != "cublas" and isinstance(t, float)), default=None)
         pick = m.linear_choice.get((name, bs))
         skc = f"{sk * 1e6:.1f}" if sk is not None else "-"
         L.append(f"| {name} | {bs} | {times['cublas'] * 1e6:.1f} | {skc} | {'skinny' if pick else 'cuBLAS'} |")

@@ -255,3 +255,19 @@ def test_skinny_linear(M, N, K, dot):
     w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
     got = linear.skinny_linear(x, w, block_n=32, block_k=256, dot=dot)
     close(got, (x.float() @ w.float().T).to(BF16))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_tune_returns_a_setting_that_runs_and_is_right(rows):
+    """kernels.linear.tune times cuBLAS and each candidate; whatever it picks gives F.linear's result, and a setting
+    that cannot run (too much shared memory) is reported instead of raising."""
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(rows)
+    ws = [(torch.randn(512, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
+    choice, times = linear.tune(ws, rows)
+    assert isinstance(times["cublas"], float) and len(times) > 1
+    x = torch.randn(rows, 1024, generator=gen).to(DEVICE, BF16)
+    close(linear.linear(x, ws[0], choice), torch.nn.functional.linear(x, ws[0]))
+    assert linear.tune([w.float() for w in ws], rows) == (None, {})  # float32 stays on cuBLAS (no TF32)
