@@ -1,6 +1,6 @@
 """y = x @ w.T for a few rows of x (decode at small batch), in Triton: one program per BLOCK_N output columns reads
 its rows of w once, in BLOCK_K pieces, for every row of x. No split over K, so no second pass to reduce partial
-sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Up to 64 rows."""
+sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows up to 16; more go to cuBLAS."""
 
 from __future__ import annotations
 
@@ -9,33 +9,23 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 64
-TUNE_ROWS = 64  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
+MAX_ROWS = 16
+TUNE_ROWS = 8  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
 
-# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections), by rows: 1, 2-16, 17-64
+# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections): one row, then more
 CANDIDATES = {
-    1: [
+    True: [
         dict(block_n=16, block_k=512, num_warps=8, num_stages=4, dot=False),
         dict(block_n=16, block_k=512, num_warps=8, num_stages=3, dot=False),
         dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=False),
     ],
-    16: [
+    False: [
         dict(block_n=64, block_k=256, num_warps=4, num_stages=4, dot=True),
         dict(block_n=64, block_k=256, num_warps=4, num_stages=3, dot=True),
         dict(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True),
         dict(block_n=32, block_k=512, num_warps=4, num_stages=4, dot=True),
     ],
-    64: [
-        dict(block_n=64, block_k=128, num_warps=4, num_stages=3, dot=True),
-        dict(block_n=32, block_k=128, num_warps=4, num_stages=4, dot=True),
-        dict(block_n=64, block_k=64, num_warps=4, num_stages=4, dot=True),
-        dict(block_n=32, block_k=256, num_warps=4, num_stages=3, dot=True),
-    ],
 }
-
-
-def candidates(rows: int) -> list[dict]:
-    return CANDIDATES[next(r for r in sorted(CANDIDATES) if rows <= r)]
 
 
 @triton.jit
@@ -78,7 +68,7 @@ def skinny_linear(
     num_stages: int = 4,
     dot: bool | None = None,
 ) -> torch.Tensor:
-    """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k. Returns [M, N].
+    """x: [M, K] with M <= 16, w: [N, K], both with unit stride along K, K a multiple of block_k. Returns [M, N].
     dot: tensor cores (default for M > 1) or plain products (default for M == 1)."""
     M, K = x.shape
     N = w.shape[0]
@@ -90,8 +80,7 @@ def skinny_linear(
         assert M == 1
     _skinny_kernel[(triton.cdiv(N, block_n),)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -138,7 +127,7 @@ def tune(weights: list[torch.Tensor], rows: int) -> tuple[dict | None, dict]:
     out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
     times = {"cublas": graph_time(lambda: [F.linear(x, w) for w in weights], 10) / len(weights)}
     best, best_t = None, times["cublas"]
-    for s in candidates(rows):
+    for s in CANDIDATES[rows == 1]:
         if K % s["block_k"]:
             continue
         try:

@@ -245,8 +245,7 @@ def test_silu_mul(T, f):
 
 
 @pytest.mark.parametrize(
-    "M,N,K,dot",
-    [(1, 96, 512, False), (1, 70, 256, True), (3, 64, 768, True), (16, 33, 256, True), (40, 64, 512, True)],
+    "M,N,K,dot", [(1, 96, 512, False), (1, 70, 256, True), (3, 64, 768, True), (16, 33, 256, True)]
 )
 def test_skinny_linear(M, N, K, dot):
     from kernels import linear
@@ -259,7 +258,7 @@ def test_skinny_linear(M, N, K, dot):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
-@pytest.mark.parametrize("rows", [1, 4, 48])
+@pytest.mark.parametrize("rows", [1, 4])
 def test_tune_returns_a_setting_that_runs_and_is_right(rows):
     """kernels.linear.tune times cuBLAS and each candidate; whatever it picks gives F.linear's result, and a setting
     that cannot run (too much shared memory) is reported instead of raising."""
