@@ -1,5 +1,6 @@
 """Triton GPU kernels (attention over the slot-indexed KV pool, fused residual + RMSNorm, rotary embedding, KV
-store and KV copy), each with a PyTorch reference in `kernels.reference`. Importing a kernel module needs `triton`;
+store and KV copy, SiLU-mul, small-batch linear), each with a PyTorch reference in `kernels.reference` (the linear's
+is F.linear). Importing a kernel module needs `triton`;
 `available()` says whether it and a CUDA device are present."""
 
 

@@ -12,14 +12,14 @@ import triton.language as tl
 MAX_ROWS = 16
 TUNE_ROWS = 8  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
 
-# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections): one row, then more
+# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections)
 CANDIDATES = {
-    True: [
+    "one row": [
         dict(block_n=16, block_k=512, num_warps=8, num_stages=4, dot=False),
         dict(block_n=16, block_k=512, num_warps=8, num_stages=3, dot=False),
         dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=False),
     ],
-    False: [
+    "more rows": [
         dict(block_n=64, block_k=256, num_warps=4, num_stages=4, dot=True),
         dict(block_n=64, block_k=256, num_warps=4, num_stages=3, dot=True),
         dict(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True),
@@ -127,7 +127,7 @@ def tune(weights: list[torch.Tensor], rows: int) -> tuple[dict | None, dict]:
     out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
     times = {"cublas": graph_time(lambda: [F.linear(x, w) for w in weights], 10) / len(weights)}
     best, best_t = None, times["cublas"]
-    for s in CANDIDATES[rows == 1]:
+    for s in CANDIDATES["one row" if rows == 1 else "more rows"]:
         if K % s["block_k"]:
             continue
         try:

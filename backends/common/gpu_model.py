@@ -151,7 +151,10 @@ class GpuLlama:
         max_batch: int = 256,
         max_ctx: int | None = None,
         graph_sizes: tuple[int, ...] | None = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+        linear_choice: dict[tuple[str, int], dict] | None = None,
     ):
+        """linear_choice: {(projection, graph batch size): skinny_linear settings} to use as given instead of timing
+        cuBLAS against skinny_linear at capture (tests; reproducing a run)."""
         from kernels import act, attention, linear, norm, rope
 
         self.k_attn, self.k_norm, self.k_rope, self.k_act, self.k_lin = attention, norm, rope, act, linear
@@ -197,7 +200,8 @@ class GpuLlama:
         self.stats = {"graph_steps": 0, "eager_steps": 0}
         self.graph_sizes: list[int] = []
         # (projection, graph batch size) -> skinny_linear settings where they beat cuBLAS (`_tune_linear`)
-        self.linear_choice: dict[tuple[str, int], dict] = {}
+        self.linear_fixed = linear_choice is not None
+        self.linear_choice: dict[tuple[str, int], dict] = dict(linear_choice or {})
         self.linear_times: dict[tuple[str, int], dict] = {}
         if graph_sizes:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
@@ -349,7 +353,8 @@ class GpuLlama:
             self.graphs = {bs: _EagerGraph(self._decode_body, bs) for bs in sizes}
             self.graph_sizes = sorted(self.graphs)
             return
-        self._tune_linear([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
+        if not self.linear_fixed:
+            self._tune_linear([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -33,12 +33,14 @@ def tiny(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def pair(cfg, slots=600, graphs=None):
+def pair(cfg, slots=600, graphs=None, linear_choice=None):
     w = loader.random_weights(cfg, DTYPE, DEVICE, seed=1)
     ref = LlamaModel(cfg, dict(w))
     kv_ref = KVStore.allocate(cfg.num_layers, slots + 1, cfg.num_kv_heads, cfg.head_dim, DTYPE, DEVICE)
     kv_gpu = KVStore.allocate(cfg.num_layers, slots + 1, cfg.num_kv_heads, cfg.head_dim, DTYPE, DEVICE)
-    gpu = GpuLlama(cfg, dict(w), kv_gpu, scratch_slot=slots, max_batch=8, graph_sizes=graphs)
+    gpu = GpuLlama(
+        cfg, dict(w), kv_gpu, scratch_slot=slots, max_batch=8, graph_sizes=graphs, linear_choice=linear_choice
+    )
     return ref, kv_ref, gpu, kv_gpu
 
 
@@ -86,11 +88,29 @@ def test_mixed_batches_match_reference(cfg):
         close(*run_both(r, gpu, step))
 
 
-def test_decode_graphs_match_reference():
+def skinny_everywhere(sizes=(1, 2, 4, 8)):
+    """Every projection of every small graph on skinny_linear (settings that fit the tiny shapes)."""
+    one = dict(block_n=32, block_k=64, num_warps=4, num_stages=2, dot=False)
+    more = dict(one, dot=True)
+    return {(n, bs): one if bs == 1 else more for n in ("qkv", "o", "gate_up", "down") for bs in sizes}
+
+
+@pytest.mark.parametrize(
+    "cfg,linear_choice",
+    [
+        (tiny(head_dim=64), None),
+        (tiny(head_dim=64), skinny_everywhere()),
+        (tiny(qk_norm=True, tie_word_embeddings=True), skinny_everywhere()),
+        (tiny(attention_bias=True), None),
+    ],
+    ids=["llama", "llama-skinny", "qk-norm-tied-skinny", "qkv-bias"],
+)
+def test_decode_graphs_match_reference(cfg, linear_choice):
     """Graph replay, padded up to a captured size, gives the reference logits for batch sizes 1 to 7 (off CUDA the
-    same replay path runs eagerly)."""
-    cfg = tiny(head_dim=64)
-    ref, kv_ref, gpu, _ = pair(cfg, slots=1500, graphs=(1, 2, 4, 8))
+    same replay path runs eagerly): the fused rotary embedding + KV store in the attention kernel, q/k norms,
+    a q|k|v bias, and the projections on skinny_linear where the choice says so."""
+    ref, kv_ref, gpu, _ = pair(cfg, slots=1500, graphs=(1, 2, 4, 8), linear_choice=linear_choice)
+    assert gpu.linear_choice == (linear_choice or gpu.linear_choice)
     assert gpu.graph_sizes == [1, 2, 4, 8]
     r = RefRunner(ref, kv_ref)
     gen = torch.Generator().manual_seed(1)
