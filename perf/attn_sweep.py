@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from functools import partial
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.linear import graph_time  # noqa: E402
-from perf.engine_bench import measure_bandwidth  # noqa: E402
+from perf.engine_bench import measure_bandwidth, write_report  # noqa: E402
 
 LAYERS, H, HKV, D = 32, 32, 8, 128  # Llama-3.1-8B
 
@@ -100,10 +99,7 @@ def main(argv=None) -> int:
         lines.append("")
     text = "\n".join(lines) + "\n"
     print(text)
-    if a.out:
-        Path(a.out).write_text(text)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    write_report(text, res, a.out, a.json)
     return 0
 
 

@@ -48,6 +48,14 @@ def measure_bandwidth(gib: int = 2, reps: int = 20) -> float:
     return bw
 
 
+def write_report(text: str, res: dict, out: str | None, json_path: str | None) -> None:
+    """The markdown report to `out` and the raw numbers to `json_path`, each when given."""
+    if out:
+        Path(out).write_text(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=1))
+
+
 def workload(n: int, seed: int = 0, vocab: int = 32000) -> list[tuple[list[int], int]]:
     g = torch.Generator().manual_seed(seed)
     ins = torch.randint(100, 1025, (n,), generator=g).tolist()
@@ -234,10 +242,7 @@ def main(argv=None) -> int:
         f"graphs {engine.runner.model.graph_sizes})")  # fmt: skip
 
     def save():  # after every phase, so that a run cut short still leaves what it measured
-        if a.out:
-            Path(a.out).write_text(render(res, a))
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
+        write_report(render(res, a), res, a.out, a.json)
 
     res["ours_decode"] = ours_decode_steps(engine, a.batches, a.context, bw)
     save()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from functools import partial
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.linear import graph_time  # noqa: E402
-from perf.engine_bench import measure_bandwidth  # noqa: E402
+from perf.engine_bench import measure_bandwidth, write_report  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
@@ -96,10 +95,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     text = "\n".join(lines) + "\n"
     print(text)
-    if a.out:
-        Path(a.out).write_text(text)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    write_report(text, res, a.out, a.json)
     return 0
 
 
