@@ -19,15 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.linear import graph_time  # noqa: E402
 from perf.engine_bench import measure_bandwidth, write_report  # noqa: E402
 
 LAYERS, H, HKV, D = 32, 32, 8, 128  # Llama-3.1-8B
 
 
 def main(argv=None) -> int:
-    from kernels import attention, rope
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--context", type=int, default=1024)
@@ -38,6 +35,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    from kernels import attention, rope
+    from kernels.linear import graph_time
+
     dev = "cuda"
     bw = measure_bandwidth()
     ctx = a.context

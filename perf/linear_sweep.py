@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.linear import graph_time  # noqa: E402
 from perf.engine_bench import measure_bandwidth, write_report  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -35,8 +34,6 @@ def run(x, ws, out, settings):
 
 
 def main(argv=None) -> int:
-    from kernels import linear
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
@@ -47,6 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    from kernels import linear
+    from kernels.linear import graph_time
+
     bw = measure_bandwidth()
     lines = [f"# Small-batch projections: cuBLAS against skinny_linear ({torch.cuda.get_device_name()})", "",
              f"Command: `python perf/linear_sweep.py {' '.join(sys.argv[1:])}`  ",
