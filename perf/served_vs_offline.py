@@ -30,7 +30,7 @@ def offline_step_time(engine: Engine, prompts, n: int) -> float:
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     times = []
-    while engine.scheduler.has_work():
+    while engine.has_work():
         decoding = (
             all(len(r.slots) == r.num_tokens - 1 for r in engine.scheduler.running) and not engine.scheduler.waiting
         )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_pool import KVPool
-from .request import InferReq, ParamError, SamplingParams
+from .request import InferReq, ParamError, ReqState, SamplingParams
 from .runner import ModelRunner, Span
 from .sampler import sample
 from .scheduler import Scheduler
@@ -35,13 +35,17 @@ def banned_ids(req: InferReq, eos_ids: list[int]) -> list[int]:
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
 
 
-def finish_reason(req: InferReq, token: int, eos_ids: list[int], max_context: int) -> str | None:
-    """vLLM semantics: with ignore_eos, EOS is an ordinary token; stop ids stop; max_tokens and context cap."""
+def finish_reason(
+    req: InferReq, token: int, eos_ids: list[int], max_context: int, num_out: int | None = None
+) -> str | None:
+    """vLLM semantics: with ignore_eos, EOS is an ordinary token; stop ids stop; max_tokens and context cap.
+    `token` is output number `num_out` (default: the last of output_ids)."""
     p = req.params
-    if len(req.output_ids) >= p.min_tokens:
+    n = len(req.output_ids) if num_out is None else num_out
+    if n >= p.min_tokens:
         if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
             return "stop"
-    if len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_context:
+    if n >= p.max_tokens or len(req.prompt_ids) + n >= max_context:
         return "length"
     return None
 
@@ -68,7 +72,26 @@ def next_tokens(runner: ModelRunner, spans: list[Span], reqs: list[InferReq], eo
     return sample_requests(runner.forward(spans), reqs, eos_ids)
 
 
+PENDING = -1  # an output token sampled on the device but not read back yet (Engine with overlap)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A launched greedy graph step whose tokens are still on the device: (request, index of its placeholder in
+    output_ids) per row."""
+
+    handle: object
+    rows: list[tuple[InferReq, int]]
+
+
 class Engine:
+    """Continuous batching over one ModelRunner. With `overlap` (the default), a greedy decode step on the GPU's
+    graphs is launched before the previous one's tokens are read: the host schedules and prepares step n+1 while
+    the GPU runs step n, and the tokens of step n, known only on the device, feed step n+1 there. Each step's
+    output is then a placeholder (PENDING) until the next call to `step` reads it; a request that stopped at step
+    n (EOS, a stop id) has computed one row in step n+1 for nothing, which is dropped. Any step that is not such a
+    batch (prefill chunks, sampling, a request that would need KV it cannot get) first reads the pending tokens."""
+
     def __init__(
         self,
         model: str = "smollm2",
@@ -80,7 +103,10 @@ class Engine:
         max_batch_tokens: int = 2048,
         backend: str = "auto",
         cuda_graphs: bool = True,
+        overlap: bool = True,
     ):
+        self.overlap = overlap
+        self._pending: _Pending | None = None
         self.runner = ModelRunner(
             model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs
         )
@@ -89,6 +115,7 @@ class Engine:
         self.scheduler = Scheduler(KVPool(kv_tokens), max_batch, chunk_size, max_batch_tokens)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_overlapped = 0  # steps launched while the step before was still unread
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -107,17 +134,39 @@ class Engine:
         self.scheduler.add(req)
         return req
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._pending is not None
+
     def step(self) -> list[InferReq]:
-        """One scheduler iteration; returns the requests that finished in it."""
+        """One scheduler iteration; returns the requests that finished in it (with overlap: whose last token was
+        read in it)."""
+        done = [] if self._pending is None or self._next_is_decode_batch() else self._resolve()
         plan = self.scheduler.schedule()
         if not plan:
+            if self._pending is not None:
+                return done + self._resolve()
             if self.scheduler.has_work():
                 raise EngineError("KV pool too small: no request can make progress (raise --kv-tokens)")
-            return []
+            return done
         spans = [Span(s.req.token_slice(s.start, s.start + s.num_new), s.start, s.req.slots, s.req.rid) for s in plan]
         rows = [i for i, s in enumerate(plan) if s.samples]
         reqs = [plan[i].req for i in rows]
         eos = self.cfg.eos_token_ids
+        handle = None
+        if self.overlap and len(rows) == len(plan) and self._greedy_unbanned(reqs):
+            handle = self.runner.launch_greedy(spans)
+        if handle is not None:
+            self.num_steps += 1
+            self.num_overlapped += self._pending is not None
+            launched = _Pending(handle, [(r, len(r.output_ids)) for r in reqs])
+            for r in reqs:
+                r.output_ids.append(PENDING)
+            if self._pending is not None:  # read step n while step n+1 runs
+                done += self._resolve()
+            self._pending = launched
+            return done
+        if self._pending is not None:
+            raise EngineError("internal: a step that is not a greedy graph batch was planned over unread tokens")
         if len(rows) == len(plan):
             tokens = next_tokens(self.runner, spans, reqs, eos)
         else:  # some spans are prefill chunks that do not reach their request's end
@@ -125,7 +174,44 @@ class Engine:
             tokens = sample_requests(logits[torch.tensor(rows, device=logits.device)], reqs, eos) if rows else []
         self.num_steps += 1
         self.scheduler.after_forward(plan)
-        return self._postprocess(reqs, tokens)
+        return done + self._postprocess(reqs, tokens)
+
+    def _greedy_unbanned(self, reqs: list[InferReq]) -> bool:
+        eos = self.cfg.eos_token_ids
+        return all(r.params.temperature == 0 for r in reqs) and not any(banned_ids(r, eos) for r in reqs)
+
+    def _next_is_decode_batch(self) -> bool:
+        """Whether the next plan is certain to be one decode token for every running request, with no admission,
+        no preemption and no sampling: the only plan that may be launched over unread tokens."""
+        sch = self.scheduler
+        running = sch.running
+        if sch.waiting and len(running) < sch.max_batch:
+            return False
+        if sch.pool.num_free < len(running) or not self.runner.graph_batch(len(running)):
+            return False
+        return all(
+            r.num_tokens - len(r.slots) == 1 and r.num_tokens < self.max_context for r in running
+        ) and self._greedy_unbanned(running)
+
+    def _resolve(self) -> list[InferReq]:
+        """Read the pending step's tokens into its requests' placeholders; finish those that stopped."""
+        pending, self._pending = self._pending, None
+        tokens = self.runner.collect(pending.handle)
+        eos = self.cfg.eos_token_ids
+        done = []
+        for (req, i), token in zip(pending.rows, tokens):
+            if req.state is ReqState.FINISHED:  # stopped at the step before: this row was computed for nothing
+                continue
+            req.output_ids[i] = token
+            reason = finish_reason(req, token, eos, self.max_context, num_out=i + 1)
+            if reason:
+                # drop the placeholder of a step launched after this one; the KV of `token` that step writes
+                # stays valid, so the request's slots go to the cache with its tokens as usual
+                del req.output_ids[i + 1 :]
+                self.scheduler.finish(req, reason)
+                self.runner.forget(req.rid)
+                done.append(req)
+        return done
 
     def _postprocess(self, reqs: list[InferReq], tokens: list[int]) -> list[InferReq]:
         eos = self.cfg.eos_token_ids
@@ -142,7 +228,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        while self.scheduler.has_work():
+        while self.has_work():
             self.step()
         return [
             Output(r.output_ids, self.tokenizer.decode(r.output_ids), r.finish_reason, len(r.prompt_ids)) for r in reqs

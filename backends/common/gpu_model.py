@@ -133,6 +133,9 @@ class _Uploader:
         return [dev[o : o + len(p)] for p, o in zip(parts, offsets)]
 
 
+RING = 3  # pinned host buffers of each kind for graph steps: one is written again three steps later
+
+
 class _EagerGraph:
     def __init__(self, body, bs: int):
         self.body, self.bs = body, bs
@@ -244,14 +247,33 @@ class GpuLlama:
 
     @torch.inference_mode()
     def greedy(self, spans) -> list[int] | None:
-        """The argmax token after each span, computed and copied back inside the decode graph (no separate argmax
-        launch, no extra copy); None when the batch is not a graph batch (the caller then uses `forward`)."""
+        """The argmax token after each span, computed inside the decode graph (no separate argmax launch); None when
+        the batch is not a graph batch (the caller then uses `forward`)."""
         if not self._graphable(spans):
             return None
+        return self.collect(self.launch_greedy(spans))
+
+    @torch.inference_mode()
+    def launch_greedy(self, spans) -> tuple[int, int]:
+        """Replay the decode graph for a graph batch without waiting for it; `collect` returns its argmax tokens.
+        A token id of -1 stands for the token this sequence's previous graph step sampled, still on the device, so
+        the caller may schedule and launch step n+1 before it has read step n's tokens."""
         bs = self._decode_graph(spans)
-        if self.replayed is not None:
-            self.replayed.synchronize()
-        return self.host_tokens[bs][: len(spans)].tolist()
+        i = self._tok_i = (self._tok_i + 1) % RING
+        ev = self.tok_events[i]
+        if ev is not None:
+            ev.synchronize()  # this buffer's tokens were read RING steps ago: returns at once
+        self.host_tok[i][:bs].copy_(self.dev_tokens[:bs], non_blocking=True)
+        if ev is not None:
+            ev.record()
+        return i, len(spans)
+
+    def collect(self, handle: tuple[int, int]) -> list[int]:
+        """The tokens of a `launch_greedy`: waits for that step only (a step launched after it may still run)."""
+        i, n = handle
+        if self.tok_events[i] is not None:
+            self.tok_events[i].synchronize()
+        return self.host_tok[i][:n].tolist()
 
     @torch.inference_mode()
     def forward(self, spans) -> torch.Tensor:
@@ -303,7 +325,8 @@ class GpuLlama:
     # ----- CUDA graphs for decode -----
     def _decode_body(self, bs: int):
         inp = self.graph_inputs[bs]  # [5, bs] int32: ids, positions, out slots, table rows, sequence lengths
-        inp.copy_(self.host_inputs[bs], non_blocking=True)  # from pinned memory, a copy node of the graph
+        # an id of -1: the token this row's sequence sampled in its previous graph step (`launch_greedy`)
+        ids = torch.where(inp[0] >= 0, inp[0], self.next_tok.index_select(0, inp[3]))
         launch = self.k_attn.decode_settings(bs, self.cfg.num_kv_heads)
         table, qidx = self.table.table, self.qidx[:bs]
         table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot (padding rewrites the scratch entry)
@@ -314,9 +337,11 @@ class GpuLlama:
                 counters=self.attn_counters, rope=(k, v, self.cos, self.sin, inp[2]), **launch,
             )  # fmt: skip
 
-        x = self._layers(inp[0], attend, bs)
+        x = self._layers(ids, attend, bs)
         self.graph_logits[:bs].copy_(self._logits(x))
-        self.host_tokens[bs].copy_(self._argmax(bs), non_blocking=True)
+        tokens = self._argmax(bs)
+        self.dev_tokens[:bs].copy_(tokens)
+        self.next_tok.index_put_((inp[3],), tokens)  # padding rows all write row 0, which no sequence owns
 
     def _argmax(self, bs: int) -> torch.Tensor:
         """int32 argmax of each of the first bs logits rows, the first index among equal maxima (as torch.argmax)."""
@@ -338,17 +363,24 @@ class GpuLlama:
         padded = torch.full((n, 128 * self.argmax_chunk), float("-inf"), dtype=torch.float32, device=dev)
         self.graph_logits = padded[:, :V]
         self._logits_padded = padded
-        self.graph_inputs, self.host_inputs, self.host_tokens, self.host_view = {}, {}, {}, {}
         pin = dev.type == "cuda"
+        # per size, a ring of pinned input buffers (`_decode_graph` copies one up before each replay; an event per
+        # buffer says when that copy has run), so that step n+1 can be prepared while step n still runs
+        self.graph_inputs, self.host_inputs, self.host_view, self.input_events = {}, {}, {}, {}
         for bs in sizes:
-            host = torch.zeros(5, bs, dtype=torch.int32, pin_memory=pin)
+            host = torch.zeros(5, bs, dtype=torch.int32)
             host[2] = self.scratch_slot
             host[4] = 1
-            self.host_inputs[bs] = host
-            self.host_view[bs] = host.numpy()  # written in place before each replay
             self.graph_inputs[bs] = host.to(dev)
-            self.host_tokens[bs] = torch.zeros(bs, dtype=torch.int32, pin_memory=pin)
-        self.replayed = torch.cuda.Event() if pin else None  # the last replay; host buffers are free after it
+            self.host_inputs[bs] = [host.clone().pin_memory() if pin else host.clone() for _ in range(RING)]
+            self.host_view[bs] = [h.numpy() for h in self.host_inputs[bs]]  # written in place before a replay
+            self.input_events[bs] = [torch.cuda.Event() if pin else None for _ in range(RING)]
+        self._in_i = 0
+        self.dev_tokens = torch.zeros(n, dtype=torch.int32, device=dev)  # the last graph's argmax, per batch row
+        self.next_tok = torch.zeros(self.table.table.shape[0], dtype=torch.int32, device=dev)  # per table row
+        self.host_tok = [torch.zeros(n, dtype=torch.int32, pin_memory=pin) for _ in range(RING)]
+        self.tok_events = [torch.cuda.Event() if pin else None for _ in range(RING)]
+        self._tok_i = 0
         if dev.type != "cuda":
             self.graphs = {bs: _EagerGraph(self._decode_body, bs) for bs in sizes}
             self.graph_sizes = sorted(self.graphs)
@@ -398,14 +430,17 @@ class GpuLlama:
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, batch)]
 
     def _decode_graph(self, spans) -> int:
-        """Replays the graph of `graph_size(len(spans))`; returns that size. Inputs go into the graph's pinned host
-        buffer (the graph copies them up itself); padding rows read and write the scratch slot through table row 0."""
+        """Replays the graph of `graph_size(len(spans))`; returns that size. The inputs go into the next pinned buffer
+        of that size's ring, then up to the graph's input buffer (a copy on the stream: it waits for the graph
+        launched before); padding rows read and write the scratch slot through table row 0."""
         B = len(spans)
         bs = self.graph_size(B)
         rows, wr, wc, ws = self.table.prepare(spans, skip_last=True)
-        if self.replayed is not None:
-            self.replayed.synchronize()  # the previous replay has read the host buffer (it normally has)
-        h = self.host_view[bs]
+        i = self._in_i = (self._in_i + 1) % RING
+        ev = self.input_events[bs][i]
+        if ev is not None:
+            ev.synchronize()  # the copy that last read this buffer has run (it normally has, RING steps ago)
+        h = self.host_view[bs][i]
         h[0, :B] = [s.token_ids[0] for s in spans]
         h[1, :B] = [s.start for s in spans]
         h[2, :B] = [s.slots[s.start] for s in spans]
@@ -413,11 +448,12 @@ class GpuLlama:
         h[4, :B] = [s.start + 1 for s in spans]
         if B < bs:
             h[:, B:] = self._pad_column[:, None]
+        self.graph_inputs[bs].copy_(self.host_inputs[bs][i], non_blocking=True)
+        if ev is not None:
+            ev.record()
         if wr:  # rows new to the table, or whose slot lists changed
             self._apply_writes(*self.uploader.upload([wr, wc, ws], self.device))
         self.graphs[bs].replay()
-        if self.replayed is not None:
-            self.replayed.record()
         self.stats["graph_steps"] += 1
         return bs
 

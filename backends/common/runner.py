@@ -140,6 +140,21 @@ class ModelRunner:
         """The argmax token after each span when the GPU path can produce it inside a decode graph, else None."""
         return self.model.greedy(spans) if self.backend == "triton" else None
 
+    def graph_batch(self, n: int) -> bool:
+        """Whether a decode batch of n sequences replays a captured graph (GPU path)."""
+        m = self.model
+        return self.backend == "triton" and bool(m.graphs) and n <= m.graph_sizes[-1]
+
+    def launch_greedy(self, spans: list[Span]):
+        """Start a greedy graph step without waiting for its tokens (span ids of -1: see `GpuLlama.launch_greedy`);
+        a handle for `collect`, or None when the batch cannot run that way (CPU path, not a graph batch)."""
+        if self.backend != "triton" or not self.model._graphable(spans):
+            return None
+        return self.model.launch_greedy(spans)
+
+    def collect(self, handle) -> list[int]:
+        return self.model.collect(handle)
+
     def forget(self, key) -> None:
         """The request `key` is done: the GPU path may reuse its slot-table row (it would evict it anyway)."""
         if self.backend == "triton":

@@ -53,6 +53,7 @@ class PrefillModel:
             max_batch=int(p.get("prefill_max_batch", "64")),
             chunk_size=int(p["chunk_size"]),
             max_batch_tokens=int(p["max_prefill_tokens"]),
+            overlap=False,  # each step's first tokens are handed off as soon as they exist
         )
         self.key = open(p["internal_key_file"]).read().strip()
         self.peers = HandoffCache()
