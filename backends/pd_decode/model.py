@@ -232,7 +232,7 @@ class DecodeModel:
             self.events.put(("done", job.rid, job.epoch, False, None, f"prefill call failed: {e}"))
 
     def _decode_step(self, reqs: list[InferReq]) -> None:
-        spans = [Span([r.all_ids[-1]], r.num_tokens - 1, r.slots, r.rid) for r in reqs]
+        spans = [Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid) for r in reqs]
         for req, token in zip(reqs, next_tokens(self.runner, spans, reqs, self.eos)):
             self.sched.after_decode(req, token)
             self._after_token(req, token)
