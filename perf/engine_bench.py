@@ -9,7 +9,8 @@ Prints and writes (markdown):
    step (host inputs, graph with its argmax, reading the tokens back), each against its roofline
    (weight bytes read + KV bytes read) / bandwidth;
 3. offline throughput for N requests with input and output lengths uniform in [100, 1024] (seed 0, ignore EOS,
-   greedy), on the first 64 requests and on all of them;
+   greedy), on the first 64 requests (with the engine's default overlap of decode steps, and without it) and on all
+   of them, each run from an empty prefix cache;
 4. transformers (continuous batching via `init_continuous_batching`, `paged|sdpa` attention) on the same first 64
    requests, and its decode step at the same batch sizes (one token over a 1024-token DynamicCache); the ratios.
 """
