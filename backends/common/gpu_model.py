@@ -402,6 +402,7 @@ class GpuLlama:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.graph_sizes = sorted(self.graphs)
+        self._warm_eager_prefill()
 
     def _tune_linear(self, sizes: list[int]) -> None:
         """For each small graph batch size and projection, cuBLAS or skinny_linear, whichever runs the layers'
@@ -412,6 +413,27 @@ class GpuLlama:
                 ws = [L[name] for L in self.layers]
                 self.linear_choice[(name, bs)], self.linear_times[(name, bs)] = self.k_lin.tune(ws, bs)
         self.linear_choice = {k: v for k, v in self.linear_choice.items() if v is not None}
+
+    def _warm_eager_prefill(self) -> None:
+        """Run the eager path on the kinds of batch serving meets (prefill chunks from position 0 and over a cached
+        prefix, mixed with decode rows, at token counts that are and are not multiples of 16), so that Triton
+        compiles their kernels here and not during the first requests. Nothing is cached yet: the slots written are
+        free, and a request writes each of its slots before reading it."""
+        from .runner import Span
+
+        if self.kv.num_slots < 256:
+            return
+        V = self.cfg.vocab_size
+        ids = [i % V for i in range(64)]
+        batches = [
+            [Span(ids[:40], 0, list(range(40)), None), Span(ids[16:40], 16, list(range(40, 80)), None),
+             Span(ids[:1], 9, list(range(100, 110)), None)],
+            [Span(ids[:47], 0, list(range(120, 167)), None), Span(ids[:1], 5, list(range(200, 206)), None)],
+        ]  # fmt: skip
+        for spans in batches:
+            self.forward(spans)
+        torch.cuda.synchronize()
+        self.stats["eager_steps"] = 0
 
     def _warm_eager_decode(self, bs: int) -> None:
         """Compile the attention variant that eager steps use for decode rows (no fused rotary embedding) at this
