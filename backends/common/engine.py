@@ -62,10 +62,15 @@ def sample_requests(logits: torch.Tensor, reqs: list[InferReq], eos_ids: list[in
     ).tolist()
 
 
+def greedy_unbanned(reqs: list[InferReq], eos_ids: list[int]) -> bool:
+    """Every request greedy with no token banned: the batch's tokens are the argmax, which a decode graph computes."""
+    return all(r.params.temperature == 0 for r in reqs) and not any(banned_ids(r, eos_ids) for r in reqs)
+
+
 def next_tokens(runner: ModelRunner, spans: list[Span], reqs: list[InferReq], eos_ids: list[int]) -> list[int]:
     """The next token after each span (each span ends its request's tokens). A greedy batch with nothing banned
     takes the decode graph's own argmax (`ModelRunner.greedy`); anything else samples from the logits."""
-    if all(r.params.temperature == 0 for r in reqs) and not any(banned_ids(r, eos_ids) for r in reqs):
+    if greedy_unbanned(reqs, eos_ids):
         tokens = runner.greedy(spans)
         if tokens is not None:
             return tokens
@@ -153,7 +158,7 @@ class Engine:
         reqs = [plan[i].req for i in rows]
         eos = self.cfg.eos_token_ids
         handle = None
-        if self.overlap and len(rows) == len(plan) and self._greedy_unbanned(reqs):
+        if self.overlap and len(rows) == len(plan) and greedy_unbanned(reqs, eos):
             handle = self.runner.launch_greedy(spans)
         if handle is not None:
             self.num_steps += 1
@@ -176,10 +181,6 @@ class Engine:
         self.scheduler.after_forward(plan)
         return done + self._postprocess(reqs, tokens)
 
-    def _greedy_unbanned(self, reqs: list[InferReq]) -> bool:
-        eos = self.cfg.eos_token_ids
-        return all(r.params.temperature == 0 for r in reqs) and not any(banned_ids(r, eos) for r in reqs)
-
     def _next_is_decode_batch(self) -> bool:
         """Whether the next plan is certain to be one decode token for every running request, with no admission,
         no preemption and no sampling: the only plan that may be launched over unread tokens."""
@@ -191,7 +192,7 @@ class Engine:
             return False
         return all(
             r.num_tokens - len(r.slots) == 1 and r.num_tokens < self.max_context for r in running
-        ) and self._greedy_unbanned(running)
+        ) and greedy_unbanned(running, self.cfg.eos_token_ids)
 
     def _resolve(self) -> list[InferReq]:
         """Read the pending step's tokens into its requests' placeholders; finish those that stopped."""
@@ -208,8 +209,7 @@ class Engine:
                 # drop the placeholder of a step launched after this one; the KV of `token` that step writes
                 # stays valid, so the request's slots go to the cache with its tokens as usual
                 del req.output_ids[i + 1 :]
-                self.scheduler.finish(req, reason)
-                self.runner.forget(req.rid)
+                self._finish(req, reason)
                 done.append(req)
         return done
 
@@ -220,10 +220,13 @@ class Engine:
             req.output_ids.append(token)
             reason = finish_reason(req, token, eos, self.max_context)
             if reason:
-                self.scheduler.finish(req, reason)
-                self.runner.forget(req.rid)
+                self._finish(req, reason)
                 done.append(req)
         return done
+
+    def _finish(self, req: InferReq, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.runner.forget(req.rid)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -242,22 +242,28 @@ class GpuLlama:
         return F.linear(x, self.lm_head).float()
 
     # ----- eager: any mix of prefill chunks and decode tokens -----
+    def fits_graph(self, batch: int) -> bool:
+        """Whether a decode batch of `batch` sequences replays a captured graph."""
+        return bool(self.graphs) and batch <= self.graph_sizes[-1]
+
     def _graphable(self, spans) -> bool:
-        return bool(self.graphs) and len(spans) <= self.graph_sizes[-1] and all(len(s.token_ids) == 1 for s in spans)
+        return self.fits_graph(len(spans)) and all(len(s.token_ids) == 1 for s in spans)
 
     @torch.inference_mode()
     def greedy(self, spans) -> list[int] | None:
         """The argmax token after each span, computed inside the decode graph (no separate argmax launch); None when
         the batch is not a graph batch (the caller then uses `forward`)."""
-        if not self._graphable(spans):
-            return None
-        return self.collect(self.launch_greedy(spans))
+        handle = self.launch_greedy(spans)
+        return None if handle is None else self.collect(handle)
 
     @torch.inference_mode()
-    def launch_greedy(self, spans) -> tuple[int, int]:
+    def launch_greedy(self, spans) -> tuple[int, int] | None:
         """Replay the decode graph for a graph batch without waiting for it; `collect` returns its argmax tokens.
         A token id of -1 stands for the token this sequence's previous graph step sampled, still on the device, so
-        the caller may schedule and launch step n+1 before it has read step n's tokens."""
+        the caller may schedule and launch step n+1 before it has read step n's tokens. None when the batch is not
+        a graph batch."""
+        if not self._graphable(spans):
+            return None
         bs = self._decode_graph(spans)
         i = self._tok_i = (self._tok_i + 1) % RING
         ev = self.tok_events[i]

@@ -142,15 +142,12 @@ class ModelRunner:
 
     def graph_batch(self, n: int) -> bool:
         """Whether a decode batch of n sequences replays a captured graph (GPU path)."""
-        m = self.model
-        return self.backend == "triton" and bool(m.graphs) and n <= m.graph_sizes[-1]
+        return self.backend == "triton" and self.model.fits_graph(n)
 
     def launch_greedy(self, spans: list[Span]):
         """Start a greedy graph step without waiting for its tokens (span ids of -1: see `GpuLlama.launch_greedy`);
         a handle for `collect`, or None when the batch cannot run that way (CPU path, not a graph batch)."""
-        if self.backend != "triton" or not self.model._graphable(spans):
-            return None
-        return self.model.launch_greedy(spans)
+        return self.model.launch_greedy(spans) if self.backend == "triton" else None
 
     def collect(self, handle) -> list[int]:
         return self.model.collect(handle)

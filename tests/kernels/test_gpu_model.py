@@ -182,6 +182,7 @@ def test_engine_overlap_equals_synchronous():
     without, with a stop id hit mid-batch; most decode steps overlap."""
     from backends.common.engine import Engine
     from backends.common.request import SamplingParams
+    from tests.common.test_engine import assert_idle
 
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in (5, 40, 77, 130, 9, 64)]
@@ -196,8 +197,7 @@ def test_engine_overlap_equals_synchronous():
         params[2] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
         eng.scheduler.radix.clear()
         outs.append([(o.output_ids, o.finish_reason) for o in eng.generate(prompts, params)])
-        free, used, cached = eng.scheduler.accounting()
-        assert used == 0 and free + cached == eng.scheduler.pool.num_slots
+        assert_idle(eng)
         if overlap:
             assert eng.num_overlapped > 20
         del eng
