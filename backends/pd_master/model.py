@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 from backends.common import triton_io as tio
@@ -49,6 +50,38 @@ class ClientRequest:
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # relay and watchdog both send
 
 
+class DrainedStreams:
+    """Holds finished BLS response iterators for a while before letting them go.
+
+    Triton 2.51's stub keeps a second reference to every decoupled response iterator (with all the responses it
+    delivered, numpy arrays included) in a map that a stub thread erases, without the GIL, shortly after the last
+    response. If Python has already dropped its reference, that erase frees Python objects without the GIL and
+    corrupts the stub's heap: under many short concurrent streams the stub failed with "Cannot create a circular
+    NumPy array 'base' dependency" and then died. Keeping Python's reference until the erase has surely happened
+    makes Python's release the last one, done with the GIL held."""
+
+    def __init__(self, hold_seconds: float = 10.0, clock=time.monotonic):
+        self.hold, self.clock = hold_seconds, clock
+        self.items: deque[tuple[float, object]] = deque()
+        self.lock = threading.Lock()
+
+    def keep(self, iterator) -> None:
+        with self.lock:
+            self.items.append((self.clock() + self.hold, iterator))
+        self.reap()
+
+    def reap(self) -> None:
+        """Let go of what has been held long enough (the watchdog calls this, so an idle server frees them too)."""
+        now, expired = self.clock(), []
+        with self.lock:
+            while self.items and self.items[0][0] <= now:
+                expired.append(self.items.popleft()[1])
+        del expired  # released here, by a Python thread holding the GIL, outside the lock
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
 class MasterModel:
     def __init__(self, args: dict):
         p = tio.model_params(args)
@@ -77,6 +110,7 @@ class MasterModel:
         self.m_failed = m.counter("pd_requests_total", "Client requests by outcome", outcome="error")
         self.m_restarts = m.counter("pd_restarts_total", "Segments re-submitted by master (on_decode_oom=restart)")
         self.m_inflight = m.gauge("pd_master_inflight_requests", "Requests being answered")
+        self.drained = DrainedStreams()
         self.stop_event = threading.Event()
         self.watchdog = threading.Thread(target=self._watch, name="pd-master-watchdog", daemon=True)
         self.watchdog.start()
@@ -203,46 +237,50 @@ class MasterModel:
             # every stream is read to its end, whatever happens: a response iterator dropped before its end (master
             # used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died
             restarted, failure = False, None
-            for resp in self._decode_stream(req, seg_rid, prompt_ids, params):
-                if req.abort_reason or restarted or failure is not None:
-                    continue  # drain what decode still sends after a cancel, a restart or an error
-                if resp.has_error():
-                    failure = resp.error().message()
-                    continue
-                ids_t = tio.pb().get_output_tensor_by_name(resp, "output_ids")
-                if ids_t is None:
-                    continue  # the empty closing response of the stream
-                new_ids = [int(x) for x in ids_t.as_numpy().reshape(-1)]
-                reason_t = tio.pb().get_output_tensor_by_name(resp, "finish_reason")
-                reason = reason_t.as_numpy().reshape(-1)[0].decode() if reason_t is not None else ""
-                if reason == "error":
-                    msg_t = tio.pb().get_output_tensor_by_name(resp, "error_message")
-                    failure = msg_t.as_numpy().reshape(-1)[0].decode() if msg_t is not None else "decode failed"
-                    continue
-                if not new_ids and not reason:
-                    continue
-                all_ids.extend(new_ids)
-                delta = stops.feed(detok.add(new_ids))
-                if stops.stopped:
-                    reason = "stop"
-                    self.mailbox.post(seg_rid, "stop")
-                elif reason and reason != "restart":
-                    delta += stops.feed(detok.flush()) + stops.flush()
-                now = time.monotonic()
-                if new_ids:
-                    (self.m_ttft if last == req.started else self.m_itl).observe(now - last)
-                    last = now
-                text_parts.append(delta)
-                # decode's sender merges what is pending for a stream, so a segment's last tokens can arrive in
-                # the same response as its "restart": they go to the client before the segment ends
-                restarted = reason == "restart"
-                final = bool(reason) and not restarted
-                if req.stream and (new_ids or final):
-                    self._send(req, delta, new_ids, reason if final else None, len(all_ids), final)
-                if final:
-                    finish = reason
+            stream = self._decode_stream(req, seg_rid, prompt_ids, params)
+            try:
+                for resp in stream:
+                    if req.abort_reason or restarted or failure is not None:
+                        continue  # drain what decode still sends after a cancel, a restart or an error
+                    if resp.has_error():
+                        failure = resp.error().message()
+                        continue
+                    ids_t = tio.pb().get_output_tensor_by_name(resp, "output_ids")
+                    if ids_t is None:
+                        continue  # the empty closing response of the stream
+                    new_ids = [int(x) for x in ids_t.as_numpy().reshape(-1)]
+                    reason_t = tio.pb().get_output_tensor_by_name(resp, "finish_reason")
+                    reason = reason_t.as_numpy().reshape(-1)[0].decode() if reason_t is not None else ""
+                    if reason == "error":
+                        msg_t = tio.pb().get_output_tensor_by_name(resp, "error_message")
+                        failure = msg_t.as_numpy().reshape(-1)[0].decode() if msg_t is not None else "decode failed"
+                        continue
+                    if not new_ids and not reason:
+                        continue
+                    all_ids.extend(new_ids)
+                    delta = stops.feed(detok.add(new_ids))
                     if stops.stopped:
-                        req.abort_reason = "stop"  # keep draining quietly
+                        reason = "stop"
+                        self.mailbox.post(seg_rid, "stop")
+                    elif reason and reason != "restart":
+                        delta += stops.feed(detok.flush()) + stops.flush()
+                    now = time.monotonic()
+                    if new_ids:
+                        (self.m_ttft if last == req.started else self.m_itl).observe(now - last)
+                        last = now
+                    text_parts.append(delta)
+                    # decode's sender merges what is pending for a stream, so a segment's last tokens can arrive in
+                    # the same response as its "restart": they go to the client before the segment ends
+                    restarted = reason == "restart"
+                    final = bool(reason) and not restarted
+                    if req.stream and (new_ids or final):
+                        self._send(req, delta, new_ids, reason if final else None, len(all_ids), final)
+                    if final:
+                        finish = reason
+                        if stops.stopped:
+                            req.abort_reason = "stop"  # keep draining quietly
+            finally:
+                self.drained.keep(stream)
             if failure is not None:
                 self._finish_with_error(req, failure, "INTERNAL")
                 return
@@ -318,6 +356,7 @@ class MasterModel:
     # ---- watchdog: deadline and client cancellation ------------------------------------------------------
     def _watch(self) -> None:
         while not self.stop_event.wait(0.1):
+            self.drained.reap()
             now = time.monotonic()
             with self.lock:
                 reqs = list(self.active.values())
