@@ -110,6 +110,10 @@ class MasterModel:
         self.m_failed = m.counter("pd_requests_total", "Client requests by outcome", outcome="error")
         self.m_restarts = m.counter("pd_restarts_total", "Segments re-submitted by master (on_decode_oom=restart)")
         self.m_inflight = m.gauge("pd_master_inflight_requests", "Requests being answered")
+        self.m_held = m.gauge(
+            "pd_master_drained_streams_held", "Finished decode streams master holds for 10 s (Triton stub workaround)"
+        )
+        self._held_reported = 0
         self.drained = DrainedStreams()
         self.stop_event = threading.Event()
         self.watchdog = threading.Thread(target=self._watch, name="pd-master-watchdog", daemon=True)
@@ -357,6 +361,9 @@ class MasterModel:
     def _watch(self) -> None:
         while not self.stop_event.wait(0.1):
             self.drained.reap()
+            if len(self.drained) != self._held_reported:
+                self._held_reported = len(self.drained)
+                self.m_held.set(self._held_reported)
             now = time.monotonic()
             with self.lock:
                 reqs = list(self.active.values())
