@@ -110,11 +110,12 @@ class MasterModel:
         self.m_failed = m.counter("pd_requests_total", "Client requests by outcome", outcome="error")
         self.m_restarts = m.counter("pd_restarts_total", "Segments re-submitted by master (on_decode_oom=restart)")
         self.m_inflight = m.gauge("pd_master_inflight_requests", "Requests being answered")
+        self.drained = DrainedStreams()
         self.m_held = m.gauge(
-            "pd_master_drained_streams_held", "Finished decode streams master holds for 10 s (Triton stub workaround)"
+            "pd_master_drained_streams_held",
+            f"Finished decode streams master holds for {self.drained.hold:g} s (Triton stub workaround)",
         )
         self._held_reported = 0
-        self.drained = DrainedStreams()
         self.stop_event = threading.Event()
         self.watchdog = threading.Thread(target=self._watch, name="pd-master-watchdog", daemon=True)
         self.watchdog.start()
