@@ -107,7 +107,15 @@ def register(sub) -> None:
         "--fault-injection",
         default="",
         help="testing only, comma-separated: 'stale' makes decode re-deliver each recovery completion "
-        "under an old epoch; 'drop_paused_kv' keeps no paused KV, forcing prefill recovery",
+        "under an old epoch; 'drop_paused_kv' keeps no paused KV, forcing prefill recovery; 'slow_prefill' makes "
+        "prefill wait 3 s before each batch (cancellations still end its jobs)",
+    )
+    p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=30.0,
+        help="decode reports (log and pd_decode_stalls_total) when requests wait and nothing progresses this "
+        "long; 0 disables",
     )
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
@@ -308,6 +316,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         "ON_DECODE_OOM": a.on_decode_oom,
         "PAUSE_POLICY": a.pause_policy,
         "FAULT_INJECTION": a.fault_injection,
+        "STALL_SECONDS": str(a.stall_seconds),
         "MASTER_INSTANCES": "1",
         "DECODE_GROUPS": instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
         "PREFILL_GROUPS": instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),

@@ -228,6 +228,16 @@ class Engine:
         self.scheduler.finish(req, reason)
         self.runner.forget(req.rid)
 
+    def abort(self, req: InferReq, reason: str = "cancelled") -> None:
+        """End a request between steps, wherever it is (waiting or running); what it computed stays cached."""
+        if req.state is ReqState.FINISHED:
+            return
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+            req.state, req.finish_reason = ReqState.FINISHED, reason
+            return
+        self._finish(req, reason)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]

@@ -11,6 +11,12 @@ from pathlib import Path
 _SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
+def prefill_notice(rid: str, epoch: int) -> str:
+    """The notice name that tells prefill to drop its job for (rid, epoch); decode posts it when it cancels a
+    request whose transfer is in flight, and removes it when that transfer answers."""
+    return f"{rid}:{epoch}"
+
+
 class Mailbox:
     def __init__(self, root: str | Path):
         self.root = Path(root)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,12 +15,13 @@ from backends.common import triton_io as tio
 from backends.common.engine import finish_reason, next_tokens
 from backends.common.kv_handoff import export_handle
 from backends.common.kv_pool import KVPool
-from backends.common.mailbox import Mailbox
+from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.request import InferReq, ParamError, ReqState, SamplingParams
 from backends.common.runner import ModelRunner, Span, set_cpu_threads
 from backends.common.streaming import Item, Stream, StreamSender
 
+from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
 
 
@@ -40,14 +42,19 @@ class DecodeModel:
             p["model"], p["dtype"], device, kv_tokens, kv_shm_name=shm, max_batch=int(p["max_batch"])
         )
         self.eos = self.runner.cfg.eos_token_ids
-        self.max_context = self.runner.cfg.max_position_embeddings
         self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
         self.sched = DecodeScheduler(
             KVPool(kv_tokens),
             max_running=int(p["max_batch"]),
             pause_policy=p.get("pause_policy", "latest"),
             on_oom=p.get("on_decode_oom", "pause"),
+            max_len=self.runner.cfg.max_position_embeddings,
         )
+        # a request ends with "length" at the model's context or at the pool's size, whichever is smaller: one
+        # that outgrew the pool could never be given its next slot
+        self.max_context = self.sched.max_len
+        self.watchdog = ProgressWatchdog(float(p.get("stall_seconds", "30")))
+        self._last_invariant_check = 0.0
         self.key = open(p["internal_key_file"]).read().strip()
         # test hooks (comma-separated): "stale" re-delivers every recovery completion under the previous epoch
         # (it must be dropped); "drop_paused_kv" keeps no paused KV in the cache, forcing prefill recovery
@@ -86,6 +93,10 @@ class DecodeModel:
         self.c_stale = m.counter("pd_stale_messages_total", "Transfer completions from a stale epoch, dropped")
         self.c_restarts = m.counter("pd_decode_restarts_total", "Segments ended for lack of KV (on_oom=restart)")
         self.h_recovery = m.histogram("pd_recovery_seconds", "Time from pause to resumed decoding")
+        self.g["stalled"] = g("pd_decode_stalled_seconds", "Seconds without progress while requests wait")
+        self.c_stalls = m.counter("pd_decode_stalls_total", "Times decode made no progress for stall_seconds with work")
+        self.c_violations = m.counter("pd_decode_invariant_violations_total", "Scheduler invariant checks that failed")
+        self.c_unfittable = m.counter("pd_decode_unfittable_total", "Requests ended because they could never fit")
         self.g["total"].set(self.sched.pool.num_slots)
         self._last_gauges = 0.0
 
@@ -132,6 +143,11 @@ class DecodeModel:
                 if poll:
                     last_cancel_poll = now
                 plan = self.sched.schedule()
+                for req in plan.ended:
+                    self._emit(req, [], "length")
+                for req in plan.failed:
+                    self.c_unfittable.increment(1)
+                    self._emit(req, [], None, error=req.error)
                 for req in plan.paused:
                     req.paused_at = time.monotonic()
                     self.c_pauses.increment(1)
@@ -144,11 +160,45 @@ class DecodeModel:
                 for job in plan.transfers:
                     req = self.sched.reqs[job.rid]
                     self.transfers.submit(self._transfer, job, {**req.params.to_dict(), "seed": req.seed})
+                    self.watchdog.progress()
                 if plan.decode:
                     self._decode_step(plan.decode)
+                else:
+                    self._check_invariants()
+                self._check_progress()
                 self._gauges()
             except Exception as e:  # never let the loop die silently: fail what is running, keep serving
-                self._fail_all(f"decode loop error: {e!r}")
+                try:
+                    self._fail_all(f"decode loop error: {e!r}")
+                except Exception as e2:  # the loop must outlive even a failure to fail
+                    self._log(f"decode loop error {e!r}, then {e2!r} while failing its requests")
+
+    def _log(self, message: str) -> None:
+        print(f"[triton-pd] {self.instance}: {message}", file=sys.stderr, flush=True)
+
+    def _check_invariants(self) -> None:
+        """Pool accounting, slot ownership and liveness, at most once a second while decode is not decoding."""
+        now = time.monotonic()
+        if now - self._last_invariant_check < 1.0:
+            return
+        self._last_invariant_check = now
+        violations = self.sched.check_invariants()
+        if violations:
+            self.c_violations.increment(1)
+            self._log("scheduler invariants violated: " + "; ".join(violations))
+
+    def _check_progress(self) -> None:
+        s = self.sched
+        stalled = self.watchdog.check(waiting=bool(s.reqs))
+        if stalled is None:
+            return
+        self.c_stalls.increment(1)
+        free, used, cached = s.accounting()
+        counts = ", ".join(f"{st.value} {s.count(st)}" for st in ReqState if st is not ReqState.FINISHED)
+        self._log(
+            f"no progress for {stalled:.1f} s with work waiting: {counts}; {len(s.inflight)} transfers in flight; "
+            f"KV free {free} / used {used} / cached {cached} of {s.pool.num_slots}"
+        )
 
     def _drain(self, block: bool) -> None:
         try:
@@ -171,10 +221,17 @@ class DecodeModel:
                     Item(Stream(req.rid, sender), error=f"request_id {req.rid}: duplicate", error_code="INVALID_ARG")
                 )
                 return
+            try:
+                self.sched.add(req)
+            except ParamError as e:  # a prompt this instance can never hold
+                self.sender.push(Item(Stream(req.rid, sender), error=str(e), error_code="INVALID_ARG"))
+                return
             self.streams[req.rid] = Stream(req.rid, sender)
-            self.sched.add(req)
         elif kind == "done":
             _, rid, epoch, ok, token, error = ev
+            self.watchdog.progress()
+            if (rid, epoch) in self.sched.orphans:  # cancelled meanwhile: prefill no longer needs the notice
+                self.mailbox.discard(prefill_notice(rid, epoch))
             c = self.sched.on_transfer_done(rid, epoch, ok, token, error)
             if c.stale:
                 self.c_stale.increment(1)
@@ -202,8 +259,11 @@ class DecodeModel:
 
     def _cancel(self, rid: str, reason: str) -> None:
         req = self.sched.cancel(rid, reason)
-        if req is not None:
-            self._emit(req, [], reason)
+        if req is None:
+            return
+        if (rid, req.epoch) in self.sched.orphans:  # prefill is computing for it: tell prefill to drop the job
+            self.mailbox.post(prefill_notice(rid, req.epoch), reason)
+        self._emit(req, [], reason)
 
     def _transfer(self, job: TransferJob, params: dict) -> None:
         """Runs on a transfer thread: one BLS call to pd_prefill; the answer goes back to the loop as an event."""
@@ -246,6 +306,7 @@ class DecodeModel:
     def _emit(self, req: InferReq, ids: list[int], reason: str | None, error: str | None = None) -> None:
         final = reason is not None or error is not None
         stream = self.streams.pop(req.rid, None) if final else self.streams.get(req.rid)
+        self.watchdog.progress()
         if stream is not None:
             self.sender.push(Item(stream, ids, reason, error, num_pauses=req.num_pauses))
 
@@ -259,6 +320,7 @@ class DecodeModel:
                 tio.tensor("output_ids", [] if error is not None else ids),
                 tio.tensor("finish_reason", "error" if error is not None else (reason or "")),
                 tio.tensor("error_message", error or ""),
+                tio.tensor("error_code", code if error is not None else ""),
                 tio.tensor("num_pauses", [num_pauses]),
             ]
         )
@@ -285,3 +347,4 @@ class DecodeModel:
         self.g["free"].set(free)
         self.g["cached"].set(cached)
         self.g["epoch"].set(s.max_epoch)
+        self.g["stalled"].set(round(self.watchdog.stalled_for(bool(s.reqs)), 1))

@@ -8,6 +8,11 @@ device and no Triton, so every transition is unit-testable in milliseconds.
 
 A request's KV: slots[i] holds position i for i in [0, len(slots)). A transfer for (rid, epoch) writes positions
 [start, end) into slots[start:end]; those slots are not reused until that transfer answers (invariant 5).
+
+Liveness: a request never holds more than `max_len` tokens (the pool's size, or less), so whenever nothing runs
+and no transfer is in flight, every cached slot is evictable and the head of the queue fits. `add` refuses a
+prompt that could never fit, a request that reaches `max_len` ends with "length", and `check_invariants` reports
+an idle scheduler with work waiting (it must never happen).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 
 from backends.common.kv_pool import KVPool
 from backends.common.radix_cache import RadixCache
-from backends.common.request import InferReq, ReqState
+from backends.common.request import InferReq, ParamError, ReqState
 from backends.common.scheduler import KVAccounting
 
 PAUSED_PRIORITY = 1  # radix eviction priority of a paused request's KV (finished requests' KV has 0)
@@ -45,6 +50,8 @@ class Plan:
     paused: list[InferReq] = field(default_factory=list)
     restarted: list[InferReq] = field(default_factory=list)  # on_oom="restart": segments ended
     resumed_local: list[InferReq] = field(default_factory=list)
+    ended: list[InferReq] = field(default_factory=list)  # finished by the scheduler ("length": pool capacity)
+    failed: list[InferReq] = field(default_factory=list)  # finished with req.error: it can never fit
 
 
 @dataclass(slots=True)
@@ -66,6 +73,7 @@ class DecodeScheduler:
         pause_policy: str = "latest",
         on_oom: str = "pause",
         reserve_per_running: int = 1,
+        max_len: int | None = None,
     ):
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
@@ -76,6 +84,9 @@ class DecodeScheduler:
         self.kv = KVAccounting(pool, self.radix)
         self.max_running, self.pause_policy, self.on_oom = max_running, pause_policy, on_oom
         self.reserve_per_running = reserve_per_running
+        # tokens one request may hold (prompt + output): never more than the pool, so that any request fits once
+        # nothing else holds KV; the caller lowers it to the model's context
+        self.max_len = min(pool.num_slots, max_len) if max_len else pool.num_slots
         self.keep_paused_kv = True  # False: a paused request's KV goes straight back to the pool (tests)
         self.reqs: dict[str, InferReq] = {}  # every request not yet FINISHED, by rid
         self.inflight: dict[tuple[str, int], TransferJob] = {}
@@ -85,6 +96,7 @@ class DecodeScheduler:
         self.num_recoveries = {"local": 0, "prefill": 0}
         self.num_stale = 0
         self.max_epoch = 0
+        self.num_unfittable = 0  # requests ended by the liveness guard
 
     # ---- queries -----------------------------------------------------------------------------------------
     def by_state(self, state: ReqState) -> list[InferReq]:
@@ -103,8 +115,16 @@ class DecodeScheduler:
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def add(self, req: InferReq) -> None:
+        """Queue a request. A prompt that could never fit (prompt + one output token > max_len) is refused with a
+        ParamError naming input_ids: queued, it would wait for ever at the head of the queue."""
         if req.rid in self.reqs:
             raise ValueError(f"duplicate request id {req.rid}")
+        if req.num_tokens >= self.max_len:
+            raise ParamError(
+                "input_ids",
+                f"the prompt has {req.num_tokens} tokens, but a request on this decode instance can hold at most "
+                f"{self.max_len} (its KV pool has {self.pool.num_slots} slots): prompt + 1 output token must fit",
+            )
         req.arrival = self._arrivals
         self._arrivals += 1
         req.state = ReqState.WAITING
@@ -173,12 +193,38 @@ class DecodeScheduler:
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan:
         plan = Plan()
+        self._end_at_capacity(plan)
         self._reserve_decode_slots(plan)
         self._recover_paused(plan)
         if not self.by_state(ReqState.PAUSED):  # paused requests take precedence over new admissions
             self._admit_waiting(plan)
+        self._ensure_progress(plan)
         plan.decode = [r for r in self.by_state(ReqState.RUNNING) if len(r.slots) == r.num_tokens]
         return plan
+
+    def _ensure_progress(self, plan: Plan) -> None:
+        """Liveness, enforced: if after planning nothing runs and nothing is in flight while requests wait, every
+        cached slot was evictable and the head still did not fit, so it never will. It ends with an error naming
+        why, rather than leaving decode idle with work waiting. (max_len makes this unreachable; it is the guard.)"""
+        if not self.stalled() or self.pool.num_free + self.radix.evictable_size < self.pool.num_slots:
+            return  # something still holds slots (a leak: check_invariants reports it); failing a request won't help
+        head = (self.by_state(ReqState.PAUSED) or self.by_state(ReqState.WAITING))[0]
+        need = head.num_tokens + 1 if head.state is ReqState.WAITING else head.num_tokens
+        self.finish(head, "error")
+        head.error = (
+            f"request {head.rid} needs {need} KV slots and can never fit: the pool has {self.pool.num_slots}, "
+            "all of them free or evictable, with nothing else running"
+        )
+        self.num_unfittable += 1
+        plan.failed.append(head)
+
+    def _end_at_capacity(self, plan: Plan) -> None:
+        """A request that holds max_len tokens can take no more: it ends with "length" (as at the model's context)
+        instead of waiting for a slot that cannot exist. Decode's finish check normally ends it one step earlier."""
+        for req in list(self.reqs.values()):
+            if req.state in (ReqState.RUNNING, ReqState.PAUSED) and req.num_tokens >= self.max_len:
+                self.finish(req, "length")
+                plan.ended.append(req)
 
     def _alloc(self, n: int) -> list[int] | None:
         return self.kv.alloc(n)
@@ -277,6 +323,42 @@ class DecodeScheduler:
         job = TransferJob(req.rid, req.epoch, req.all_ids[:end], start, req.slots[start:end], sample)
         self.inflight[(req.rid, req.epoch)] = job
         return job
+
+    # ---- invariants ----------------------------------------------------------------------------------------
+    def stalled(self) -> bool:
+        """True when requests wait but nothing can make them progress: nothing runs, no transfer is in flight.
+        Right after schedule() this must be False (the liveness invariant)."""
+        if not self.reqs or self.inflight:
+            return False
+        return not any(r.state is ReqState.RUNNING for r in self.reqs.values())
+
+    def check_invariants(self, liveness: bool = True) -> list[str]:
+        """Violations of the pool accounting, slot ownership and liveness invariants, as messages (empty: none).
+        Liveness holds right after schedule() (between a request ending and the next schedule() it need not).
+        Cheap enough to run after every step in tests and whenever decode is idle in production."""
+        out = []
+        free, used, cached = self.accounting()
+        if free + used + cached != self.pool.num_slots:
+            out.append(f"accounting: free {free} + used {used} + cached {cached} != {self.pool.num_slots}")
+        holders = list(self.reqs.values()) + list(self.orphans.values())
+        held = [s for r in holders for s in r.slots[r.cached_len :]]
+        if len(held) != len(set(held)):
+            out.append("ownership: a slot is held by two requests")
+        if any(self.pool.is_free(s) for s in held):
+            out.append("ownership: a request holds a free slot")
+        for r in self.reqs.values():
+            if r.state in (ReqState.WAITING, ReqState.PAUSED) and (r.slots or r.last_node is not None):
+                out.append(f"{r.rid}: {r.state.value} but holds KV")
+            if r.state is ReqState.RUNNING and not r.num_tokens - 1 <= len(r.slots) <= r.num_tokens:
+                out.append(f"{r.rid}: running with {len(r.slots)} slots for {r.num_tokens} tokens")
+            if r.num_tokens > self.max_len:
+                out.append(f"{r.rid}: {r.num_tokens} tokens, more than max_len {self.max_len}")
+        if self.radix.protected_size and not any(r.last_node is not None for r in holders):
+            out.append(f"radix: {self.radix.protected_size} slots locked with no request holding a prefix")
+        if liveness and self.stalled():
+            counts = {s.value: self.count(s) for s in ReqState if s is not ReqState.FINISHED}
+            out.append(f"liveness: nothing runs and nothing is in flight, but requests wait ({counts})")
+        return out
 
     # ---- after a decode step -----------------------------------------------------------------------------
     def after_decode(self, req: InferReq, token: int) -> None:

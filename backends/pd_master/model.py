@@ -225,7 +225,7 @@ class MasterModel:
         bls = pb.InferenceRequest(
             model_name="pd_decode",
             inputs=inputs,
-            requested_output_names=["output_ids", "finish_reason", "error_message", "num_pauses"],
+            requested_output_names=["output_ids", "finish_reason", "error_message", "error_code", "num_pauses"],
         )
         return bls.exec(decoupled=True)
 
@@ -241,7 +241,7 @@ class MasterModel:
             seg_rid = req.current_rid = req.rid if segment == 0 else f"{req.rid}.{segment}"
             # every stream is read to its end, whatever happens: a response iterator dropped before its end (master
             # used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died
-            restarted, failure = False, None
+            restarted, failure, code = False, None, "INTERNAL"
             stream = self._decode_stream(req, seg_rid, prompt_ids, params)
             try:
                 for resp in stream:
@@ -259,6 +259,8 @@ class MasterModel:
                     if reason == "error":
                         msg_t = tio.pb().get_output_tensor_by_name(resp, "error_message")
                         failure = msg_t.as_numpy().reshape(-1)[0].decode() if msg_t is not None else "decode failed"
+                        code_t = tio.pb().get_output_tensor_by_name(resp, "error_code")
+                        code = (code_t.as_numpy().reshape(-1)[0].decode() if code_t is not None else "") or code
                         continue
                     if not new_ids and not reason:
                         continue
@@ -287,7 +289,7 @@ class MasterModel:
             finally:
                 self.drained.keep(stream)
             if failure is not None:
-                self._finish_with_error(req, failure, "INTERNAL")
+                self._finish_with_error(req, failure, code)
                 return
             if finish is None and not restarted and not req.abort_reason:
                 raise RuntimeError("decode closed the stream without a final response")
@@ -343,8 +345,10 @@ class MasterModel:
                     req.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 else:
                     req.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-            except Exception:
-                req.abort_reason = req.abort_reason or "cancelled"  # the client is gone
+            except Exception:  # the client is gone: stop the work it asked for everywhere
+                if not req.abort_reason:
+                    req.abort_reason = "cancelled"
+                    self._cancel_everywhere(req, "cancelled")
 
     def _final_error(self, sender, message: str, code: str) -> None:
         pb = tio.pb()

@@ -3,18 +3,26 @@ paused request at epoch > 0) with chunked prefill over its own radix cache, writ
 the KV hand-off and answers with the first sampled token (recovery samples are discarded).
 
 Triton hands each execute() call a list of requests; all of them run as one continuous batch, recovery jobs
-first. Recovery jobs are never refused for queue limits: they carry work that is already streaming."""
+first. Recovery jobs are never refused for queue limits: they carry work that is already streaming.
+
+A job whose request decode cancelled (decode posts a notice in the deployment's mailbox) ends at the next step
+boundary, or at once if it has not started, with the error "cancelled": its slots on decode are released when
+that answer arrives."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from backends.common import triton_io as tio
 from backends.common.engine import Engine
 from backends.common.kv_handoff import HandoffCache, copy_rows
+from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
 from backends.common.runner import set_cpu_threads
+
+SLOW_PREFILL_SECONDS = 3.0  # the "slow_prefill" test hook's wait before each batch
 
 
 class PrefillJob:
@@ -34,6 +42,7 @@ class PrefillJob:
             raise ParamError("dst_slots", f"{len(self.dst_slots)} slots for positions [{self.start}, {len(self.ids)})")
         self.first_token: int | None = None
         self.error: str | None = None
+        self.notice = prefill_notice(self.rid, self.epoch)
 
 
 class PrefillModel:
@@ -56,6 +65,9 @@ class PrefillModel:
             overlap=False,  # each step's first tokens are handed off as soon as they exist
         )
         self.key = open(p["internal_key_file"]).read().strip()
+        self.mailbox = Mailbox(p["mailbox_dir"]) if p.get("mailbox_dir") else None
+        # test hook: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations)
+        self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
         self.peers = HandoffCache()
         self.lock = threading.Lock()
         m = self.metrics = Metrics({"model": "pd_prefill", "instance": args.get("model_instance_name", "pd_prefill")})
@@ -65,6 +77,7 @@ class PrefillModel:
         self.m_tokens = m.counter("pd_prefill_computed_tokens_total", "Positions computed by prefill")
         self.m_cached = m.counter("pd_prefill_cached_tokens_total", "Positions served by prefill's radix cache")
         self.m_queue = m.gauge("pd_prefill_queue_depth", "Prefill jobs in the current batch")
+        self.m_cancelled = m.counter("pd_prefill_cancelled_total", "Prefill jobs ended because decode cancelled them")
 
     def execute(self, requests):
         pb = tio.pb()
@@ -85,7 +98,8 @@ class PrefillModel:
             if job is None:
                 continue
             if job.error:
-                responses[i] = pb.InferenceResponse(output_tensors=[], error=tio.error(job.error, "INTERNAL"))
+                code = "CANCELLED" if job.error.startswith("cancelled") else "INTERNAL"
+                responses[i] = pb.InferenceResponse(output_tensors=[], error=tio.error(job.error, code))
             else:
                 responses[i] = pb.InferenceResponse(
                     output_tensors=[
@@ -95,11 +109,36 @@ class PrefillModel:
                 )
         return responses
 
+    def _take_cancelled(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
+        """Jobs with a cancel notice from decode, marked failed ("cancelled") and counted."""
+        live = {j.notice: j for j in jobs if j.error is None}
+        if self.mailbox is None or not live:
+            return []
+        out = []
+        for name, reason in self.mailbox.take(live):
+            job = live[name]
+            job.error = f"cancelled ({reason})"
+            out.append(job)
+        if out:
+            self.m_cancelled.increment(len(out))
+        return out
+
+    def _slow_fault(self, jobs: list[PrefillJob]) -> None:
+        end = time.monotonic() + SLOW_PREFILL_SECONDS
+        while time.monotonic() < end and any(j.error is None for j in jobs):
+            self._take_cancelled(jobs)
+            time.sleep(0.05)
+
     def _run(self, jobs: list[PrefillJob]) -> None:
         self.m_queue.set(len(jobs))
+        self._take_cancelled(jobs)  # cancelled while it waited in Triton's queue
+        if "slow_prefill" in self.faults:
+            self._slow_fault(jobs)
         by_req = {}
         sched = self.engine.scheduler
         for job in jobs:
+            if job.error is not None:
+                continue
             # one token (it obeys min_tokens: no EOS if the answer needs more); decode resolved the seed
             params = SamplingParams(
                 **{**job.params.to_dict(), "max_tokens": 1, "min_tokens": min(1, job.params.min_tokens), "stop": []}
@@ -114,6 +153,10 @@ class PrefillModel:
         cached_before = sched.num_cached_tokens
         try:
             while sched.has_work():
+                for job in self._take_cancelled([j for _, j in by_req.values()]):
+                    for req, j in by_req.values():
+                        if j is job:
+                            self.engine.abort(req)
                 for req in self.engine.step():
                     self._hand_off(*by_req[id(req)])
         except Exception as e:  # fail every unfinished job; free whatever they held

@@ -1,0 +1,154 @@
+"""Liveness and cancellation on a real server: a prompt that can never fit is refused, a request that fills the
+pool ends with "length", the progress watchdog reports a stall, and a client closing its stream (gRPC or HTTP)
+ends its request within a second wherever it is: queued, running, recovering, or in prefill."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.server.client import StreamClient, grpc_generate
+from tests.server.conftest import Server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+POOL = 400
+
+
+@pytest.fixture(scope="module")
+def slow():
+    """Every prefill batch waits 3 s first (watching for cancellations), paused KV is dropped so that recovery goes
+    through prefill, at most 2 requests decode at once, and decode reports a stall after 1 s without progress."""
+    s = Server(
+        "--kv-tokens", str(POOL), "--max-batch", "2", "--stall-seconds", "1",
+        "--fault-injection", "slow_prefill,drop_paused_kv",
+        name="liveness",
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+def ids(n: int, base: int) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def wait_for(server, name, predicate, timeout, **labels) -> float:
+    """Seconds until the metric satisfies predicate; fails after timeout."""
+    t0 = time.monotonic()
+    while not predicate(server.metric(name, **labels)):
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"{name}{labels} = {server.metric(name, **labels)} after {timeout} s")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_prompt_that_can_never_fit_is_refused_naming_the_field(slow):
+    res = grpc_generate(slow.grpc_url, ids=ids(POOL, 300), params={"max_tokens": 4})
+    assert res.error is not None and res.error.split(": ", 1)[1].startswith("input_ids"), res.error
+    assert f"at most {POOL}" in res.error
+    slow.assert_released(timeout=2.0)
+
+
+def test_request_that_fills_the_pool_ends_with_length(slow):
+    res = grpc_generate(slow.grpc_url, ids=ids(POOL - 20, 300), params={"max_tokens": 100, "ignore_eos": True})
+    assert res.error is None and res.finish_reason == "length" and len(res.ids) == 20
+    slow.assert_released(timeout=2.0)
+
+
+def test_watchdog_reports_no_progress_with_work_waiting(slow):
+    before = slow.metric("pd_decode_stalls_total")
+    res = grpc_generate(slow.grpc_url, text="Hello", params={"max_tokens": 4, "temperature": 0})
+    assert res.error is None and len(res.ids) == 4
+    assert slow.metric("pd_decode_stalls_total") >= before + 1  # 3 s in prefill, nothing else moved
+    log = (slow.workdir / "tritonserver.log").read_text(errors="replace")
+    assert "no progress for" in log and "waiting_kv 1" in log
+    assert slow.wait_metric("pd_decode_stalled_seconds", lambda v: v == 0) == 0
+
+
+def test_cancel_while_in_prefill_ends_it_in_prefill_within_a_second(slow):
+    before = slow.metric("pd_prefill_cancelled_total")
+    c = StreamClient(slow.grpc_url, text="Hello again", params={"max_tokens": 50})
+    wait_for(slow, "pd_decode_queued_requests", lambda v: v == 1, 5)
+    time.sleep(0.5)  # inside prefill's 3 s
+    c.cancel()
+    took = wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == before + 1, 1.0)
+    took = max(took, wait_for(slow, "pd_decode_queued_requests", lambda v: v == 0, 1.0))
+    slow.assert_released(timeout=1.0)
+    assert slow.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=1.0) == 0, took
+
+
+def test_cancel_reaches_queued_running_and_recovering_requests(slow):
+    """A and B decode (max-batch 2) and C waits for a batch row. Cancel C (queued). B is paused when the pool fills
+    and, with its KV dropped, recovers through prefill once A is done; cancel it while prefill recomputes it."""
+    cancelled_before = slow.metric("pd_prefill_cancelled_total")
+    a = StreamClient(slow.grpc_url, ids=ids(150, 1000), params={"max_tokens": 120, "ignore_eos": True})
+    b = StreamClient(slow.grpc_url, ids=ids(150, 2000), params={"max_tokens": 300, "ignore_eos": True})
+    wait_for(slow, "pd_decode_running_requests", lambda v: v == 2, 30)
+    c = StreamClient(slow.grpc_url, ids=ids(20, 3000), params={"max_tokens": 50})
+    wait_for(slow, "pd_decode_queued_requests", lambda v: v == 1, 5)
+    c.cancel()
+    assert wait_for(slow, "pd_decode_queued_requests", lambda v: v == 0, 1.0) <= 1.0
+    wait_for(slow, "pd_decode_recovering_requests", lambda v: v == 1, 120)
+    assert a.read(timeout=60).finish_reason == "length" and len(a.result.ids) == 120
+    b.cancel()
+    wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == cancelled_before + 1, 1.0)
+    slow.assert_released(timeout=1.0)
+    assert slow.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=1.0) == 0
+    a.close()
+    # running: cancel a decoding stream
+    d = StreamClient(slow.grpc_url, text="Count to a thousand:", params={"max_tokens": 300, "ignore_eos": True})
+    assert d.read(until_tokens=3, timeout=60).error is None
+    d.cancel()
+    slow.assert_released(timeout=1.0)
+    assert slow.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=1.0) == 0
+
+
+def http_stream(server, body: dict) -> socket.socket:
+    """A generate_stream request on a raw socket: Triton sends the HTTP headers with the first response, so
+    http.client could not return before the first token."""
+    data = json.dumps(body).encode()
+    host, port = server.http_url.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    head = (
+        "POST /v2/models/pd_master/generate_stream HTTP/1.1\r\nHost: localhost\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_http_disconnect_while_running_ends_the_request_within_a_second(slow):
+    body = {"text_input": "Tell me a story", "stream": True}
+    sock = http_stream(slow, {**body, "sampling_parameters": json.dumps({"max_tokens": 300, "ignore_eos": True})})
+    got = b""
+    while got.count(b"data:") < 3:
+        got += sock.recv(4096)
+    assert b" 200 " in got.split(b"\r\n", 1)[0] and slow.metric("pd_decode_running_requests") == 1
+    sock.close()
+    slow.assert_released(timeout=1.0)
+    assert slow.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=1.0) == 0
+
+
+def test_http_disconnect_before_the_first_token_ends_it_at_its_first_response(slow):
+    """Triton 2.51's HTTP frontend notices a closed connection only when it writes to it (measured: a request
+    whose client left during its 3 s prefill stayed in flight until then). The request ends as soon as its first
+    response is written: within a second of prefill's answer, and nothing is left."""
+    body = {"text_input": "Tell me a story", "stream": True}
+    sock = http_stream(slow, {**body, "sampling_parameters": json.dumps({"max_tokens": 300, "ignore_eos": True})})
+    wait_for(slow, "pd_decode_queued_requests", lambda v: v == 1, 5)
+    time.sleep(0.3)
+    sock.close()
+    wait_for(slow, "pd_master_inflight_requests", lambda v: v == 0, 3.0 + 1.0)  # prefill's 3 s, then 1 s
+    slow.assert_released(timeout=1.0)
+
+
+def test_still_serves_and_nothing_is_left(slow):
+    res = grpc_generate(slow.grpc_url, text="Hello", params={"max_tokens": 3, "temperature": 0})
+    assert res.error is None and len(res.ids) == 3
+    slow.assert_released(timeout=2.0)
+    assert slow.metric("pd_decode_invariant_violations_total") == 0
+    assert not list(Path("/dev/shm").glob(f"triton-pd-*/{'*'}:*")), "prefill notices left behind"
