@@ -29,11 +29,31 @@ def _trace_args(p) -> None:
     p.add_argument("--max-output", type=int, default=None, help="clip output lengths to this")
     p.add_argument("--context", type=int, default=None, help="model context (default: from --model)")
     p.add_argument("--model", default="smollm2", help="the served model: its context and vocabulary")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        help="traces without prefix information (Azure): spread requests over this many multi-turn conversations "
+        "whose turns share prefixes (0: every prompt its own)",
+    )
 
 
 def _run_args(p) -> None:
     p.add_argument("--max-users", type=int, default=256, help="concurrent virtual users at most")
     p.add_argument("--timeout", type=float, default=1800, help="client-side limit per request (s)")
+    p.add_argument(
+        "--run-limit",
+        type=float,
+        default=None,
+        help="wall-clock limit of one replay run (s): then open streams are cancelled and counted 'unfinished', "
+        "and the report is written (default: the trace's span + --timeout)",
+    )
+    p.add_argument(
+        "--stuck-after",
+        type=float,
+        default=120.0,
+        help="a stream with no response for this long is cancelled and counted 'stuck' (s)",
+    )
     p.add_argument("--out", required=True, help="folder for records, metrics, report and plots")
     p.add_argument("--no-plots", action="store_true")
 
@@ -72,6 +92,9 @@ def _prepare(a):
         a.max_input, a.max_output, context,
     )  # fmt: skip
     reqs, info = rp.shape(rp.load_trace(a.trace, a.seed), shaping)
+    if a.conversations:
+        reqs = rp.as_conversations(reqs, a.conversations, a.seed, a.input_scale)
+        info["conversations"] = a.conversations
     if not reqs:
         raise SystemExit("triton-pd bench: the trace selection is empty")
     info["trace"] = a.trace
@@ -106,6 +129,11 @@ def _report(rp, out: Path, runs: dict, infos: dict, plots: bool, cmd: str) -> st
         "TTFT counts from the moment the request was sent; TPOT is (last token - first token) / (tokens - 1) per "
         "answer; the largest gap is the longest wait between two consecutive tokens of one answer.",
     ]
+    for n, summ in summaries.items():
+        for kind, msgs in summ.get("error_messages", {}).items():
+            lines.append("")
+            lines.append(f"Errors of kind `{kind}` in `{n}` (most frequent messages):")
+            lines += [f"- {count} x `{msg[:300]}`" for msg, count in msgs]
     (out / "report.md").write_text("\n".join(lines) + "\n")  # the numbers first, whatever the plots do
     if plots:
         try:
@@ -118,6 +146,10 @@ def _report(rp, out: Path, runs: dict, infos: dict, plots: bool, cmd: str) -> st
     return text
 
 
+def _run_limit(a, info: dict) -> float:
+    return a.run_limit if a.run_limit is not None else info["span_s"] + a.timeout
+
+
 def _command() -> str:
     return "triton-pd " + shlex.join(sys.argv[1:])
 
@@ -126,7 +158,10 @@ def cmd_replay(a) -> int:
     rp, reqs, prompts, info = _prepare(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    recs, samples, wall = rp.replay(a.url, a.metrics_url or None, reqs, prompts, a.max_users, a.timeout)
+    recs, samples, wall = rp.replay(
+        a.url, a.metrics_url or None, reqs, prompts, a.max_users, a.timeout,
+        run_limit=_run_limit(a, info), stuck_after=a.stuck_after,
+    )  # fmt: skip
     print(_report(rp, out, {a.name: (recs, samples, wall)}, {a.name: info}, not a.no_plots, _command()))
     return 0
 
@@ -183,8 +218,9 @@ def cmd_compare(a) -> int:
         )
         try:
             runs[mode] = rp.replay(
-                f"127.0.0.1:{server.grpc}", f"127.0.0.1:{server.metrics}", reqs, prompts, a.max_users, a.timeout
-            )
+                f"127.0.0.1:{server.grpc}", f"127.0.0.1:{server.metrics}", reqs, prompts, a.max_users, a.timeout,
+                run_limit=_run_limit(a, info), stuck_after=a.stuck_after,
+            )  # fmt: skip
         finally:
             server.stop()
         infos[mode] = info

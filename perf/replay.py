@@ -15,6 +15,7 @@ import csv
 import json
 import math
 import random
+import signal
 import statistics
 import threading
 import time
@@ -44,7 +45,7 @@ class Record:
     token_times: list[float] = field(default_factory=list)  # one per output token (coalesced ones share a time)
     finish_reason: str | None = None
     error: str | None = None
-    error_kind: str | None = None  # busy | timeout | error
+    error_kind: str | None = None  # busy | timeout | error | stuck | unfinished | unsent
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,6 +138,20 @@ def shape(trace: list[TraceRequest], s: Shaping) -> tuple[list[TraceRequest], di
     return out, info
 
 
+def as_conversations(reqs: list[TraceRequest], n: int, seed: int = 0, input_scale: float = 1.0) -> list[TraceRequest]:
+    """For traces without prefix information (Azure): spread the requests over `n` multi-turn conversations. Each
+    request continues a conversation chosen at random, and its prompt starts with that conversation's blocks, so
+    two turns of one conversation share their common length as a prefix (as a chat's growing history does)."""
+    rng = random.Random(f"{seed}-conversations")
+    size = max(1, round(BLOCK * input_scale))  # tokens per block, as build_prompt lays them
+    out = []
+    for r in reqs:
+        c = rng.randrange(n)
+        blocks = math.ceil(r.input_len / size)
+        out.append(TraceRequest(r.arrival, r.input_len, r.output_len, [c * 1_000_000 + j for j in range(blocks)]))
+    return out
+
+
 def build_prompt(r: TraceRequest, vocab: int, input_scale: float, seed: int, idx: int) -> list[int]:
     """Equal hash ids give equal blocks (of BLOCK x input_scale tokens); requests without hash ids get their own
     random tokens. Ids avoid the lowest 256 (special tokens in many vocabularies)."""
@@ -214,7 +229,12 @@ class Sampler(threading.Thread):
 # replay
 
 
-def _send(url: str, rec: Record, prompt: list[int], t0: float, timeout: float) -> None:
+def _send(url: str, rec: Record, prompt: list[int], t0: float, timeout: float, stuck_after: float, stop) -> None:
+    """One request over its own gRPC stream. Ends however the server behaves: a finished answer, an error, no
+    response for `stuck_after` s once tokens flow ("stuck"; the wait for the first token is a queue wait, bounded
+    by `timeout`), the per-request `timeout` ("timeout"), or the run's end (`stop` set: "unfinished"). Any stream
+    that did not finish is cancelled, so the server frees it and the client never waits on a plain stop_stream()
+    for a stream the server does not end."""
     import queue as q_
 
     import numpy as np
@@ -234,17 +254,33 @@ def _send(url: str, rec: Record, prompt: list[int], t0: float, timeout: float) -
         inp("stream", np.array([True]), "BOOL"),
         inp("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
     ]
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: q.put((time.monotonic(), result, error)))
         rec.sent = time.monotonic() - t0
         client.async_stream_infer("pd_master", inputs, enable_empty_final_response=True)
         deadline = time.monotonic() + timeout
+        last = time.monotonic()
         while True:
-            now, res, err = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                now, res, err = q.get(timeout=0.25)
+            except q_.Empty:
+                now = time.monotonic()
+                if stop.is_set():
+                    rec.error, rec.error_kind = "unfinished when the run's wall-clock limit was reached", "unfinished"
+                elif rec.token_times and now - last >= stuck_after:
+                    rec.error, rec.error_kind = f"no response for {now - last:.0f} s", "stuck"
+                elif now >= deadline:
+                    rec.error, rec.error_kind = f"client-side limit of {timeout:g} s reached", "timeout"
+                else:
+                    continue
+                return
+            last = now
             if err is not None:
                 msg = err.message() if hasattr(err, "message") else str(err)
                 rec.error = msg
                 rec.error_kind = "busy" if "busy" in msg or "UNAVAILABLE" in msg else "error"
+                finished = True  # the server ended the stream
                 return
             out = res.as_numpy("output_ids")
             if out is not None and out.size:
@@ -254,17 +290,18 @@ def _send(url: str, rec: Record, prompt: list[int], t0: float, timeout: float) -
                 rec.finish_reason = fr.reshape(-1)[0].decode()
             final = res.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
+                finished = True
                 if rec.finish_reason in (None, "", "error"):
                     em = res.as_numpy("error_message")
                     rec.error = (em.reshape(-1)[0].decode() if em is not None and em.size else "") or "no finish"
                     rec.error_kind = "timeout" if "deadline" in rec.error or "timed out" in rec.error else "error"
                 return
-    except Exception as e:  # queue.Empty (client-side timeout) or a transport error
+    except Exception as e:  # a transport error
         rec.error = f"{type(e).__name__}: {e}"
-        rec.error_kind = "timeout" if type(e).__name__ == "Empty" else "error"
+        rec.error_kind = "error"
     finally:
         try:
-            client.stop_stream()
+            client.stop_stream(cancel_requests=not finished)
             client.close()
         except Exception:
             pass
@@ -278,41 +315,61 @@ def replay(
     max_users: int = 256,
     timeout: float = 1800,
     progress: float = 5.0,
+    run_limit: float | None = None,
+    stuck_after: float = 120.0,
 ) -> tuple[list[Record], list[dict], float]:
+    """Replay the requests at their arrival times. The run ends by `run_limit` seconds of wall clock whatever the
+    server does: then every stream still open is cancelled and counted as "unfinished", and threads that do not
+    return within 10 s more are left behind (daemons), their records marked so."""
     t0 = time.monotonic()
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():  # a SIGTERM ends the run like its limit does
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     sampler = Sampler(metrics_url, t0) if metrics_url else None
     if sampler:
         sampler.start()
     users = threading.Semaphore(max_users)
     records = [Record(i, r.arrival, input_len=r.input_len, output_len=r.output_len) for i, r in enumerate(reqs)]
     threads = []
+    end = t0 + run_limit if run_limit else math.inf
 
     def user(rec, prompt):
         try:
-            _send(url, rec, prompt, t0, timeout)
+            _send(url, rec, prompt, t0, timeout, stuck_after, stop)
         finally:
             users.release()
 
     last = time.monotonic()
-    for rec, prompt in zip(records, prompts):
-        while True:
-            wait = t0 + rec.scheduled - time.monotonic()
-            if wait <= 0:
-                break
-            time.sleep(min(wait, 0.2))
+    try:
+        for rec, prompt in zip(records, prompts):
+            while time.monotonic() < end and not stop.is_set():
+                wait = t0 + rec.scheduled - time.monotonic()
+                if wait <= 0 and users.acquire(timeout=0.2):  # the cap on concurrent virtual users
+                    break
+                time.sleep(min(max(wait, 0), 0.2))
+                last = _progress(records, t0, last, progress)
+            else:
+                break  # the run's limit: the rest are never sent
+            th = threading.Thread(target=user, args=(rec, prompt), daemon=True)
+            th.start()
+            threads.append(th)
+        while any(th.is_alive() for th in threads) and time.monotonic() < end and not stop.is_set():
+            time.sleep(0.2)
             last = _progress(records, t0, last, progress)
-        users.acquire()  # the cap on concurrent virtual users: a request waits here, and its wait shows in TTFT
-        th = threading.Thread(target=user, args=(rec, prompt), daemon=True)
-        th.start()
-        threads.append(th)
-    for th in threads:
-        while th.is_alive():
-            th.join(0.2)
-            last = _progress(records, t0, last, progress)
+    finally:
+        stop.set()
+        grace = time.monotonic() + 10
+        for th in threads:
+            th.join(max(0.0, grace - time.monotonic()))
+        for rec in records:
+            if math.isnan(rec.sent) and rec.error is None:
+                rec.error, rec.error_kind = "never sent: the run's wall-clock limit came first", "unsent"
+            elif rec.error is None and rec.finish_reason is None:
+                rec.error, rec.error_kind = "client thread still blocked after the run's end", "stuck"
     wall = time.monotonic() - t0
     if sampler:
         sampler.stop.set()
-        sampler.join()
+        sampler.join(5)
     return records, (sampler.samples if sampler else []), wall
 
 
@@ -348,9 +405,12 @@ def summarize(records: list[Record], samples: list[dict], wall: float) -> dict:
     tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
     gaps = [max(b - a for a, b in zip(r.token_times, r.token_times[1:])) for r in ok if len(r.token_times) > 1]
     kinds: dict[str, int] = {}
+    messages: dict[str, dict[str, int]] = {}
     for r in records:
         if r.error_kind:
             kinds[r.error_kind] = kinds.get(r.error_kind, 0) + 1
+            per = messages.setdefault(r.error_kind, {})
+            per[r.error or ""] = per.get(r.error or "", 0) + 1
     tokens = sum(len(r.token_times) for r in records)
     first = min((r.sent for r in records if not math.isnan(r.sent)), default=0.0)
     end = max((r.token_times[-1] for r in records if r.token_times), default=wall)
@@ -360,6 +420,7 @@ def summarize(records: list[Record], samples: list[dict], wall: float) -> dict:
         "success_rate": len(ok) / len(records) if records else math.nan,
         "rejected_busy": kinds.get("busy", 0),
         "errors_by_kind": kinds,
+        "error_messages": {k: sorted(v.items(), key=lambda kv: -kv[1])[:5] for k, v in messages.items()},
         "short_answers": sum(1 for r in ok if len(r.token_times) != r.output_len),
         "ttft_p50": pct(ttft, 50),
         "ttft_p90": pct(ttft, 90),

@@ -152,3 +152,37 @@ def test_still_serves_and_nothing_is_left(slow):
     slow.assert_released(timeout=2.0)
     assert slow.metric("pd_decode_invariant_violations_total") == 0
     assert not list(Path("/dev/shm").glob(f"triton-pd-*/{'*'}:*")), "prefill notices left behind"
+
+
+def test_replay_ends_on_stuck_streams_and_cancels_them(slow):
+    """The replay benchmark never waits for ever: silent streams are counted 'stuck' and cancelled, the run's
+    wall-clock limit ends the rest as 'unfinished', and the server is left with nothing."""
+    from perf import replay as rp
+
+    reqs = [rp.TraceRequest(0.0, 12, 8), rp.TraceRequest(0.1, 12, 8)]
+    prompts = [ids(12, 5000), ids(12, 6000)]
+    t0 = time.monotonic()
+    # waiting for a first token is a queue wait: bounded by the per-request timeout
+    recs, _, wall = rp.replay(slow.grpc_url, None, reqs, prompts, timeout=1.0, stuck_after=0.5, run_limit=30)
+    assert [r.error_kind for r in recs] == ["timeout", "timeout"] and wall < 10, (recs, wall)
+    slow.assert_released(timeout=5.0)
+    summary = rp.summarize(recs, [], wall)
+    assert summary["errors_by_kind"] == {"timeout": 2} and "limit of 1 s" in summary["error_messages"]["timeout"][0][0]
+    recs, _, wall = rp.replay(slow.grpc_url, None, reqs, prompts, stuck_after=60, run_limit=1.0)
+    assert {r.error_kind for r in recs} == {"unfinished"} and wall < 15 and time.monotonic() - t0 < 30
+    slow.assert_released(timeout=5.0)
+
+
+def test_replay_counts_a_stream_that_goes_silent_as_stuck(slow):
+    """Tokens flow, then nothing: a request paused with its KV dropped waits 3 s for prefill's recovery, longer
+    than stuck_after. The stream is cancelled and counted 'stuck'; the other finishes."""
+    from perf import replay as rp
+
+    reqs = [rp.TraceRequest(0.0, 150, 120), rp.TraceRequest(0.0, 150, 300)]
+    prompts = [ids(150, 7000), ids(150, 8000)]
+    recs, _, wall = rp.replay(slow.grpc_url, None, reqs, prompts, timeout=120, stuck_after=2.0, run_limit=120)
+    kinds = sorted(str(r.error_kind) for r in recs)
+    assert kinds == ["None", "stuck"], [(r.error_kind, r.error, len(r.token_times)) for r in recs]
+    stuck = next(r for r in recs if r.error_kind == "stuck")
+    assert 0 < len(stuck.token_times) < 300 and "no response for" in stuck.error
+    slow.assert_released(timeout=5.0)
