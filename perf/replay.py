@@ -323,8 +323,9 @@ def replay(
     return within 10 s more are left behind (daemons), their records marked so."""
     t0 = time.monotonic()
     stop = threading.Event()
+    previous = None
     if threading.current_thread() is threading.main_thread():  # a SIGTERM ends the run like its limit does
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     sampler = Sampler(metrics_url, t0) if metrics_url else None
     if sampler:
         sampler.start()
@@ -366,6 +367,8 @@ def replay(
                 rec.error, rec.error_kind = "never sent: the run's wall-clock limit came first", "unsent"
             elif rec.error is None and rec.finish_reason is None:
                 rec.error, rec.error_kind = "client thread still blocked after the run's end", "stuck"
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     wall = time.monotonic() - t0
     if sampler:
         sampler.stop.set()

@@ -50,9 +50,6 @@ class DecodeModel:
             on_oom=p.get("on_decode_oom", "pause"),
             max_len=self.runner.cfg.max_position_embeddings,
         )
-        # a request ends with "length" at the model's context or at the pool's size, whichever is smaller: one
-        # that outgrew the pool could never be given its next slot
-        self.max_context = self.sched.max_len
         self.watchdog = ProgressWatchdog(float(p.get("stall_seconds", "30")))
         self._last_invariant_check = 0.0
         self.key = open(p["internal_key_file"]).read().strip()
@@ -194,7 +191,7 @@ class DecodeModel:
             return
         self.c_stalls.increment(1)
         free, used, cached = s.accounting()
-        counts = ", ".join(f"{st.value} {s.count(st)}" for st in ReqState if st is not ReqState.FINISHED)
+        counts = ", ".join(f"{st.value} {n}" for st, n in s.counts().items())
         self._log(
             f"no progress for {stalled:.1f} s with work waiting: {counts}; {len(s.inflight)} transfers in flight; "
             f"KV free {free} / used {used} / cached {cached} of {s.pool.num_slots}"
@@ -298,7 +295,9 @@ class DecodeModel:
             self._after_token(req, token)
 
     def _after_token(self, req: InferReq, token: int) -> None:
-        reason = finish_reason(req, token, self.eos, self.max_context)
+        # "length" at sched.max_len: the model's context or the pool's size, whichever is smaller (a request that
+        # outgrew the pool could never be given its next slot)
+        reason = finish_reason(req, token, self.eos, self.sched.max_len)
         if reason:
             self.sched.finish(req, reason)
         self._emit(req, [token], reason)
@@ -338,10 +337,11 @@ class DecodeModel:
             return
         self._last_gauges = now
         s = self.sched
-        self.g["running"].set(s.count(ReqState.RUNNING))
-        self.g["queued"].set(s.count(ReqState.WAITING) + s.count(ReqState.WAITING_KV))
-        self.g["paused"].set(s.count(ReqState.PAUSED))
-        self.g["recovering"].set(s.count(ReqState.RECOVERING))
+        n = s.counts()
+        self.g["running"].set(n[ReqState.RUNNING])
+        self.g["queued"].set(n[ReqState.WAITING] + n[ReqState.WAITING_KV])
+        self.g["paused"].set(n[ReqState.PAUSED])
+        self.g["recovering"].set(n[ReqState.RECOVERING])
         free, used, cached = s.accounting()
         self.g["used"].set(used)
         self.g["free"].set(free)

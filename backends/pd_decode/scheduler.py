@@ -105,6 +105,13 @@ class DecodeScheduler:
     def count(self, state: ReqState) -> int:
         return sum(1 for r in self.reqs.values() if r.state is state)
 
+    def counts(self) -> dict[ReqState, int]:
+        """Requests per state, every state but FINISHED, in one pass."""
+        out = dict.fromkeys((s for s in ReqState if s is not ReqState.FINISHED), 0)
+        for r in self.reqs.values():
+            out[r.state] += 1
+        return out
+
     def accounting(self) -> tuple[int, int, int]:
         """(free, used by requests and in-flight orphans, held by the radix cache): sums to the pool size."""
         holders = list(self.reqs.values()) + list(self.orphans.values())
@@ -356,7 +363,7 @@ class DecodeScheduler:
         if self.radix.protected_size and not any(r.last_node is not None for r in holders):
             out.append(f"radix: {self.radix.protected_size} slots locked with no request holding a prefix")
         if liveness and self.stalled():
-            counts = {s.value: self.count(s) for s in ReqState if s is not ReqState.FINISHED}
+            counts = {s.value: n for s, n in self.counts().items()}
             out.append(f"liveness: nothing runs and nothing is in flight, but requests wait ({counts})")
         return out
 

@@ -153,10 +153,10 @@ class PrefillModel:
         cached_before = sched.num_cached_tokens
         try:
             while sched.has_work():
-                for job in self._take_cancelled([j for _, j in by_req.values()]):
-                    for req, j in by_req.values():
-                        if j is job:
-                            self.engine.abort(req)
+                if self._take_cancelled([j for _, j in by_req.values()]):
+                    for req, job in by_req.values():
+                        if job.error is not None:
+                            self.engine.abort(req)  # a no-op for one already finished
                 for req in self.engine.step():
                     self._hand_off(*by_req[id(req)])
         except Exception as e:  # fail every unfinished job; free whatever they held
