@@ -111,6 +111,22 @@ def register(sub) -> None:
         "prefill wait 3 s before each batch (cancellations still end its jobs)",
     )
     p.add_argument(
+        "--host-kv-tokens",
+        type=int,
+        default=None,
+        help="decode's host-memory KV tier in tokens per instance: paused requests' KV is copied there and swapped "
+        "back in instead of recomputed (pinned memory on a GPU). Default: 4 x --kv-tokens, at most a quarter of "
+        "this machine's memory; 0 disables it",
+    )
+    p.add_argument(
+        "--rotation-quantum",
+        type=float,
+        default=0.1,
+        help="seconds: while decode's pool is over-committed, a request paused this long takes the place of "
+        "requests that have run this long since they resumed, and paused requests resume in the order they "
+        "paused, so no answer stalls for long. 0: a paused request waits until there is room",
+    )
+    p.add_argument(
         "--stall-seconds",
         type=float,
         default=30.0,
@@ -231,7 +247,7 @@ def gpu_count() -> int:
         return 0
 
 
-def kv_tokens_for_gpu(model: str, dtype: str, fraction: float, device: int = 0) -> int:
+def kv_bytes_per_token(model: str, dtype: str) -> int:
     import torch
 
     from .common import loader
@@ -239,8 +255,20 @@ def kv_tokens_for_gpu(model: str, dtype: str, fraction: float, device: int = 0) 
 
     cfg = loader.load_config(loader.resolve(model))
     itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-    return int(torch.cuda.get_device_properties(device).total_memory * fraction // per_token)
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kv_tokens_for_gpu(model: str, dtype: str, fraction: float, device: int = 0) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).total_memory * fraction // kv_bytes_per_token(model, dtype))
+
+
+def default_host_kv_tokens(model: str, dtype: str, kv_tokens: int) -> int:
+    """Four times the device pool (paused requests outnumber running ones when the pool is over-committed), within
+    a quarter of physical memory (pinned memory cannot be swapped out)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(4 * kv_tokens, ram // 4 // kv_bytes_per_token(model, dtype))
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path, stopping: list) -> None:
@@ -290,6 +318,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     kv_tokens = a.kv_tokens or (
         kv_tokens_for_gpu(a.model, dtype, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
     )
+    host_kv = a.host_kv_tokens if a.host_kv_tokens is not None else default_host_kv_tokens(a.model, dtype, kv_tokens)
     prefill_kv = a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings))
     timeout = (
         a.request_timeout
@@ -317,6 +346,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         "PAUSE_POLICY": a.pause_policy,
         "FAULT_INJECTION": a.fault_injection,
         "STALL_SECONDS": str(a.stall_seconds),
+        "HOST_KV_TOKENS": str(host_kv),
+        "ROTATION_QUANTUM": str(a.rotation_quantum),
         "MASTER_INSTANCES": "1",
         "DECODE_GROUPS": instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
         "PREFILL_GROUPS": instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),

@@ -185,7 +185,11 @@ SAMPLED = {
     "kv_total": "pd_kv_slots_total",
     "pauses": "pd_pauses_total",
     "recoveries_local": 'pd_recoveries_total{path="local"',
+    "recoveries_host": 'pd_recoveries_total{path="host"',
     "recoveries_prefill": 'pd_recoveries_total{path="prefill"',
+    "rotations": "pd_rotations_total",
+    "host_kv_used": "pd_host_kv_slots_used",
+    "epoch_max": "pd_recovery_epoch_max",
     "restarts": "pd_decode_restarts_total",
     "stale": "pd_stale_messages_total",
 }
@@ -427,8 +431,10 @@ def summarize(records: list[Record], samples: list[dict], wall: float) -> dict:
         "short_answers": sum(1 for r in ok if len(r.token_times) != r.output_len),
         "ttft_p50": pct(ttft, 50),
         "ttft_p90": pct(ttft, 90),
+        "ttft_p95": pct(ttft, 95),
         "ttft_p99": pct(ttft, 99),
         "tpot_p50": pct(tpot, 50),
+        "tpot_p90": pct(tpot, 90),
         "tpot_p95": pct(tpot, 95),
         "max_gap": max(gaps, default=math.nan),
         "gap_p99": pct(gaps, 99),
@@ -440,7 +446,9 @@ def summarize(records: list[Record], samples: list[dict], wall: float) -> dict:
         a, b = samples[0], samples[-1]
         s["pauses"] = b["pauses"] - a["pauses"]
         s["recoveries_local"] = b["recoveries_local"] - a["recoveries_local"]
-        s["recoveries_prefill"] = b["recoveries_prefill"] - a["recoveries_prefill"]
+        for k in ("recoveries_host", "recoveries_prefill", "rotations"):
+            s[k] = b.get(k, 0.0) - a.get(k, 0.0)
+        s["epoch_max"] = b.get("epoch_max", 0.0)
         s["restarts"] = b["restarts"] - a["restarts"]
         s["stale"] = b["stale"] - a["stale"]
         s["max_paused"] = max(x["paused"] for x in samples)
@@ -456,13 +464,15 @@ ROWS = [
     ("rejected (server busy)", "rejected_busy", "{:.0f}"),
     ("errors by kind", "errors_by_kind", "{}"),
     ("answers shorter than asked", "short_answers", "{:.0f}"),
-    ("TTFT P50 / P90 / P99 (s)", ("ttft_p50", "ttft_p90", "ttft_p99"), "{:.2f}"),
-    ("TPOT P50 / P95 (ms)", ("tpot_p50", "tpot_p95"), "ms"),
+    ("TTFT P50 / P90 / P95 / P99 (s)", ("ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99"), "{:.2f}"),
+    ("TPOT P50 / P90 / P95 (ms)", ("tpot_p50", "tpot_p90", "tpot_p95"), "ms"),
     ("largest gap between two tokens (s)", "max_gap", "{:.2f}"),
     ("P99 of per-answer largest gap (s)", "gap_p99", "{:.2f}"),
     ("output throughput (tokens/s)", "output_tok_s", "{:.1f}"),
     ("pauses", "pauses", "{:.0f}"),
-    ("recoveries: local / prefill", ("recoveries_local", "recoveries_prefill"), "{:.0f}"),
+    ("recoveries: local / host / prefill", ("recoveries_local", "recoveries_host", "recoveries_prefill"), "{:.0f}"),
+    ("rotations (turns given to paused answers)", "rotations", "{:.0f}"),
+    ("highest recovery epoch", "epoch_max", "{:.0f}"),
     ("segment restarts", "restarts", "{:.0f}"),
     ("stale completions dropped", "stale", "{:.0f}"),
     ("most paused at once", "max_paused", "{:.0f}"),

@@ -131,6 +131,8 @@ class InferReq:
         self.error: str | None = None
         self.epoch = 0
         self.num_pauses = 0
+        self.paused_at = 0.0  # decode: when it last paused (the scheduler's clock)
+        self.running_since = 0.0  # decode: when it last started or resumed running
 
     @property
     def all_ids(self) -> list[int]:

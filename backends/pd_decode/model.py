@@ -1,6 +1,7 @@
 """pd_decode (decoupled): admits requests from master, asks prefill for their prompt KV, runs continuous-batching
-decode, pauses requests when the KV pool runs out and recovers them (local radix hit, or prefill recompute under a
-new epoch). One scheduler thread owns all request state; Triton's execute() only enqueues."""
+decode, pauses requests when the KV pool runs out (or, rotating, when another's turn comes) and recovers them by the
+cheapest path: local radix hit, host-memory swap-in, or prefill recompute under a new epoch. One scheduler thread
+owns all request state; Triton's execute() only enqueues."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from backends.common.request import InferReq, ParamError, ReqState, SamplingPara
 from backends.common.runner import ModelRunner, Span, set_cpu_threads
 from backends.common.streaming import Item, Stream, StreamSender
 
+from .host_tier import HostKV, default_costs
 from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
 
@@ -43,18 +45,23 @@ class DecodeModel:
         )
         self.eos = self.runner.cfg.eos_token_ids
         self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
+        host_tokens = int(p.get("host_kv_tokens", "0"))
+        self.host_kv = HostKV(self.runner.kv.buffer, host_tokens) if host_tokens > 0 else None
         self.sched = DecodeScheduler(
             KVPool(kv_tokens),
             max_running=int(p["max_batch"]),
             pause_policy=p.get("pause_policy", "latest"),
             on_oom=p.get("on_decode_oom", "pause"),
             max_len=self.runner.cfg.max_position_embeddings,
+            host_pool=KVPool(host_tokens) if host_tokens > 0 else None,
+            quantum=float(p.get("rotation_quantum", "0")),
+            costs=default_costs(self.runner.cfg, self.runner.kv.bytes_per_slot, gpu),
         )
         self.watchdog = ProgressWatchdog(float(p.get("stall_seconds", "30")))
         self._last_invariant_check = 0.0
         self.key = open(p["internal_key_file"]).read().strip()
         # test hooks (comma-separated): "stale" re-delivers every recovery completion under the previous epoch
-        # (it must be dropped); "drop_paused_kv" keeps no paused KV in the cache, forcing prefill recovery
+        # (it must be dropped); "drop_paused_kv" keeps no paused KV (cache or host), forcing prefill recovery
         self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
         self.sched.keep_paused_kv = "drop_paused_kv" not in self.faults
         self.mailbox = Mailbox(p["mailbox_dir"])
@@ -85,8 +92,22 @@ class DecodeModel:
         }
         self.c_pauses = m.counter("pd_pauses_total", "Requests paused for lack of KV slots")
         self.c_recover = {
-            k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k) for k in ("local", "prefill")
+            k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k)
+            for k in ("local", "host", "prefill")
         }
+        self.c_rotations = m.counter("pd_rotations_total", "Running requests paused to give a paused one its turn")
+        self.c_swapped = {
+            d: m.counter("pd_host_swapped_tokens_total", "Tokens of KV copied to or from host memory", direction=d)
+            for d in ("out", "in")
+        }
+        self.c_host_skips = {
+            r: m.counter("pd_host_swap_skipped_total", "Pauses or recoveries that did not use host memory", reason=r)
+            for r in self.sched.host_skips
+        }
+        self._reported = {"swapped": dict(self.sched.swapped_tokens), "skips": dict(self.sched.host_skips)}
+        self.g["host_used"] = g("pd_host_kv_slots_used", "Host-memory KV slots holding copies of requests' KV")
+        self.g["host_total"] = g("pd_host_kv_slots_total", "Host-memory KV slots (0: no host tier)")
+        self.g["host_total"].set(self.sched.host_pool.num_slots if self.sched.host_pool else 0)
         self.c_stale = m.counter("pd_stale_messages_total", "Transfer completions from a stale epoch, dropped")
         self.c_restarts = m.counter("pd_decode_restarts_total", "Segments ended for lack of KV (on_oom=restart)")
         self.h_recovery = m.histogram("pd_recovery_seconds", "Time from pause to resumed decoding")
@@ -126,6 +147,8 @@ class DecodeModel:
         self.loop.join(timeout=10)
         self.transfers.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
+        if self.host_kv is not None:
+            self.host_kv.close()
         self.runner.kv.close(unlink=True)
 
     # ---- the scheduler loop ------------------------------------------------------------------------------
@@ -133,7 +156,10 @@ class DecodeModel:
         last_cancel_poll = 0.0
         while not self.stop.is_set():
             try:
-                self._drain(block=not self.sched.by_state(ReqState.RUNNING))
+                running = any(r.state is ReqState.RUNNING for r in self.sched.reqs.values())
+                swapping = self.host_kv is not None and self.host_kv.in_flight() > 0
+                self._drain(block=not running, timeout=0.002 if swapping else 0.05)
+                self._swaps_done()
                 now = time.monotonic()
                 poll = now - last_cancel_poll > 0.5
                 self._take_cancels(poll_senders=poll)
@@ -145,20 +171,24 @@ class DecodeModel:
                 for req in plan.failed:
                     self.c_unfittable.increment(1)
                     self._emit(req, [], None, error=req.error)
-                for req in plan.paused:
-                    req.paused_at = time.monotonic()
-                    self.c_pauses.increment(1)
+                if plan.paused:
+                    self.c_pauses.increment(len(plan.paused))
+                if plan.rotated:
+                    self.c_rotations.increment(len(plan.rotated))
                 for req in plan.resumed_local:
                     self.c_recover["local"].increment(1)
-                    self.h_recovery.observe(time.monotonic() - getattr(req, "paused_at", time.monotonic()))
+                    self.h_recovery.observe(time.monotonic() - req.paused_at)
                 for req in plan.restarted:
                     self.c_restarts.increment(1)
                     self._emit(req, [], "restart")
+                self._swap(plan)
                 for job in plan.transfers:
                     req = self.sched.reqs[job.rid]
                     self.transfers.submit(self._transfer, job, {**req.params.to_dict(), "seed": req.seed})
                     self.watchdog.progress()
                 if plan.decode:
+                    if self.host_kv is not None:
+                        self.host_kv.order_compute()  # the step may write slots a swap-out is still reading
                     self._decode_step(plan.decode)
                 else:
                     self._check_invariants()
@@ -169,6 +199,25 @@ class DecodeModel:
                     self._fail_all(f"decode loop error: {e!r}")
                 except Exception as e2:  # the loop must outlive even a failure to fail
                     self._log(f"decode loop error {e!r}, then {e2!r} while failing its requests")
+
+    def _swap(self, plan) -> None:
+        """Start the plan's host copies: swap-outs first (FIFO on the copy stream), then swap-ins. Prefill writes
+        through its own process, so slots go to prefill only after the swap-outs that read them are done."""
+        if self.host_kv is None:
+            return
+        if plan.swap_outs or plan.swap_ins:
+            self.watchdog.progress()
+        self.host_kv.swap_out(plan.swap_outs)
+        for job in self.host_kv.swap_in(plan.swap_ins):
+            self._handle(("done", job.rid, job.epoch, True, None, None))
+        if plan.transfers:
+            self.host_kv.wait_swap_outs()
+
+    def _swaps_done(self) -> None:
+        if self.host_kv is None:
+            return
+        for job in self.host_kv.done():
+            self._handle(("done", job.rid, job.epoch, True, None, None))
 
     def _log(self, message: str) -> None:
         print(f"[triton-pd] {self.instance}: {message}", file=sys.stderr, flush=True)
@@ -197,9 +246,9 @@ class DecodeModel:
             f"KV free {free} / used {used} / cached {cached} of {s.pool.num_slots}"
         )
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout: float = 0.05) -> None:
         try:
-            ev = self.events.get(timeout=0.05) if block else self.events.get_nowait()
+            ev = self.events.get(timeout=timeout) if block else self.events.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -239,8 +288,8 @@ class DecodeModel:
             elif c.recovered:
                 if "stale" in self.faults:
                     self.events.put(("done", rid, epoch - 1, True, 0, None))
-                self.c_recover["prefill"].increment(1)
-                self.h_recovery.observe(time.monotonic() - getattr(c.req, "paused_at", time.monotonic()))
+                self.c_recover[c.path].increment(1)
+                self.h_recovery.observe(time.monotonic() - c.req.paused_at)
 
     def _take_cancels(self, poll_senders: bool) -> None:
         for rid, reason in self.mailbox.take(self.sched.reqs):
@@ -258,8 +307,9 @@ class DecodeModel:
         req = self.sched.cancel(rid, reason)
         if req is None:
             return
-        if (rid, req.epoch) in self.sched.orphans:  # prefill is computing for it: tell prefill to drop the job
-            self.mailbox.post(prefill_notice(rid, req.epoch), reason)
+        job = self.sched.inflight.get((rid, req.epoch))
+        if (rid, req.epoch) in self.sched.orphans and job is not None and job.source == "prefill":
+            self.mailbox.post(prefill_notice(rid, req.epoch), reason)  # prefill is computing for it: drop the job
         self._emit(req, [], reason)
 
     def _transfer(self, job: TransferJob, params: dict) -> None:
@@ -347,4 +397,15 @@ class DecodeModel:
         self.g["free"].set(free)
         self.g["cached"].set(cached)
         self.g["epoch"].set(s.max_epoch)
+        self.g["host_used"].set(s.host_accounting()[1])
+        self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
+        self._count_deltas("skips", s.host_skips, self.c_host_skips)
         self.g["stalled"].set(round(self.watchdog.stalled_for(bool(s.reqs)), 1))
+
+    def _count_deltas(self, name: str, totals: dict, counters: dict) -> None:
+        """Prometheus counters from the scheduler's running totals."""
+        last = self._reported[name]
+        for k, v in totals.items():
+            if v != last[k]:
+                counters[k].increment(v - last[k])
+                last[k] = v

@@ -3,11 +3,24 @@ device and no Triton, so every transition is unit-testable in milliseconds.
 
     WAITING ─admit─► WAITING_KV ─(prompt KV written, epoch ok)─► RUNNING ─► FINISHED
                                                                   │  ▲
-                                         (no slot for next token)  ▼  │ (local radix hit, or prefill wrote the
-                                                                 PAUSED ─► RECOVERING   missing KV, epoch ok)
+                    (no slot for next token, or its turn is over)  ▼  │ (local radix hit, host swap-in done, or
+                                                                 PAUSED ─► RECOVERING   prefill wrote the missing
+                                                                                        KV; epoch ok)
 
 A request's KV: slots[i] holds position i for i in [0, len(slots)). A transfer for (rid, epoch) writes positions
 [start, end) into slots[start:end]; those slots are not reused until that transfer answers (invariant 5).
+
+Host tier (optional, `host_pool`): when a request pauses, the positions its host copy lacks are copied out
+(`Plan.swap_outs`), so that recovery can bring them back with a host-to-device copy (`Plan.swap_ins`, answered
+through `on_transfer_done` like a prefill transfer) instead of a prefill recompute. The executor runs every copy on
+one FIFO copy stream and orders later writes after the swap-outs (see `Plan`), so a paused request's device slots
+can be reused in the same plan. A host copy stays valid while the request lives (its tokens only grow), so a later
+pause copies only the new positions; copies of requests that are not paused are reclaimed first when host memory
+runs short. Recovery takes the cheapest path (`RecoveryCosts`): local radix hit, host swap-in, prefill recompute.
+
+Rotation (`quantum` > 0): when a request has been paused for `quantum` seconds and does not fit, requests that have
+run for at least `quantum` since they last resumed are paused to make room for it, and paused requests recover
+strictly in the order they paused, so no stream waits more than a few quanta while the pool is over-committed.
 
 Liveness: a request never holds more than `max_len` tokens (the pool's size, or less), so whenever nothing runs
 and no transfer is in flight, every cached slot is evictable and the head of the queue fits. `add` refuses a
@@ -17,6 +30,8 @@ an idle scheduler with work waiting (it must never happen).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backends.common.kv_pool import KVPool
@@ -37,6 +52,8 @@ class TransferJob:
     start: int
     dst_slots: list[int]
     sample: bool  # epoch 0: also sample the first output token; recovery: discard the sample
+    source: str = "prefill"  # "prefill": prefill computes the positions; "host": copied from host_slots
+    host_slots: list[int] = field(default_factory=list)  # source "host": host slots of positions [start, end)
 
     @property
     def num_positions(self) -> int:
@@ -44,14 +61,55 @@ class TransferJob:
 
 
 @dataclass(slots=True)
+class SwapOut:
+    """Copy device_slots (positions [start, start + n) of request rid) into host_slots."""
+
+    rid: str
+    start: int
+    device_slots: list[int]
+    host_slots: list[int]
+
+
+@dataclass(slots=True)
+class HostCopy:
+    """A request's KV in host memory: slots[i] is the host slot of position i."""
+
+    slots: list[int]
+    used_at: float
+
+
+@dataclass(slots=True)
+class RecoveryCosts:
+    """Estimated seconds to bring back n missing positions by each path; recovery takes the cheapest. The decode
+    model derives them from the KV bytes per token and the model size; tests set them directly."""
+
+    host_per_token: float = 1e-6
+    prefill_fixed: float = 5e-3
+    prefill_per_token: float = 2e-5
+
+    def host(self, n: int) -> float:
+        return n * self.host_per_token
+
+    def prefill(self, n: int) -> float:
+        return self.prefill_fixed + n * self.prefill_per_token
+
+
+@dataclass(slots=True)
 class Plan:
+    """What the executor does, in this order: swap_outs (reading device slots before anything else writes them:
+    a decode step waits for them, prefill transfers start after they are done), swap_ins (on the same copy stream,
+    after the swap-outs), transfers, then the decode step."""
+
     decode: list[InferReq] = field(default_factory=list)  # run one decode step; slots[-1] is reserved for it
-    transfers: list[TransferJob] = field(default_factory=list)
+    transfers: list[TransferJob] = field(default_factory=list)  # prefill computes K/V into decode's slots
+    swap_outs: list[SwapOut] = field(default_factory=list)
+    swap_ins: list[TransferJob] = field(default_factory=list)  # source "host"; answered by on_transfer_done
     paused: list[InferReq] = field(default_factory=list)
     restarted: list[InferReq] = field(default_factory=list)  # on_oom="restart": segments ended
     resumed_local: list[InferReq] = field(default_factory=list)
     ended: list[InferReq] = field(default_factory=list)  # finished by the scheduler ("length": pool capacity)
     failed: list[InferReq] = field(default_factory=list)  # finished with req.error: it can never fit
+    rotated: list[InferReq] = field(default_factory=list)  # of `paused`, those paused to give another its turn
 
 
 @dataclass(slots=True)
@@ -63,6 +121,7 @@ class Completion:
     failed: str | None = None
     stale: bool = False
     recovered: bool = False
+    path: str | None = None  # recovered: "prefill" or "host"
 
 
 class DecodeScheduler:
@@ -74,6 +133,10 @@ class DecodeScheduler:
         on_oom: str = "pause",
         reserve_per_running: int = 1,
         max_len: int | None = None,
+        host_pool: KVPool | None = None,
+        quantum: float = 0.0,
+        costs: RecoveryCosts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
@@ -88,12 +151,22 @@ class DecodeScheduler:
         # nothing else holds KV; the caller lowers it to the model's context
         self.max_len = min(pool.num_slots, max_len) if max_len else pool.num_slots
         self.keep_paused_kv = True  # False: a paused request's KV goes straight back to the pool (tests)
+        self.host_pool = host_pool if on_oom == "pause" else None
+        self.host: dict[str, HostCopy] = {}
+        self.quantum = quantum if on_oom == "pause" else 0.0
+        self.costs = costs or RecoveryCosts()
+        self.clock = clock
         self.reqs: dict[str, InferReq] = {}  # every request not yet FINISHED, by rid
         self.inflight: dict[tuple[str, int], TransferJob] = {}
         self.orphans: dict[tuple[str, int], InferReq] = {}  # cancelled while a transfer was in flight
         self._arrivals = 0
         self.num_pauses = 0
-        self.num_recoveries = {"local": 0, "prefill": 0}
+        self.num_recoveries = {"local": 0, "host": 0, "prefill": 0}
+        self.num_rotations = 0
+        self.swapped_tokens = {"out": 0, "in": 0}
+        # why a pause kept no host copy ("host_full") or a recovery skipped it ("host_partial": the copy lacks
+        # positions after a host-full pause; "prefill_cheaper": the cost model chose prefill)
+        self.host_skips = {"host_full": 0, "host_partial": 0, "prefill_cheaper": 0}
         self.num_stale = 0
         self.max_epoch = 0
         self.num_unfittable = 0  # requests ended by the liveness guard
@@ -142,6 +215,7 @@ class DecodeScheduler:
         req = self.reqs.pop(rid, None)
         if req is None:
             return None
+        self._drop_host(rid)  # any later use of its host slots is a later copy on the same FIFO stream
         job = self._inflight_of(req)
         if job is not None:
             self.orphans[(req.rid, req.epoch)] = req
@@ -159,6 +233,7 @@ class DecodeScheduler:
     def finish(self, req: InferReq, reason: str) -> None:
         self._drop_reserved(req)
         self.reqs.pop(req.rid, None)
+        self._drop_host(req.rid)
         req.finish_reason, req.state = reason, ReqState.FINISHED
         self.kv.release(req, keep_in_cache=True)
 
@@ -181,16 +256,18 @@ class DecodeScheduler:
             return Completion(req, stale=True)
         if not ok:
             self.reqs.pop(rid)
+            self._drop_host(rid)
             self.kv.release(req, keep_in_cache=False)
             req.state, req.error, req.finish_reason = ReqState.FINISHED, error or "prefill failed", "error"
             return Completion(req, failed=req.error)
+        req.running_since = self.clock()
         if req.state is ReqState.WAITING_KV:
             req.state = ReqState.RUNNING
             req.output_ids.append(int(first_token))
             return Completion(req, first_token=int(first_token))
         req.state = ReqState.RUNNING  # RECOVERING -> RUNNING
-        self.num_recoveries["prefill"] += 1
-        return Completion(req, recovered=True)
+        self.num_recoveries[job.source] += 1
+        return Completion(req, recovered=True, path=job.source)
 
     def _inflight_of(self, req: InferReq) -> TransferJob | None:
         return (
@@ -202,6 +279,7 @@ class DecodeScheduler:
         plan = Plan()
         self._end_at_capacity(plan)
         self._reserve_decode_slots(plan)
+        self._rotate(plan)
         self._recover_paused(plan)
         if not self.by_state(ReqState.PAUSED):  # paused requests take precedence over new admissions
             self._admit_waiting(plan)
@@ -254,6 +332,8 @@ class DecodeScheduler:
 
     def _pick_victim(self) -> InferReq:
         running = self.by_state(ReqState.RUNNING)
+        if self.quantum > 0:  # rotating: the one that has run longest since it last resumed gives way
+            return min(running, key=lambda r: (r.running_since, -r.arrival))
         if self.pause_policy == "oldest":
             return running[0]
         if self.pause_policy == "longest":
@@ -266,9 +346,12 @@ class DecodeScheduler:
             self.finish(req, "restart")
             plan.restarted.append(req)
             return
+        if self.host_pool is not None and self.keep_paused_kv:
+            self._swap_out(req, plan)
         # KV stays findable as unreferenced radix entries, evicted after finished requests' entries
         self.kv.release(req, keep_in_cache=self.keep_paused_kv, priority=PAUSED_PRIORITY)
         req.state = ReqState.PAUSED
+        req.paused_at = self.clock()
         req.num_pauses += 1
         self.num_pauses += 1
         plan.paused.append(req)
@@ -278,23 +361,30 @@ class DecodeScheduler:
         soon = (ReqState.RUNNING, ReqState.RECOVERING, ReqState.WAITING_KV)
         return self.reserve_per_running * sum(1 for r in self.reqs.values() if r.state in soon)
 
+    def _paused_in_order(self) -> list[InferReq]:
+        """Paused requests in the order they recover: oldest arrival first, or, when rotating, oldest pause."""
+        paused = self.by_state(ReqState.PAUSED)
+        if self.quantum > 0:
+            paused.sort(key=lambda r: (r.paused_at, r.arrival))
+        return paused
+
     def _recover_paused(self, plan: Plan) -> None:
-        """Try every paused request, oldest first; one that does not fit does not block later ones."""
-        for req in self.by_state(ReqState.PAUSED):
+        """Try every paused request in order. Without rotation one that does not fit does not block later ones;
+        with rotation the order is strict (first paused, first resumed), which is what bounds every wait."""
+        for req in self._paused_in_order():
             need_kv = req.num_tokens - 1  # positions [0, L-1); the last token is the next decode input
             self.kv.match(req, need_kv)
             missing = need_kv - len(req.slots)
             # the missing positions, plus the next token's slot, must fit beside the running requests' reserve
-            if missing + 1 > self._available() - self._reserve():
-                self.kv.release(req, keep_in_cache=False)
-                continue
-            own = self._alloc(missing)
+            own = self._alloc(missing) if missing + 1 <= self._available() - self._reserve() else None
             if own is None:
                 self.kv.release(req, keep_in_cache=False)
+                if self.quantum > 0:
+                    return
                 continue
             req.slots += own
             if missing == 0:
-                req.state = ReqState.RUNNING
+                self._resume(req)
                 self.num_recoveries["local"] += 1
                 plan.resumed_local.append(req)
                 slot = self._alloc(1)
@@ -304,7 +394,117 @@ class DecodeScheduler:
             req.epoch += 1
             self.max_epoch = max(self.max_epoch, req.epoch)
             req.state = ReqState.RECOVERING
-            plan.transfers.append(self._transfer(req, need_kv, sample=False))
+            host = self._host_source(req, need_kv, missing)
+            if host is not None:
+                job = self._transfer(req, need_kv, sample=False, source="host")
+                job.host_slots = host[job.start : need_kv]
+                self.swapped_tokens["in"] += len(job.host_slots)
+                plan.swap_ins.append(job)
+            else:
+                plan.transfers.append(self._transfer(req, need_kv, sample=False))
+
+    def _resume(self, req: InferReq) -> None:
+        req.state = ReqState.RUNNING
+        req.running_since = self.clock()
+
+    # ---- host tier -----------------------------------------------------------------------------------------
+    def _host_source(self, req: InferReq, need_kv: int, missing: int) -> list[int] | None:
+        """The host slots to swap in from, when the host copy has every position and is the cheaper path."""
+        copy = self.host.get(req.rid)
+        if copy is None:
+            return None
+        if len(copy.slots) < need_kv:
+            self.host_skips["host_partial"] += 1
+            return None
+        if self.costs.host(missing) > self.costs.prefill(missing):
+            self.host_skips["prefill_cheaper"] += 1
+            return None
+        copy.used_at = self.clock()
+        return copy.slots
+
+    def _swap_out(self, req: InferReq, plan: Plan) -> None:
+        """Copy the positions the request's host copy lacks; host memory full: keep none (counted)."""
+        n = len(req.slots)  # positions [0, n) hold K/V (the reserved slot was dropped)
+        copy = self.host.get(req.rid)
+        have = len(copy.slots) if copy is not None else 0
+        if have >= n:
+            return
+        slots = self._host_alloc(n - have, keep=req.rid)
+        if slots is None:
+            self.host_skips["host_full"] += 1
+            self._drop_host(req.rid)  # useless without the new positions; give the room to others
+            return
+        if copy is None:
+            copy = self.host[req.rid] = HostCopy([], self.clock())
+        plan.swap_outs.append(SwapOut(req.rid, have, req.slots[have:n], slots))
+        copy.slots += slots
+        copy.used_at = self.clock()
+        self.swapped_tokens["out"] += len(slots)
+
+    def _host_alloc(self, n: int, keep: str) -> list[int] | None:
+        """n host slots; when short, reclaim copies of requests that are not paused and not swapping in (least
+        recently used first): the running ones can be copied out again when they pause."""
+        pool = self.host_pool
+        if n > pool.num_slots:
+            return None
+        if pool.num_free < n:
+            swapping_in = {rid for (rid, _), job in self.inflight.items() if job.source == "host"}
+            spare = [
+                (c.used_at, rid)
+                for rid, c in self.host.items()
+                if rid != keep and rid not in swapping_in and self.reqs[rid].state is not ReqState.PAUSED
+            ]
+            for _, rid in sorted(spare):
+                if pool.num_free >= n:
+                    break
+                self._drop_host(rid)
+        return pool.alloc(n)
+
+    def _drop_host(self, rid: str) -> None:
+        copy = self.host.pop(rid, None)
+        if copy is not None:
+            self.host_pool.free(copy.slots)
+
+    def host_accounting(self) -> tuple[int, int]:
+        """(free, held by host copies) of the host pool: sums to its size. (0, 0) without a host tier."""
+        if self.host_pool is None:
+            return 0, 0
+        return self.host_pool.num_free, sum(len(c.slots) for c in self.host.values())
+
+    # ---- rotation ------------------------------------------------------------------------------------------
+    def _rotate(self, plan: Plan) -> None:
+        """Give the longest-paused request its turn: once it has waited a quantum and does not fit, pause requests
+        that have run a quantum since they resumed (longest first) until it does. Nobody is paused when the
+        eligible ones would not free enough: that would cost a turn and bring nothing."""
+        if self.quantum <= 0:
+            return
+        paused = self._paused_in_order()
+        now = self.clock()
+        if not paused or now - paused[0].paused_at < self.quantum:
+            return
+        head = paused[0]
+        need_kv = head.num_tokens - 1
+        self.kv.match(head, need_kv)
+        deficit = need_kv - len(head.slots) + 1 - (self._available() - self._reserve())
+        self.kv.release(head, keep_in_cache=False)
+        if deficit <= 0:
+            return
+        eligible = sorted(
+            (r for r in self.reqs.values() if r.state is ReqState.RUNNING and now - r.running_since >= self.quantum),
+            key=lambda r: (r.running_since, r.arrival),
+        )
+        victims, gain = [], 0
+        for r in eligible:
+            if gain >= deficit:
+                break
+            victims.append(r)
+            gain += len(r.slots) - r.cached_len + self.reserve_per_running
+        if gain < deficit:
+            return
+        for r in victims:
+            self._pause(r, plan)
+            plan.rotated.append(r)
+            self.num_rotations += 1
 
     def _admit_waiting(self, plan: Plan) -> None:
         active = len(self.reqs) - self.count(ReqState.WAITING)
@@ -325,9 +525,9 @@ class DecodeScheduler:
             plan.transfers.append(self._transfer(req, req.num_tokens, sample=True))
             active += 1
 
-    def _transfer(self, req: InferReq, end: int, sample: bool) -> TransferJob:
+    def _transfer(self, req: InferReq, end: int, sample: bool, source: str = "prefill") -> TransferJob:
         start = req.cached_len
-        job = TransferJob(req.rid, req.epoch, req.all_ids[:end], start, req.slots[start:end], sample)
+        job = TransferJob(req.rid, req.epoch, req.all_ids[:end], start, req.slots[start:end], sample, source)
         self.inflight[(req.rid, req.epoch)] = job
         return job
 
@@ -362,6 +562,18 @@ class DecodeScheduler:
                 out.append(f"{r.rid}: {r.num_tokens} tokens, more than max_len {self.max_len}")
         if self.radix.protected_size and not any(r.last_node is not None for r in holders):
             out.append(f"radix: {self.radix.protected_size} slots locked with no request holding a prefix")
+        if self.host_pool is not None:
+            hfree, hheld = self.host_accounting()
+            if hfree + hheld != self.host_pool.num_slots:
+                out.append(f"host accounting: free {hfree} + held {hheld} != {self.host_pool.num_slots}")
+            hslots = [s for c in self.host.values() for s in c.slots]
+            if len(hslots) != len(set(hslots)) or any(self.host_pool.is_free(s) for s in hslots):
+                out.append("host ownership: a host slot is held twice or while free")
+            for rid, c in self.host.items():
+                if rid not in self.reqs:
+                    out.append(f"host: a copy of {rid}, which has ended")
+                elif len(c.slots) >= self.reqs[rid].num_tokens:
+                    out.append(f"host: the copy of {rid} has more positions than the request has KV")
         if liveness and self.stalled():
             counts = {s.value: n for s, n in self.counts().items()}
             out.append(f"liveness: nothing runs and nothing is in flight, but requests wait ({counts})")

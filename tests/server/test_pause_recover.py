@@ -78,10 +78,16 @@ def test_four_streams_on_1024_slots_pause_and_recover_exactly(tight, expected):
         assert len(res.ids) == N_OUT  # continuous: nothing lost, nothing twice
         assert res.ids == exp, f"stream {i} differs from the offline engine"  # stream 3: seeded sampling
     assert tight.metric("pd_pauses_total") > 0
-    # every prefill recovery's completion was re-delivered under its old epoch: dropped and counted
-    assert tight.metric("pd_stale_messages_total") >= tight.metric("pd_recoveries_total", path="prefill")
+    # the defaults rotate turns (--rotation-quantum) and keep paused KV in host memory (--host-kv-tokens)
+    assert tight.metric("pd_rotations_total") > 0
+    assert tight.metric("pd_recoveries_total", path="host") > 0
+    assert tight.metric("pd_host_swapped_tokens_total", direction="in") > 0
+    # every recovery's completion was re-delivered under its old epoch: dropped and counted
+    recoveries = sum(tight.metric("pd_recoveries_total", path=p) for p in ("host", "prefill"))
+    assert tight.metric("pd_stale_messages_total") >= recoveries
     assert tight.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
     assert tight.metric("pd_kv_slots_free") + tight.metric("pd_kv_slots_cached") == 1024
+    assert tight.wait_metric("pd_host_kv_slots_used", lambda v: v == 0) == 0  # every host copy freed
 
 
 def test_closing_streams_while_paused_frees_everything(tight, engine):
@@ -97,6 +103,7 @@ def test_closing_streams_while_paused_frees_everything(tight, engine):
         c.cancel()
     tight.assert_released(timeout=2.0)
     assert tight.metric("pd_kv_slots_total") == 1024
+    assert tight.metric("pd_host_kv_slots_used") == 0  # copies of cancelled requests freed too
     res = grpc_generate(tight.grpc_url, text="Hello", params={"max_tokens": 4, "temperature": 0})
     assert res.error is None and len(res.ids) == 4
 
@@ -110,6 +117,7 @@ def test_prefill_recovery_epoch_3_still_exact(forced, expected):
         assert res.error is None, res.error
         assert res.finish_reason == "length" and res.ids == exp[:n], f"stream {i}"
     assert forced.metric("pd_recoveries_total", path="local") == 0
+    assert forced.metric("pd_recoveries_total", path="host") == 0
     assert forced.metric("pd_recoveries_total", path="prefill") >= 3
     assert forced.metric("pd_recovery_epoch_max") >= 3
     assert forced.metric("pd_stale_messages_total") >= forced.metric("pd_recoveries_total", path="prefill")

@@ -1,0 +1,154 @@
+"""Decode's host-memory KV tier: the bytes behind the scheduler's host slots, and the copies between them and the
+device pool. The scheduler decides what moves (`SwapOut`, swap-in `TransferJob`s); this module moves it.
+
+Layout: host slot h holds one token's K/V for every layer, [num_slots, layers, 2, kv_heads, head_dim], so a run of
+consecutive host slots is one contiguous block and one DMA. On a GPU the buffer is pinned and every copy runs on one
+copy stream of its own, in order (FIFO), so:
+- a swap-in that reads host slots runs after the swap-out that wrote them;
+- host slots freed by a cancel and reused by a later swap-out are written after every earlier read;
+- the compute stream waits for the swap-outs enqueued so far (`order_compute`) before its next decode step, and
+  `wait_swap_outs` runs before prefill is handed slots, so a paused request's device slots can be reused in the same
+  plan that copied them out.
+On the CPU the copies are plain and synchronous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.common.config import ModelConfig
+
+from .scheduler import RecoveryCosts, SwapOut, TransferJob
+
+CHUNK = 2048  # tokens per gather/scatter staging tensor on the device (bounds its size: ~256 MB for Llama-8B)
+
+
+def by_host_slot(device_slots: list[int], host_slots: list[int]) -> tuple[list[int], list[int]]:
+    """The pairs sorted by host slot, so that host slots form the longest runs (one DMA each): the host pool hands
+    out slots in any order once it has been freed into."""
+    order = sorted(range(len(host_slots)), key=host_slots.__getitem__)
+    return [device_slots[i] for i in order], [host_slots[i] for i in order]
+
+
+def runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slots as (offset in the list, first slot, length)."""
+    out, i = [], 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        out.append((i, slots[i], j - i))
+        i = j
+    return out
+
+
+class HostKV:
+    def __init__(self, device_buffer: torch.Tensor, num_slots: int):
+        """device_buffer: the decode pool, [layers, 2, slots, kv_heads, head_dim]."""
+        self.dev = device_buffer
+        layers, two, _, heads, dim = device_buffer.shape
+        self.cuda = device_buffer.is_cuda
+        self.buffer = torch.empty((num_slots, layers, two, heads, dim), dtype=device_buffer.dtype, pin_memory=self.cuda)
+        self.bytes_per_slot = layers * two * heads * dim * device_buffer.element_size()
+        self.stream = torch.cuda.Stream(device_buffer.device) if self.cuda else None
+        self._last_out = None  # event after the latest swap-out
+        self._pending: list[tuple[object, TransferJob]] = []  # (event, job) of swap-ins not yet answered
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    # ---- copies --------------------------------------------------------------------------------------------
+    def swap_out(self, jobs: list[SwapOut]) -> None:
+        if not jobs:
+            return
+        if not self.cuda:
+            for job in jobs:
+                self._copy_out(job.device_slots, job.host_slots)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))  # the last step's K/V is written
+        with torch.cuda.stream(self.stream):
+            for job in jobs:
+                self._copy_out(job.device_slots, job.host_slots)
+            self._last_out = torch.cuda.Event()
+            self._last_out.record(self.stream)
+
+    def _copy_out(self, device_slots: list[int], host_slots: list[int]) -> None:
+        device_slots, host_slots = by_host_slot(device_slots, host_slots)
+        for c in range(0, len(device_slots), CHUNK):
+            d, h = device_slots[c : c + CHUNK], host_slots[c : c + CHUNK]
+            idx = torch.tensor(d, dtype=torch.int64).to(self.dev.device, non_blocking=True)
+            rows = self.dev.index_select(2, idx).permute(2, 0, 1, 3, 4)  # [n, layers, 2, heads, dim]
+            rows = rows.contiguous()
+            for off, first, n in runs(h):
+                self.buffer[first : first + n].copy_(rows[off : off + n], non_blocking=self.cuda)
+
+    def swap_in(self, jobs: list[TransferJob]) -> list[TransferJob]:
+        """Start the copies; returns the jobs already done (all of them on the CPU)."""
+        if not self.cuda:
+            for job in jobs:
+                self._copy_in(job.host_slots, job.dst_slots)
+            return list(jobs)
+        if not jobs:
+            return []
+        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
+        with torch.cuda.stream(self.stream):
+            for job in jobs:
+                self._copy_in(job.host_slots, job.dst_slots)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                self._pending.append((ev, job))
+        return []
+
+    def _copy_in(self, host_slots: list[int], device_slots: list[int]) -> None:
+        device_slots, host_slots = by_host_slot(device_slots, host_slots)
+        for c in range(0, len(device_slots), CHUNK):
+            d, h = device_slots[c : c + CHUNK], host_slots[c : c + CHUNK]
+            rows = torch.empty(
+                (len(h),) + tuple(self.buffer.shape[1:]), dtype=self.buffer.dtype, device=self.dev.device
+            )
+            for off, first, n in runs(h):
+                rows[off : off + n].copy_(self.buffer[first : first + n], non_blocking=self.cuda)
+            idx = torch.tensor(d, dtype=torch.int64).to(self.dev.device, non_blocking=True)
+            self.dev.index_copy_(2, idx, rows.permute(1, 2, 0, 3, 4))
+
+    def done(self) -> list[TransferJob]:
+        """Swap-ins whose copies have finished, in the order they were started."""
+        out = []
+        while self._pending and self._pending[0][0].query():
+            out.append(self._pending.pop(0)[1])
+        return out
+
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    # ---- ordering ------------------------------------------------------------------------------------------
+    def order_compute(self) -> None:
+        """The compute stream's next work waits for every swap-out enqueued so far (not for swap-ins)."""
+        if self._last_out is not None:
+            torch.cuda.current_stream(self.dev.device).wait_event(self._last_out)
+
+    def wait_swap_outs(self) -> None:
+        """Block until every swap-out has read its slots: prefill writes through its own stream and process."""
+        if self._last_out is not None:
+            self._last_out.synchronize()
+            self._last_out = None
+
+    def close(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+        self._pending.clear()
+        self.buffer = None
+
+
+def default_costs(cfg: ModelConfig, bytes_per_slot: int, cuda: bool) -> RecoveryCosts:
+    """Rough seconds per recovered token by path: a host copy moves bytes_per_slot over PCIe (~25 GB/s sustained
+    with pinned memory; ~5 GB/s for a CPU memcpy in the stub), a prefill recompute costs ~2 FLOPs per weight per
+    token (~300 TFLOP/s achieved in bf16 on an H100/H200 class GPU; ~50 GFLOP/s on a few CPU cores) plus a BLS round
+    trip. Only their ratio matters: the host path wins unless the link is far slower than the model is small."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    attn = h * cfg.num_heads * cfg.head_dim * 2 + h * cfg.num_kv_heads * cfg.head_dim * 2
+    weights = layers * (attn + 3 * h * cfg.intermediate_size) + cfg.vocab_size * h
+    if cuda:
+        return RecoveryCosts(bytes_per_slot / 25e9, 5e-3, 2 * weights / 300e12)
+    return RecoveryCosts(bytes_per_slot / 5e9, 20e-3, 2 * weights / 50e9)

@@ -1,0 +1,292 @@
+"""The seed scenario: a decode pool of 8192 tokens; 4 streams of 200 + 3800 tokens, then 3 streams of 200 + 5300
+(greedy, EOS ignored), then 4 streams closed while some are paused, then one new request. One server per policy:
+
+    plain   --rotation-quantum 0 --host-kv-tokens 0   a paused stream waits until the running ones finish
+    host    --rotation-quantum 0                      same, recovering from host memory instead of prefill
+    rotate  (defaults: --rotation-quantum 0.1, host tier on)   paused and running streams take turns
+
+    python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
+        [--kv-tokens 8192] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"] [--phase-limit 300]
+
+Per phase and policy it reports answers completed with the right length, the largest gap between two tokens of one
+answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
+throughput loss of a policy is against `plain`, measured in the same run), pauses, rotations, recoveries by path,
+the highest epoch and stale messages; after close-all, decode's counts and whether a new request works. Every phase
+has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the results written so
+far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1` with the default CPU model
+(smollm2) runs the same shape in a few minutes on a laptop-class CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+POLICIES = {
+    "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],
+    "host": ["--rotation-quantum", "0"],
+    "rotate": [],
+}
+COUNTERS = {
+    "pauses": "pd_pauses_total",
+    "rotations": "pd_rotations_total",
+    "rec_local": 'pd_recoveries_total{path="local"',
+    "rec_host": 'pd_recoveries_total{path="host"',
+    "rec_prefill": 'pd_recoveries_total{path="prefill"',
+    "stale": "pd_stale_messages_total",
+    "epoch_max": "pd_recovery_epoch_max",
+    "swapped_in": 'pd_host_swapped_tokens_total{direction="in"',
+    "host_full": 'pd_host_swap_skipped_total{reason="host_full"',
+}
+CLOSE_ALL = {
+    "running": "pd_decode_running_requests",
+    "queued": "pd_decode_queued_requests",
+    "paused": "pd_decode_paused_requests",
+    "recovering": "pd_decode_recovering_requests",
+    "kv_slots_used": "pd_kv_slots_used",
+    "host_kv_slots_used": "pd_host_kv_slots_used",
+}
+
+
+def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        for key, prefix in names.items():
+            name, _, label = prefix.partition("{")
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and (not label or label in line):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class Stream:
+    """One gRPC stream, one request; token arrival times recorded by the callback."""
+
+    def __init__(self, url: str, ids: list[int], max_tokens: int):
+        import tritonclient.grpc as grpcclient
+
+        from tests.server.client import build_inputs
+
+        self.times: list[float] = []
+        self.n_ids = 0
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.ids: list[int] = []
+        self.done = threading.Event()
+        self.sent = time.monotonic()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._on)
+        params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        self.client.async_stream_infer(
+            "pd_master", build_inputs(ids=ids, params=params), enable_empty_final_response=True
+        )
+
+    def _on(self, result, error) -> None:
+        now = time.monotonic()
+        if error is not None:
+            self.error = f"{error.status()}: {error.message()}"
+            self.done.set()
+            return
+        out = result.as_numpy("output_ids")
+        if out is not None and len(out):
+            self.ids += out.tolist()
+            self.times += [now] * len(out)
+        fr = result.as_numpy("finish_reason")
+        if fr is not None and fr[0]:
+            self.finish = fr[0].decode()
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            self.done.set()
+
+    def end(self, cancel: bool) -> None:
+        try:
+            self.client.stop_stream(cancel_requests=cancel)  # a plain stop waits for the server to end it
+            self.client.close()
+        except Exception:
+            pass
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1000, 30000, size=length).tolist() for _ in range(n)]
+
+
+def run_phase(url: str, metrics: str, n: int, prompt: int, out_len: int, limit: float, seed: int) -> dict:
+    before = scrape(metrics, COUNTERS)
+    t0 = time.monotonic()
+    streams = [Stream(url, p, out_len) for p in prompts(n, prompt, seed)]
+    for s in streams:
+        s.done.wait(max(0.0, limit - (time.monotonic() - t0)))
+    wall = time.monotonic() - t0
+    unfinished = sum(1 for s in streams if not s.done.is_set())
+    for s in streams:
+        s.end(cancel=not s.done.is_set())
+    after = scrape(metrics, COUNTERS)
+    gaps = [max((b - a for a, b in zip(s.times, s.times[1:])), default=0.0) for s in streams]
+    firsts = [s.times[0] - s.sent for s in streams if s.times]
+    tokens = sum(len(s.ids) for s in streams)
+    return {
+        "streams": n,
+        "completed": sum(1 for s in streams if s.finish == "length" and len(s.ids) == out_len and not s.error),
+        "unfinished": unfinished,
+        "errors": [s.error for s in streams if s.error],
+        "lengths": [len(s.ids) for s in streams],
+        "largest_gap_s": max(gaps, default=0.0),
+        "largest_gap_per_stream_s": [round(g, 3) for g in gaps],
+        "ttft_max_s": max(firsts, default=float("nan")),
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "ids_sha": [hash(tuple(s.ids)) & 0xFFFFFFFF for s in streams],
+        **{k: after[k] - before[k] for k in COUNTERS if k != "epoch_max"},
+        "epoch_max": after["epoch_max"],
+    }
+
+
+def close_all(url: str, metrics: str, prompt: int, out_len: int, limit: float) -> dict:
+    streams = [Stream(url, p, out_len) for p in prompts(4, prompt, 7)]
+    t0, paused = time.monotonic(), False
+    while time.monotonic() - t0 < limit:
+        m = scrape(metrics, CLOSE_ALL)
+        if m["paused"] + m["recovering"] > 0:
+            paused = True
+            break
+        time.sleep(0.05)
+    for s in streams:
+        s.end(cancel=True)
+    t1 = time.monotonic()
+    while True:
+        counts = scrape(metrics, CLOSE_ALL)
+        if not any(counts.values()) or time.monotonic() - t1 > 10:
+            break
+        time.sleep(0.1)
+    released_s = time.monotonic() - t1
+    probe = Stream(url, prompts(1, 16, 99)[0], 8)
+    probe.done.wait(60)
+    probe.end(cancel=not probe.done.is_set())
+    return {
+        "paused_when_closed": paused,
+        "counts_after": counts,
+        "released_in_s": released_s,
+        "new_request_ok": probe.finish == "length" and len(probe.ids) == 8,
+    }
+
+
+def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
+    base = runs.get("plain", {}).get(phase)
+
+    def loss(r):
+        return f"{1 - r['output_tok_s'] / base['output_tok_s']:+.1%}" if base else "-"
+
+    rows = [
+        ("completed with the right length", lambda r: f"{r['completed']} of {r['streams']}"),
+        ("unfinished at the limit / errors", lambda r: f"{r['unfinished']} / {len(r['errors'])}"),
+        ("largest gap between two tokens (s)", lambda r: f"{r['largest_gap_s']:.2f}"),
+        ("largest time to first token (s)", lambda r: f"{r['ttft_max_s']:.2f}"),
+        ("wall (s)", lambda r: f"{r['wall_s']:.1f}"),
+        ("output tokens/s", lambda r: f"{r['output_tok_s']:.1f}"),
+        ("throughput loss vs plain", loss),
+        ("pauses / rotations", lambda r: f"{r['pauses']:.0f} / {r['rotations']:.0f}"),
+        (
+            "recoveries local / host / prefill",
+            lambda r: f"{r['rec_local']:.0f} / {r['rec_host']:.0f} / {r['rec_prefill']:.0f}",
+        ),
+        ("highest epoch / stale messages", lambda r: f"{r['epoch_max']:.0f} / {r['stale']:.0f}"),
+        ("host-full skips", lambda r: f"{r['host_full']:.0f}"),
+    ]
+    lines = [f"## {phase}", "", "| | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
+    for label, fn in rows:
+        cells = [fn(runs[p][phase]) if phase in runs[p] else "-" for p in pols]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def report(summary: dict) -> str:
+    lines = [f"# Seed scenario: {summary['setup']}", "", f"Command: `{summary['command']}`", ""]
+    runs = summary["policies"]
+    pols = list(runs)
+    for phase in ("4x4000", "3x5500"):
+        if any(phase in runs[p] for p in pols):
+            lines += _phase_rows(phase, pols, runs)
+    lines += ["## close all streams while some are paused", "", "| | " + " | ".join(pols) + " |"]
+    lines.append("|---|" + "---|" * len(pols))
+    for label, fn in (
+        ("some paused when closed", lambda c: str(c["paused_when_closed"])),
+        ("counts after", lambda c: ", ".join(f"{k} {v:.0f}" for k, v in c["counts_after"].items())),
+        ("released in (s)", lambda c: f"{c['released_in_s']:.2f}"),
+        ("a new request works", lambda c: str(c["new_request_ok"])),
+    ):
+        cells = [fn(runs[p]["close_all"]) if "close_all" in runs[p] else "-" for p in pols]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    errors = [f"- {p}: {runs[p]['error']}" for p in pols if "error" in runs[p]]
+    return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--policies", nargs="+", default=["plain", "rotate"], choices=list(POLICIES))
+    ap.add_argument("--model", default="random:llama3.1-8b")
+    ap.add_argument("--kv-tokens", type=int, default=8192)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies the pool and every length")
+    ap.add_argument("--serve-args", default="", help="more `triton-pd serve` options, e.g. GPU placement")
+    ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
+    a = ap.parse_args(argv)
+    from backends.bench import ServerProcess
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sc = lambda n: max(1, int(round(n * a.scale)))  # noqa: E731
+    pool, prompt = sc(a.kv_tokens), sc(200)
+    summary = {
+        "setup": f"{a.model}, decode pool {pool} tokens, prompts {prompt}, {a.serve_args or 'default placement'}",
+        "command": "python perf/seed_stalls.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "policies": {},
+    }
+    for pol in a.policies:
+        res = summary["policies"][pol] = {}
+        print(f"[seed] {pol}: starting a server", flush=True)
+        args = ["--model", a.model, "--kv-tokens", str(pool), *POLICIES[pol], *shlex.split(a.serve_args)]
+        try:
+            server = ServerProcess(args, out / f"server-{pol}.log")
+        except SystemExit as e:
+            res["error"] = str(e)
+            continue
+        url, metrics = f"127.0.0.1:{server.grpc}", f"127.0.0.1:{server.metrics}"
+        try:
+            for phase, n, n_out in (("4x4000", 4, sc(3800)), ("3x5500", 3, sc(5300))):
+                print(f"[seed] {pol}: {phase} ({n} x {prompt}+{n_out})", flush=True)
+                res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(phase))
+                brief = {
+                    k: res[phase][k] for k in ("completed", "largest_gap_s", "wall_s", "output_tok_s", "epoch_max")
+                }
+                print(f"[seed] {pol}: {phase}: {json.dumps(brief)}", flush=True)
+                (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            print(f"[seed] {pol}: close all while paused", flush=True)
+            res["close_all"] = close_all(url, metrics, prompt, sc(3800), min(a.phase_limit, 120))
+        except Exception as e:
+            res["error"] = repr(e)
+        finally:
+            server.stop()
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            (out / "report.md").write_text(report(summary))
+    text = report(summary)
+    print(text)
+    (out / "report.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,320 @@
+"""Decode's host KV tier, recovery by cost and rotation, without a model: a simulated executor applies every plan
+(swap-outs, swap-ins, prefill writes, decode steps) to dicts standing for the device pool and host memory, and checks
+before each decode step that every position of every running request holds exactly the K/V of its own prefix."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backends.common.kv_pool import KVPool
+from backends.common.request import InferReq, ReqState, SamplingParams
+from backends.pd_decode.scheduler import DecodeScheduler, RecoveryCosts
+
+
+def kv_of(ids, i):
+    """The K/V of position i depends on the whole prefix ids[: i + 1], as a real model's does."""
+    return hash(tuple(ids[: i + 1]))
+
+
+def next_token(ids):
+    return 1000 + (sum(ids[-3:]) * 31 + len(ids)) % 997
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class Sim:
+    """Runs a DecodeScheduler like decode's loop does; transfers and swap-ins answer one step after they start."""
+
+    def __init__(self, pool, host=None, quantum=0.0, costs=None, max_tokens=40, **kw):
+        self.clock = Clock()
+        self.s = DecodeScheduler(
+            KVPool(pool),
+            host_pool=KVPool(host) if host else None,
+            quantum=quantum,
+            costs=costs,
+            clock=self.clock,
+            **kw,
+        )
+        self.device, self.hostmem = {}, {}
+        self.pending = []  # (job) answered at the next step
+        self.max_tokens = max_tokens
+        self.token_times: dict[str, list[float]] = {}
+        self.done: dict[str, list[int]] = {}
+        self.plans = []
+
+    def add(self, rid, n_prompt, base=0):
+        req = InferReq(rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=self.max_tokens))
+        self.s.add(req)
+        self.token_times[rid] = []
+        return req
+
+    def _answer_pending(self):
+        pending, self.pending = self.pending, []
+        for job in pending:
+            c = self.s.on_transfer_done(job.rid, job.epoch, True, first_token=next_token(job.ids) if job.sample else 0)
+            if c.first_token is not None:
+                self._token(c.req)
+
+    def _token(self, req):
+        self.token_times[req.rid].append(self.clock.t)
+        if len(req.output_ids) >= self.max_tokens:
+            self.s.finish(req, "length")
+            self.done[req.rid] = list(req.output_ids)
+
+    def step(self, dt=0.01):
+        self.clock.t += dt
+        self._answer_pending()
+        plan = self.s.schedule()
+        self.plans.append(plan)
+        for out in plan.swap_outs:  # first: they read slots that later writes may reuse
+            assert len(out.device_slots) == len(out.host_slots)
+            for d, h in zip(out.device_slots, out.host_slots):
+                self.hostmem[h] = self.device[d]
+        for job in plan.swap_ins:
+            for d, h in zip(job.dst_slots, job.host_slots):
+                self.device[d] = self.hostmem[h]
+            self.pending.append(job)
+        for job in plan.transfers:
+            for k, d in enumerate(job.dst_slots):
+                self.device[d] = kv_of(job.ids, job.start + k)
+            self.pending.append(job)
+        for req in plan.decode:
+            ids = req.all_ids
+            for i in range(req.num_tokens - 1):  # every position the step reads holds its own prefix's K/V
+                assert self.device.get(req.slots[i]) == kv_of(ids, i), f"{req.rid} position {i} corrupt"
+            self.device[req.slots[req.num_tokens - 1]] = kv_of(ids, req.num_tokens - 1)
+            self.s.after_decode(req, next_token(ids))
+            self._token(req)
+        assert self.s.check_invariants(liveness=False) == []
+        return plan
+
+    def run(self, limit=5000):
+        for _ in range(limit):
+            if self.s.idle():
+                return
+            self.step()
+        pytest.fail(f"not done after {limit} steps: {self.s.counts()}")
+
+    def max_gap(self, rid):
+        t = self.token_times[rid]
+        return max(b - a for a, b in zip(t, t[1:]))
+
+
+def reference(prompts, max_tokens=40):
+    """The same requests with a pool that never runs out."""
+    sim = Sim(pool=10_000, max_tokens=max_tokens)
+    for rid, n, base in prompts:
+        sim.add(rid, n, base)
+    sim.run()
+    return sim.done
+
+
+def test_pause_swaps_out_and_recovery_swaps_in_from_host():
+    sim = Sim(pool=60, host=200, max_tokens=40)
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    sim.s.keep_paused_kv = True
+    sim.run()
+    s = sim.s
+    assert s.num_pauses >= 1 and s.swapped_tokens["out"] >= 10
+    assert s.num_recoveries["host"] >= 1 and s.num_recoveries["prefill"] == 0
+    assert any(p.swap_ins for p in sim.plans)
+    assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(3)])
+    assert s.host_accounting() == (200, 0)  # every host copy freed when its request ended
+    free, used, cached = s.accounting()
+    assert used == 0 and free + cached == 60
+
+
+def test_host_copy_is_incremental_across_pauses():
+    sim = Sim(pool=70, host=300, quantum=0.05, max_tokens=60)
+    for i in range(3):
+        sim.add(f"r{i}", 8, base=100 * i)
+    sim.run()
+    s = sim.s
+    outs = [o for p in sim.plans for o in p.swap_outs]
+    per_req = {}
+    for o in outs:  # each swap-out continues where that request's copy ended
+        assert o.start == per_req.get(o.rid, 0)
+        per_req[o.rid] = o.start + len(o.host_slots)
+    assert s.num_rotations >= 2 and len(outs) > len(per_req)
+    assert s.swapped_tokens["out"] == sum(per_req.values())
+
+
+def test_host_full_falls_back_to_prefill_with_a_counted_reason():
+    sim = Sim(pool=60, host=5, max_tokens=40)  # no copy fits
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    sim.run()
+    s = sim.s
+    assert s.host_skips["host_full"] >= 1 and s.num_recoveries["host"] == 0
+    assert s.num_recoveries["local"] + s.num_recoveries["prefill"] >= 1
+    assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(3)])
+    assert s.host_accounting() == (5, 0)
+
+
+def test_cost_model_chooses_prefill_when_it_is_cheaper():
+    costs = RecoveryCosts(host_per_token=1.0, prefill_fixed=0.0, prefill_per_token=0.001)
+    sim = Sim(pool=60, host=200, costs=costs, max_tokens=40)
+    sim.s.keep_paused_kv = True
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    sim.run()
+    s = sim.s
+    assert s.num_recoveries["host"] == 0 and s.host_skips["prefill_cheaper"] >= 1
+    assert s.num_recoveries["prefill"] + s.num_recoveries["local"] >= 1
+    assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(3)])
+
+
+def _swapped_request(sim):
+    """Run until some request is paused with a host copy and its device KV has been reused by others."""
+    for _ in range(500):
+        sim.step()
+        for r in sim.s.by_state(ReqState.PAUSED):
+            if r.rid in sim.s.host:
+                return r
+    pytest.fail("nothing was paused with a host copy")
+
+
+def test_cancel_while_swapped_frees_host_and_device():
+    sim = Sim(pool=60, host=200, max_tokens=40)
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    victim = _swapped_request(sim)
+    assert sim.s.cancel(victim.rid) is victim
+    assert victim.rid not in sim.s.host
+    sim.run()
+    assert sim.s.host_accounting() == (200, 0)
+    free, used, cached = sim.s.accounting()
+    assert used == 0 and free + cached == 60
+    assert set(sim.done) == {"r0", "r1", "r2"} - {victim.rid}
+
+
+def test_cancel_during_swap_in_keeps_its_slots_until_the_copy_answers():
+    sim = Sim(pool=60, host=200, max_tokens=40)
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    for _ in range(500):
+        plan = sim.step()
+        if plan.swap_ins:
+            break
+    else:
+        pytest.fail("no swap-in")
+    job = plan.swap_ins[0]
+    req = sim.s.cancel(job.rid)
+    assert req.state is ReqState.FINISHED and (job.rid, job.epoch) in sim.s.orphans
+    assert all(not sim.s.pool.is_free(d) for d in job.dst_slots)  # the copy may still be writing them
+    sim.run()
+    assert not sim.s.orphans and sim.s.host_accounting() == (200, 0)
+    free, used, cached = sim.s.accounting()
+    assert used == 0 and free + cached == 60
+
+
+def seed_like(quantum, host):
+    """The seed scenario scaled down: a pool that holds one long answer at a time, three answers that each grow
+    to almost all of it (a step is 10 ms of the fake clock)."""
+    sim = Sim(pool=100, host=host, quantum=quantum, max_tokens=90)
+    for i in range(3):
+        sim.add(f"s{i}", 5, base=100 * i)
+    sim.run()
+    return sim
+
+
+def test_rotation_bounds_the_largest_gap_and_keeps_answers_identical():
+    plain = seed_like(quantum=0.0, host=400)
+    fair = seed_like(quantum=0.05, host=400)
+    ref = reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
+    assert plain.done == ref and fair.done == ref
+    plain_gap = max(plain.max_gap(r) for r in ref)
+    fair_gap = max(fair.max_gap(r) for r in ref)
+    # without rotation a paused answer waits for another to finish (tens of steps); with it, about three quanta at
+    # most (two others ahead, each resumed for a quantum, plus the swap-in steps)
+    assert plain_gap >= 0.4, plain_gap
+    assert fair_gap <= 3 * 0.05 + 0.015 and fair_gap * 2.5 < plain_gap, (plain_gap, fair_gap)
+    assert fair.s.num_rotations > 0 and fair.s.num_recoveries["host"] > 0
+    assert fair.s.host_accounting() == (400, 0)
+
+
+def test_rotation_without_host_tier_recovers_through_prefill_or_cache():
+    sim = seed_like(quantum=0.05, host=None)
+    assert sim.done == reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
+    assert sim.s.num_rotations > 0 and sim.s.num_recoveries["host"] == 0
+
+
+def test_rotation_never_pauses_without_making_room():
+    """A request that has not run a quantum is not paused, even when one waits."""
+    sim = Sim(pool=100, host=400, quantum=10.0, max_tokens=90)
+    for i in range(3):
+        sim.add(f"s{i}", 5, base=100 * i)
+    sim.run()
+    assert sim.s.num_rotations == 0  # every run ends well before a 10 s quantum
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_load_with_host_tier_rotation_and_cancels(seed):
+    rng = random.Random(seed)
+    sim = Sim(pool=120, host=rng.choice([30, 150, 600]), quantum=rng.choice([0.0, 0.03]), max_tokens=30)
+    prompts, cancelled = [], set()
+    for step in range(3000):
+        if step < 200 and rng.random() < 0.15:
+            rid = f"q{step}"
+            n, base = rng.randint(3, 25), rng.choice([0, 0, 500, 1000 * step])
+            prompts.append((rid, n, base))
+            sim.add(rid, n, base)
+        if rng.random() < 0.02 and sim.s.reqs:
+            rid = rng.choice(sorted(sim.s.reqs))
+            sim.s.cancel(rid)
+            cancelled.add(rid)
+        if step > 200 and sim.s.idle():
+            break
+        sim.step()
+    assert sim.s.idle()
+    ref = reference(prompts, max_tokens=30)
+    assert {k: v for k, v in ref.items() if k not in cancelled} == {
+        k: v for k, v in sim.done.items() if k not in cancelled
+    }
+    assert set(sim.done) | cancelled == set(ref)
+    assert sim.s.host_accounting() == (sim.s.host_pool.num_slots, 0)
+    free, used, cached = sim.s.accounting()
+    assert used == 0 and free + cached == 120
+
+
+# ---- the executor's copies (backends/pd_decode/host_tier.py) on CPU tensors ------------------------------------
+
+
+def test_host_kv_round_trip_with_fragmented_host_slots(monkeypatch):
+    import torch
+
+    from backends.pd_decode import host_tier
+    from backends.pd_decode.scheduler import SwapOut, TransferJob
+
+    monkeypatch.setattr(host_tier, "CHUNK", 5)  # several staging chunks per copy
+    dev = torch.randn(3, 2, 40, 2, 4)  # [layers, K/V, slots, heads, dim]
+    host = host_tier.HostKV(dev, 32)
+    assert host.bytes_per_slot == 3 * 2 * 2 * 4 * 4 and host.nbytes == 32 * host.bytes_per_slot
+    src = [7, 3, 30, 31, 12, 0, 19, 18, 17, 25, 26, 27, 9]
+    hs = [20, 19, 18, 2, 3, 4, 31, 0, 1, 10, 11, 12, 5]  # descending, ascending and lone runs
+    want = dev[:, :, src].clone()
+    host.swap_out([SwapOut("a", 0, src, hs)])
+    dev.zero_()
+    dst = [39, 38, 1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22]
+    job = TransferJob("a", 1, [], 0, dst, False, "host", hs)
+    assert host.swap_in([job]) == [job]  # synchronous on the CPU
+    assert torch.equal(dev[:, :, dst], want)
+    untouched = [s for s in range(40) if s not in dst]
+    assert dev[:, :, untouched].abs().sum() == 0
+
+
+def test_runs_and_host_order():
+    from backends.pd_decode.host_tier import by_host_slot, runs
+
+    assert runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    d, h = by_host_slot([10, 11, 12, 13], [7, 6, 5, 1])
+    assert h == [1, 5, 6, 7] and d == [13, 12, 11, 10] and runs(h) == [(0, 1, 1), (1, 5, 3)]
