@@ -115,8 +115,8 @@ def register(sub) -> None:
         type=int,
         default=None,
         help="decode's host-memory KV tier in tokens per instance: paused requests' KV is copied there and swapped "
-        "back in instead of recomputed (pinned memory on a GPU). Default: 4 x --kv-tokens, at most a quarter of "
-        "this machine's memory; 0 disables it",
+        "back in instead of recomputed (pinned memory on a GPU). Default: 4 x --kv-tokens, within a quarter of "
+        "this machine's memory shared by the decode instances; 0 disables it",
     )
     p.add_argument(
         "--rotation-quantum",
@@ -264,11 +264,11 @@ def kv_tokens_for_gpu(model: str, dtype: str, fraction: float, device: int = 0) 
     return int(torch.cuda.get_device_properties(device).total_memory * fraction // kv_bytes_per_token(model, dtype))
 
 
-def default_host_kv_tokens(model: str, dtype: str, kv_tokens: int) -> int:
+def default_host_kv_tokens(model: str, dtype: str, kv_tokens: int, instances: int = 1) -> int:
     """Four times the device pool (paused requests outnumber running ones when the pool is over-committed), within
-    a quarter of physical memory (pinned memory cannot be swapped out)."""
+    a quarter of physical memory shared by the decode instances (pinned memory cannot be swapped out)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(4 * kv_tokens, ram // 4 // kv_bytes_per_token(model, dtype))
+    return min(4 * kv_tokens, ram // 4 // max(1, instances) // kv_bytes_per_token(model, dtype))
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path, stopping: list) -> None:
@@ -318,7 +318,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     kv_tokens = a.kv_tokens or (
         kv_tokens_for_gpu(a.model, dtype, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
     )
-    host_kv = a.host_kv_tokens if a.host_kv_tokens is not None else default_host_kv_tokens(a.model, dtype, kv_tokens)
+    host_kv = (
+        a.host_kv_tokens
+        if a.host_kv_tokens is not None
+        else default_host_kv_tokens(a.model, dtype, kv_tokens, a.decode_instances)
+    )
     prefill_kv = a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings))
     timeout = (
         a.request_timeout
