@@ -35,6 +35,9 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.cached_size = 0  # slots held by the tree
         self.protected_size = 0  # of those, slots under a locked node
+        # unlocked nodes without children: what eviction may take, kept up to date by every change to the tree's
+        # shape or locks so that evict() never walks the whole tree
+        self.evictable_leaves: set[Node] = set()
 
     @property
     def evictable_size(self) -> int:
@@ -86,6 +89,8 @@ class RadixCache:
             if child is None:
                 leaf = Node(node, list(tokens[i:]), list(slots[i:]), 0)
                 node.children[tokens[i]] = leaf
+                self.evictable_leaves.discard(node)
+                self.evictable_leaves.add(leaf)
                 self.cached_size += len(leaf.key)
                 node = leaf
                 break
@@ -108,6 +113,7 @@ class RadixCache:
         while node is not self.root:
             if node.lock_ref == 0:
                 self.protected_size += len(node.key)
+                self.evictable_leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -118,13 +124,17 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.protected_size -= len(node.key)
+                if not node.children:
+                    self.evictable_leaves.add(node)
             node = node.parent
 
     def evict(self, num_slots: int) -> int:
         """Free num_slots slots from unreferenced leaves, least recently used first (fewer if the tree has fewer
         to give). With page size 1 a leaf is trimmed from its end rather than dropped whole, so a long cached
         history loses only the positions that are needed. Returns the number freed."""
-        leaves = [(n.priority, n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        if num_slots <= 0:
+            return 0
+        leaves = [(n.priority, n.last_access, id(n), n) for n in self.evictable_leaves]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_slots and leaves:
@@ -140,7 +150,9 @@ class RadixCache:
             self.cached_size -= len(node.value)
             parent = node.parent
             del parent.children[node.key[0]]
+            self.evictable_leaves.discard(node)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                self.evictable_leaves.add(parent)
                 heapq.heappush(leaves, (parent.priority, parent.last_access, id(parent), parent))
         return freed
 

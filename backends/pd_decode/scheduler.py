@@ -318,8 +318,13 @@ class DecodeScheduler:
         return self.pool.num_free + self.radix.evictable_size
 
     def _reserve_decode_slots(self, plan: Plan) -> None:
-        """One slot per running request for its next token; pause victims until that fits."""
-        for req in self.by_state(ReqState.RUNNING):
+        """One slot per running request for its next token; pause victims until that fits. The cache gives up
+        what the whole batch lacks in one eviction pass, not one pass per request."""
+        running = self.by_state(ReqState.RUNNING)
+        short = sum(1 for r in running if len(r.slots) != r.num_tokens) - self.pool.num_free
+        if short > 0:
+            self.radix.evict(short)
+        for req in running:
             if req.state is not ReqState.RUNNING or len(req.slots) == req.num_tokens:
                 continue
             while (slot := self._alloc(1)) is None:

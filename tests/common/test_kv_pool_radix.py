@@ -49,6 +49,8 @@ def _check(pool, rc, held):
     used = sum(len(s) for s in held.values())
     assert pool.num_free + used + rc.cached_size == pool.num_slots
     assert 0 <= rc.protected_size <= rc.cached_size
+    # the evictable-leaf set that evict() uses instead of walking the tree is exactly the unlocked leaves
+    assert rc.evictable_leaves == {n for n in rc._nodes() if not n.children and n.lock_ref == 0}
 
 
 @pytest.mark.parametrize("seed", range(20))
