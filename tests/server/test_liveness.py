@@ -22,9 +22,11 @@ POOL = 400
 @pytest.fixture(scope="module")
 def slow():
     """Every prefill batch waits 3 s first (watching for cancellations), paused KV is dropped so that recovery goes
-    through prefill, at most 2 requests decode at once, and decode reports a stall after 1 s without progress."""
+    through prefill, at most 2 requests decode at once, and decode reports a stall after 1 s without progress.
+    No rotation: these tests drive requests into given states (a request paused until another finishes), which
+    turns taken every 0.1 s would reshuffle; rotation has its own tests (test_pause_recover, test_host_tier)."""
     s = Server(
-        "--kv-tokens", str(POOL), "--max-batch", "2", "--stall-seconds", "1",
+        "--kv-tokens", str(POOL), "--max-batch", "2", "--stall-seconds", "1", "--rotation-quantum", "0",
         "--fault-injection", "slow_prefill,drop_paused_kv",
         name="liveness",
     )  # fmt: skip
