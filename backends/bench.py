@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from .server_process import ServerError, ServerProcess
 
 
 def _trace_args(p) -> None:
@@ -166,46 +160,6 @@ def cmd_replay(a) -> int:
     return 0
 
 
-class ServerProcess:
-    """`triton-pd serve` in its own process group, on free ports, until stop()."""
-
-    def __init__(self, args: list[str], log: Path, ready_timeout: float = 900):
-        ports = []
-        for _ in range(3):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            ports.append(s)
-        self.http, self.grpc, self.metrics = (s.getsockname()[1] for s in ports)
-        for s in ports:
-            s.close()
-        cmd = [sys.executable, "-m", "backends.cli", "serve", "--http-port", str(self.http), "--grpc-port",
-               str(self.grpc), "--metrics-port", str(self.metrics), *args]  # fmt: skip
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < ready_timeout:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"triton-pd bench: server exited; see {log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except Exception:
-                time.sleep(1)
-        self.stop()
-        raise SystemExit(f"triton-pd bench: server not ready in {ready_timeout} s; see {log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
 def cmd_compare(a) -> int:
     rp, reqs, prompts, info = _prepare(a)
     out = Path(a.out)
@@ -213,9 +167,12 @@ def cmd_compare(a) -> int:
     runs, infos = {}, {}
     for mode in a.modes:
         print(f"triton-pd bench: starting a server with --on-decode-oom {mode}", flush=True)
-        server = ServerProcess(
-            ["--model", a.model, "--on-decode-oom", mode, *shlex.split(a.serve_args)], out / f"server-{mode}.log"
-        )
+        try:
+            server = ServerProcess(
+                ["--model", a.model, "--on-decode-oom", mode, *shlex.split(a.serve_args)], out / f"server-{mode}.log"
+            )
+        except ServerError as e:
+            raise SystemExit(f"triton-pd bench: {e}") from None
         try:
             runs[mode] = rp.replay(
                 f"127.0.0.1:{server.grpc}", f"127.0.0.1:{server.metrics}", reqs, prompts, a.max_users, a.timeout,

@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-args", default="", help="more `triton-pd serve` options, e.g. GPU placement")
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
     a = ap.parse_args(argv)
-    from backends.bench import ServerProcess
+    from backends.server_process import ServerError, ServerProcess
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,10 +261,10 @@ def main(argv=None) -> int:
         args = ["--model", a.model, "--kv-tokens", str(pool), *POLICIES[pol], *shlex.split(a.serve_args)]
         try:
             server = ServerProcess(args, out / f"server-{pol}.log")
-        except SystemExit as e:
+        except ServerError as e:
             res["error"] = str(e)
             continue
-        url, metrics = f"127.0.0.1:{server.grpc}", f"127.0.0.1:{server.metrics}"
+        url, metrics = server.grpc_url, server.metrics_url
         try:
             for phase, n, n_out in (("4x4000", 4, sc(3800)), ("3x5500", 3, sc(5300))):
                 print(f"[seed] {pol}: {phase} ({n} x {prompt}+{n_out})", flush=True)
