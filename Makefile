@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 serve: setup
 	$(VENV)/bin/triton-pd serve $(SERVE_ARGS)

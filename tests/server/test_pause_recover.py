@@ -26,8 +26,11 @@ def tight():
 
 @pytest.fixture(scope="module")
 def forced():
-    """Decode keeps no paused KV: every recovery recomputes through prefill under a new epoch."""
-    s = Server("--kv-tokens", "768", "--fault-injection", "stale,drop_paused_kv", name="forced")
+    """Decode keeps no paused KV: every recovery recomputes through prefill under a new epoch. No rotation: every
+    turn would be a prefill recompute, which on a 2-core CPU costs minutes (the `tight` server tests rotation)."""
+    s = Server(
+        "--kv-tokens", "768", "--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv", name="forced"
+    )  # fmt: skip
     yield s
     s.stop()
 
