@@ -195,14 +195,15 @@ SAMPLED = {
 }
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, names: dict[str, str] = SAMPLED) -> dict[str, float]:
+    """Each key's metric summed over its samples; a name may carry the start of a label set (`name{path="x"`)."""
     with urllib.request.urlopen(f"http://{url}/metrics", timeout=5) as r:
         text = r.read().decode()
-    out = dict.fromkeys(SAMPLED, 0.0)
+    out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         if line.startswith("#"):
             continue
-        for key, prefix in SAMPLED.items():
+        for key, prefix in names.items():
             name = prefix.split("{")[0]
             if line.startswith(name + "{") or line.startswith(name + " "):
                 if "{" in prefix and prefix.split("{", 1)[1] not in line:

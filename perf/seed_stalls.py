@@ -25,12 +25,13 @@ import shlex
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.replay import scrape  # noqa: E402
 
 POLICIES = {
     "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],
@@ -56,20 +57,6 @@ CLOSE_ALL = {
     "kv_slots_used": "pd_kv_slots_used",
     "host_kv_slots_used": "pd_host_kv_slots_used",
 }
-
-
-def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        for key, prefix in names.items():
-            name, _, label = prefix.partition("{")
-            if (line.startswith(name + "{") or line.startswith(name + " ")) and (not label or label in line):
-                out[key] += float(line.rsplit(" ", 1)[1])
-    return out
 
 
 class Stream:
