@@ -41,6 +41,21 @@ from backends.common.scheduler import KVAccounting
 
 PAUSED_PRIORITY = 1  # radix eviction priority of a paused request's KV (finished requests' KV has 0)
 
+_S = ReqState
+# Every state change a request may make on decode (the diagram above); `DecodeScheduler._move` refuses the rest.
+TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
+    _S.WAITING: frozenset({_S.WAITING_KV, _S.FINISHED}),  # admitted; cancelled or never fits
+    _S.WAITING_KV: frozenset({_S.RUNNING, _S.FINISHED}),  # prompt KV written; prefill failed or cancelled
+    _S.RUNNING: frozenset({_S.PAUSED, _S.FINISHED}),  # no slot or its turn is over; ended or cancelled
+    _S.PAUSED: frozenset({_S.RUNNING, _S.RECOVERING, _S.FINISHED}),  # local hit; host or prefill; cancelled
+    _S.RECOVERING: frozenset({_S.RUNNING, _S.FINISHED}),  # KV back; prefill failed or cancelled
+    _S.FINISHED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
 
 @dataclass(slots=True)
 class TransferJob:
@@ -171,6 +186,12 @@ class DecodeScheduler:
         self.max_epoch = 0
         self.num_unfittable = 0  # requests ended by the liveness guard
 
+    def _move(self, req: InferReq, to: ReqState) -> None:
+        """The one place a request changes state: a move the table does not allow is a bug, raised at once."""
+        if to not in TRANSITIONS[req.state]:
+            raise IllegalTransition(f"{req.rid}: {req.state.value} -> {to.value} is not a decode transition")
+        req.state = to
+
     # ---- queries -----------------------------------------------------------------------------------------
     def by_state(self, state: ReqState) -> list[InferReq]:
         return sorted((r for r in self.reqs.values() if r.state is state), key=lambda r: r.arrival)
@@ -205,9 +226,10 @@ class DecodeScheduler:
                 f"the prompt has {req.num_tokens} tokens, but a request on this decode instance can hold at most "
                 f"{self.max_len} (its KV pool has {self.pool.num_slots} slots): prompt + 1 output token must fit",
             )
+        if req.state is not ReqState.WAITING:
+            raise IllegalTransition(f"{req.rid}: added in state {req.state.value}, not waiting")
         req.arrival = self._arrivals
         self._arrivals += 1
-        req.state = ReqState.WAITING
         self.reqs[req.rid] = req
 
     def cancel(self, rid: str, reason: str = "cancelled") -> InferReq | None:
@@ -222,7 +244,8 @@ class DecodeScheduler:
         else:
             self._drop_reserved(req)
             self.kv.release(req, keep_in_cache=req.state is ReqState.RUNNING)
-        req.finish_reason, req.state = reason, ReqState.FINISHED
+        req.finish_reason = reason
+        self._move(req, ReqState.FINISHED)
         return req
 
     def _drop_reserved(self, req: InferReq) -> None:
@@ -234,7 +257,8 @@ class DecodeScheduler:
         self._drop_reserved(req)
         self.reqs.pop(req.rid, None)
         self._drop_host(req.rid)
-        req.finish_reason, req.state = reason, ReqState.FINISHED
+        req.finish_reason = reason
+        self._move(req, ReqState.FINISHED)
         self.kv.release(req, keep_in_cache=True)
 
     def on_transfer_done(
@@ -258,14 +282,15 @@ class DecodeScheduler:
             self.reqs.pop(rid)
             self._drop_host(rid)
             self.kv.release(req, keep_in_cache=False)
-            req.state, req.error, req.finish_reason = ReqState.FINISHED, error or "prefill failed", "error"
+            req.error, req.finish_reason = error or "prefill failed", "error"
+            self._move(req, ReqState.FINISHED)
             return Completion(req, failed=req.error)
         req.running_since = self.clock()
         if req.state is ReqState.WAITING_KV:
-            req.state = ReqState.RUNNING
+            self._move(req, ReqState.RUNNING)
             req.output_ids.append(int(first_token))
             return Completion(req, first_token=int(first_token))
-        req.state = ReqState.RUNNING  # RECOVERING -> RUNNING
+        self._move(req, ReqState.RUNNING)  # RECOVERING -> RUNNING
         self.num_recoveries[job.source] += 1
         return Completion(req, recovered=True, path=job.source)
 
@@ -355,7 +380,7 @@ class DecodeScheduler:
             self._swap_out(req, plan)
         # KV stays findable as unreferenced radix entries, evicted after finished requests' entries
         self.kv.release(req, keep_in_cache=self.keep_paused_kv, priority=PAUSED_PRIORITY)
-        req.state = ReqState.PAUSED
+        self._move(req, ReqState.PAUSED)
         req.paused_at = self.clock()
         req.num_pauses += 1
         self.num_pauses += 1
@@ -398,7 +423,7 @@ class DecodeScheduler:
                 continue
             req.epoch += 1
             self.max_epoch = max(self.max_epoch, req.epoch)
-            req.state = ReqState.RECOVERING
+            self._move(req, ReqState.RECOVERING)
             host = self._host_source(req, need_kv, missing)
             if host is not None:
                 job = self._transfer(req, need_kv, sample=False, source="host")
@@ -409,7 +434,7 @@ class DecodeScheduler:
                 plan.transfers.append(self._transfer(req, need_kv, sample=False))
 
     def _resume(self, req: InferReq) -> None:
-        req.state = ReqState.RUNNING
+        self._move(req, ReqState.RUNNING)
         req.running_since = self.clock()
 
     # ---- host tier -----------------------------------------------------------------------------------------
@@ -526,7 +551,7 @@ class DecodeScheduler:
                 self.kv.release(req, keep_in_cache=False)
                 return
             req.slots += own
-            req.state = ReqState.WAITING_KV
+            self._move(req, ReqState.WAITING_KV)
             plan.transfers.append(self._transfer(req, req.num_tokens, sample=True))
             active += 1
 

@@ -318,3 +318,49 @@ def test_runs_and_host_order():
     assert runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
     d, h = by_host_slot([10, 11, 12, 13], [7, 6, 5, 1])
     assert h == [1, 5, 6, 7] and d == [13, 12, 11, 10] and runs(h) == [(0, 1, 1), (1, 5, 3)]
+
+
+# ---- the state machine --------------------------------------------------------------------------------------------
+
+
+def test_illegal_moves_are_refused():
+    from backends.pd_decode.scheduler import TRANSITIONS, IllegalTransition
+
+    s = DecodeScheduler(KVPool(16))
+    for src, allowed in TRANSITIONS.items():
+        for dst in ReqState:
+            req = InferReq(f"{src.value}-{dst.value}", [1, 2], SamplingParams())
+            req.state = src
+            if dst in allowed:
+                s._move(req, dst)
+                assert req.state is dst
+            else:
+                with pytest.raises(IllegalTransition):
+                    s._move(req, dst)
+                assert req.state is src
+    done = InferReq("done", [1, 2], SamplingParams())
+    done.state = ReqState.FINISHED
+    with pytest.raises(IllegalTransition):
+        s.add(done)
+
+
+def test_random_load_takes_every_transition_of_the_table(monkeypatch):
+    """The table is not wider than the scheduler needs: randomized runs take every move it allows."""
+    from backends.pd_decode import scheduler as sched_mod
+
+    seen = set()
+    move = sched_mod.DecodeScheduler._move
+
+    def spy(self, req, to):
+        seen.add((req.state, to))
+        move(self, req, to)
+
+    monkeypatch.setattr(sched_mod.DecodeScheduler, "_move", spy)
+    for seed in range(6):
+        test_random_load_with_host_tier_rotation_and_cancels(seed)
+    s = DecodeScheduler(KVPool(16))  # a prompt transfer that fails (the random runs' prefill never does)
+    s.add(InferReq("f", [1, 2, 3], SamplingParams()))
+    job = s.schedule().transfers[0]
+    assert s.on_transfer_done(job.rid, job.epoch, False, error="boom").failed == "boom"
+    allowed = {(a, b) for a, bs in sched_mod.TRANSITIONS.items() for b in bs}
+    assert seen == allowed, sorted((a.value, b.value) for a, b in allowed - seen)
