@@ -247,28 +247,26 @@ def gpu_count() -> int:
         return 0
 
 
-def kv_bytes_per_token(model: str, dtype: str) -> int:
+def kv_bytes_per_token(cfg, dtype: str) -> int:
     import torch
 
-    from .common import loader
     from .common.runner import parse_dtype
 
-    cfg = loader.load_config(loader.resolve(model))
     itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def kv_tokens_for_gpu(model: str, dtype: str, fraction: float, device: int = 0) -> int:
+def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
     import torch
 
-    return int(torch.cuda.get_device_properties(device).total_memory * fraction // kv_bytes_per_token(model, dtype))
+    return int(torch.cuda.get_device_properties(device).total_memory * fraction // per_token)
 
 
-def default_host_kv_tokens(model: str, dtype: str, kv_tokens: int, instances: int = 1) -> int:
+def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1) -> int:
     """Four times the device pool (paused requests outnumber running ones when the pool is over-committed), within
     a quarter of physical memory shared by the decode instances (pinned memory cannot be swapped out)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(4 * kv_tokens, ram // 4 // max(1, instances) // kv_bytes_per_token(model, dtype))
+    return min(4 * kv_tokens, ram // 4 // max(1, instances) // per_token)
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path, stopping: list) -> None:
@@ -315,13 +313,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     key_file.chmod(0o600)
     mailbox = Path("/dev/shm") / f"triton-pd-{deployment}"
     cfg = loader.load_config(loader.resolve(a.model))
+    per_token = kv_bytes_per_token(cfg, dtype)
     kv_tokens = a.kv_tokens or (
-        kv_tokens_for_gpu(a.model, dtype, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
+        kv_tokens_for_gpu(per_token, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
     )
     host_kv = (
         a.host_kv_tokens
         if a.host_kv_tokens is not None
-        else default_host_kv_tokens(a.model, dtype, kv_tokens, a.decode_instances)
+        else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
     )
     prefill_kv = a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings))
     timeout = (

@@ -66,9 +66,9 @@ def test_compute_instances_take_their_thread_count(model):
 def test_host_kv_default_is_four_pools_within_a_quarter_of_ram_per_decode_instance(monkeypatch):
     from backends import serve
 
-    monkeypatch.setattr(serve, "kv_bytes_per_token", lambda model, dtype: 1 << 20)  # 1 MiB per token
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (64 << 30) // 4096}  # 64 GiB of RAM
     monkeypatch.setattr(serve.os, "sysconf", pages.__getitem__)
-    assert serve.default_host_kv_tokens("m", "bf16", 1000) == 4000
-    assert serve.default_host_kv_tokens("m", "bf16", 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
-    assert serve.default_host_kv_tokens("m", "bf16", 100_000, instances=4) == 4 * 1024
+    mib = 1 << 20  # KV bytes per token
+    assert serve.default_host_kv_tokens(mib, 1000) == 4000
+    assert serve.default_host_kv_tokens(mib, 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
+    assert serve.default_host_kv_tokens(mib, 100_000, instances=4) == 4 * 1024
