@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from backends.common.config import ModelConfig
+from backends.common.kv_store import KVStore
 
 from .scheduler import RecoveryCosts, SwapOut, TransferJob
 
@@ -43,14 +44,14 @@ def runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class HostKV:
-    def __init__(self, device_buffer: torch.Tensor, num_slots: int):
-        """device_buffer: the decode pool, [layers, 2, slots, kv_heads, head_dim]."""
-        self.dev = device_buffer
-        layers, two, _, heads, dim = device_buffer.shape
-        self.cuda = device_buffer.is_cuda
-        self.buffer = torch.empty((num_slots, layers, two, heads, dim), dtype=device_buffer.dtype, pin_memory=self.cuda)
-        self.bytes_per_slot = layers * two * heads * dim * device_buffer.element_size()
-        self.stream = torch.cuda.Stream(device_buffer.device) if self.cuda else None
+    def __init__(self, store: KVStore, num_slots: int):
+        """store: the decode pool, whose buffer is [layers, 2, slots, kv_heads, head_dim]."""
+        self.dev = store.buffer
+        layers, two, _, heads, dim = self.dev.shape
+        self.cuda = self.dev.is_cuda
+        self.buffer = torch.empty((num_slots, layers, two, heads, dim), dtype=self.dev.dtype, pin_memory=self.cuda)
+        self.bytes_per_slot = store.bytes_per_slot
+        self.stream = torch.cuda.Stream(self.dev.device) if self.cuda else None
         self._last_out = None  # event after the latest swap-out
         self._pending: list[tuple[object, TransferJob]] = []  # (event, job) of swap-ins not yet answered
 

@@ -46,7 +46,7 @@ class DecodeModel:
         self.eos = self.runner.cfg.eos_token_ids
         self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
         host_tokens = int(p.get("host_kv_tokens", "0"))
-        self.host_kv = HostKV(self.runner.kv.buffer, host_tokens) if host_tokens > 0 else None
+        self.host_kv = HostKV(self.runner.kv, host_tokens) if host_tokens > 0 else None
         self.sched = DecodeScheduler(
             KVPool(kv_tokens),
             max_running=int(p["max_batch"]),

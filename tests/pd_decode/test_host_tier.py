@@ -296,8 +296,10 @@ def test_host_kv_round_trip_with_fragmented_host_slots(monkeypatch):
     from backends.pd_decode.scheduler import SwapOut, TransferJob
 
     monkeypatch.setattr(host_tier, "CHUNK", 5)  # several staging chunks per copy
+    from backends.common.kv_store import KVStore
+
     dev = torch.randn(3, 2, 40, 2, 4)  # [layers, K/V, slots, heads, dim]
-    host = host_tier.HostKV(dev, 32)
+    host = host_tier.HostKV(KVStore(dev), 32)
     assert host.bytes_per_slot == 3 * 2 * 2 * 4 * 4 and host.nbytes == 32 * host.bytes_per_slot
     src = [7, 3, 30, 31, 12, 0, 19, 18, 17, 25, 26, 27, 9]
     hs = [20, 19, 18, 2, 3, 4, 31, 0, 1, 10, 11, 12, 5]  # descending, ascending and lone runs
