@@ -95,7 +95,7 @@ def engine_step(runner, spans) -> list[int]:
 
 
 def ours_decode_steps(engine, batches, ctx, bw):
-    from backends.common.runner import Span
+    from backends.common.batch import Span
 
     runner = engine.runner
     cfg = runner.cfg

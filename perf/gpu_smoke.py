@@ -40,7 +40,8 @@ def check_ipc() -> str:
 
 
 def decode_steps(batches: list[int], context: int) -> list[str]:
-    from backends.common.runner import ModelRunner, Span
+    from backends.common.batch import Span
+    from backends.common.runner import ModelRunner
 
     out = []
     runner = ModelRunner("random:llama3.1-8b", "bfloat16", "cuda", kv_tokens=max(batches) * (context + 8))

@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
-    from backends.common.runner import ModelRunner, Span
+    from backends.common.batch import Span
+    from backends.common.runner import ModelRunner
 
     bw = measure_bandwidth()
     L = [f"# Decode step profile ({torch.cuda.get_device_name()}, {a.model}, bf16, context {a.context})", ""]

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch import Span
 from .kv_pool import KVPool
+from .postprocess import finish_reason, greedy_unbanned, next_tokens, sample_requests
 from .request import InferReq, ParamError, ReqState, SamplingParams
-from .runner import ModelRunner, Span
-from .sampler import sample
+from .runner import ModelRunner
 from .scheduler import Scheduler
 
 
@@ -25,56 +26,6 @@ class Output:
 
 class EngineError(RuntimeError):
     pass
-
-
-def banned_ids(req: InferReq, eos_ids: list[int]) -> list[int]:
-    """Tokens that may not be drawn yet: EOS and stop ids until min_tokens outputs exist."""
-    p = req.params
-    if len(req.output_ids) >= p.min_tokens:
-        return []
-    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
-
-
-def finish_reason(
-    req: InferReq, token: int, eos_ids: list[int], max_context: int, num_out: int | None = None
-) -> str | None:
-    """vLLM semantics: with ignore_eos, EOS is an ordinary token; stop ids stop; max_tokens and context cap.
-    `token` is output number `num_out` (default: the last of output_ids)."""
-    p = req.params
-    n = len(req.output_ids) if num_out is None else num_out
-    if n >= p.min_tokens:
-        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
-            return "stop"
-    if n >= p.max_tokens or len(req.prompt_ids) + n >= max_context:
-        return "length"
-    return None
-
-
-def sample_requests(logits: torch.Tensor, reqs: list[InferReq], eos_ids: list[int]) -> list[int]:
-    return sample(
-        logits,
-        [r.params.temperature for r in reqs],
-        [r.params.top_p for r in reqs],
-        [r.params.top_k for r in reqs],
-        [r.seed for r in reqs],
-        [len(r.output_ids) for r in reqs],
-        [banned_ids(r, eos_ids) for r in reqs],
-    ).tolist()
-
-
-def greedy_unbanned(reqs: list[InferReq], eos_ids: list[int]) -> bool:
-    """Every request greedy with no token banned: the batch's tokens are the argmax, which a decode graph computes."""
-    return all(r.params.temperature == 0 for r in reqs) and not any(banned_ids(r, eos_ids) for r in reqs)
-
-
-def next_tokens(runner: ModelRunner, spans: list[Span], reqs: list[InferReq], eos_ids: list[int]) -> list[int]:
-    """The next token after each span (each span ends its request's tokens). A greedy batch with nothing banned
-    takes the decode graph's own argmax (`ModelRunner.greedy`); anything else samples from the logits."""
-    if greedy_unbanned(reqs, eos_ids):
-        tokens = runner.greedy(spans)
-        if tokens is not None:
-            return tokens
-    return sample_requests(runner.forward(spans), reqs, eos_ids)
 
 
 PENDING = -1  # an output token sampled on the device but not read back yet (Engine with overlap)

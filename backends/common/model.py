@@ -5,49 +5,13 @@ tested against, so it favours the obvious over the fast."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_store import KVStore
-
-
-@dataclass(slots=True)
-class ForwardBatch:
-    """Flattened new tokens of every sequence; sequence i owns rows [starts[i], starts[i] + new_lens[i]).
-
-    ctx_slots[i] lists the slots of all of sequence i's context, prefix and new tokens: [0, ctx_len), of which
-    the new tokens are the last new_lens[i]. out_slots are the slots the new tokens' K/V are written to.
-    """
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    out_slots: torch.Tensor  # [T] int64
-    starts: list[int]
-    new_lens: list[int]
-    ctx_slots: list[torch.Tensor]  # each [ctx_len] int64
-    logits_rows: torch.Tensor  # [N] int64: rows of T to compute logits for (usually each sequence's last)
-    _decode: tuple | None = None
-
-    def decode_rows(self):
-        """Single-token sequences gathered for one padded attention call: (rows, slots [B, Lmax], mask), or None
-        when fewer than two sequences decode. Computed once per batch and shared by every layer."""
-        if self._decode is None:
-            idx = [i for i, n in enumerate(self.new_lens) if n == 1]
-            if len(idx) < 2:
-                self._decode = ()
-            else:
-                lens = [self.ctx_slots[i].numel() for i in idx]
-                dev = self.input_ids.device
-                slots = torch.zeros(len(idx), max(lens), dtype=torch.int64, device=dev)
-                for r, i in enumerate(idx):
-                    slots[r, : lens[r]] = self.ctx_slots[i]
-                valid = torch.arange(max(lens), device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
-                rows = torch.tensor([self.starts[i] for i in idx], dtype=torch.int64, device=dev)
-                self._decode = (rows, slots, valid[:, None, None, :])
-        return self._decode or None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

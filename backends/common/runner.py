@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from . import loader
+from .batch import Span, build_batch
 from .kv_store import KVStore
-from .model import ForwardBatch, LlamaModel
+from .model import LlamaModel
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -22,16 +22,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-@dataclass(slots=True)
-class Span:
-    """Compute K/V and logits for tokens at positions [start, start + len(token_ids)); slots covers [0, end)."""
-
-    token_ids: list[int]
-    start: int
-    slots: list[int]
-    key: object = None  # the request's id: lets the GPU path keep its slot-table row between steps
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -113,28 +103,11 @@ class ModelRunner:
         else:
             self.model = LlamaModel(cfg, weights)
 
-    def build_batch(self, spans: list[Span]) -> ForwardBatch:
-        ids, pos, out, starts, new_lens, ctx = [], [], [], [], [], []
-        for s in spans:
-            n, end = len(s.token_ids), s.start + len(s.token_ids)
-            starts.append(len(ids))
-            new_lens.append(n)
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start, end))
-            out.extend(s.slots[s.start : end])
-            ctx.append(torch.tensor(s.slots[:end], dtype=torch.int64, device=self.device))
-        rows = [st + n - 1 for st, n in zip(starts, new_lens)]
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=self.device)
-
-        return ForwardBatch(t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows))
-
     def forward(self, spans: list[Span]) -> torch.Tensor:
         """float32 logits [len(spans), vocab]: the next-token logits after each span's last token."""
         if self.backend == "triton":
             return self.model.forward(spans)
-        return self.model.forward(self.build_batch(spans), self.kv)
+        return self.model.forward(build_batch(spans, self.device), self.kv)
 
     def greedy(self, spans: list[Span]) -> list[int] | None:
         """The argmax token after each span when the GPU path can produce it inside a decode graph, else None."""

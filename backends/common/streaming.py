@@ -6,7 +6,9 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+
+from .wire import DecodeResponse
 
 
 @dataclass(eq=False)
@@ -18,17 +20,15 @@ class Stream:
 
 @dataclass(slots=True)
 class Item:
+    """Part of a stream's answer: tokens, and on the last part its finish reason or error."""
+
     stream: Stream
-    ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    error_code: str = "INTERNAL"
-    num_pauses: int = 0
+    response: DecodeResponse
 
 
 class StreamSender:
     def __init__(self, send_fn):
-        """send_fn(stream, ids, finish_reason, error, error_code, num_pauses, final) does the actual send."""
+        """send_fn(stream, response: DecodeResponse) does the actual send (final when response.final)."""
         self._send = send_fn
         self._q: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="pd-stream-sender", daemon=True)
@@ -59,28 +59,31 @@ class StreamSender:
                 items.append(nxt)
             self._flush(items)
 
-    def _flush(self, items: list[Item]) -> None:
-        merged: dict[int, Item] = {}
+    @staticmethod
+    def merge(items: list[Item]) -> list[tuple[Stream, DecodeResponse]]:
+        """One response per stream, in first-seen order: tokens concatenated up to the first final part (nothing
+        after a final part is kept)."""
+        merged: dict[int, DecodeResponse] = {}
         order: list[Stream] = []
         for it in items:
             cur = merged.get(id(it.stream))
+            r = it.response
             if cur is None:
-                merged[id(it.stream)] = Item(
-                    it.stream, list(it.ids), it.finish_reason, it.error, it.error_code, it.num_pauses
-                )
+                merged[id(it.stream)] = replace(r, output_ids=list(r.output_ids))
                 order.append(it.stream)
-            elif cur.finish_reason is None and cur.error is None:
-                cur.ids.extend(it.ids)
-                cur.finish_reason, cur.error, cur.error_code = it.finish_reason, it.error, it.error_code
-                cur.num_pauses = it.num_pauses
-        for stream in order:
-            it = merged[id(stream)]
+            elif not cur.final:
+                cur.output_ids.extend(r.output_ids)
+                cur.finish_reason, cur.error, cur.error_code = r.finish_reason, r.error, r.error_code
+                cur.num_pauses = r.num_pauses
+        return [(stream, merged[id(stream)]) for stream in order]
+
+    def _flush(self, items: list[Item]) -> None:
+        for stream, response in self.merge(items):
             if stream.closed:
                 continue
-            final = it.finish_reason is not None or it.error is not None
-            stream.closed = final
+            stream.closed = response.final
             try:
-                self._send(stream, it.ids, it.finish_reason, it.error, it.error_code, it.num_pauses, final)
+                self._send(stream, response)
                 self.num_messages += 1
             except Exception as e:
                 stream.closed = True  # the receiver is gone; decode learns it through cancellation

@@ -60,11 +60,21 @@ def error(message: str, code: str = "INTERNAL"):
     return e(message, getattr(e, code, e.INTERNAL))
 
 
-def check_key(request, expected: str) -> str | None:
-    """None when the request carries the deployment's internal key; else the refusal message."""
-    got = input_str(request, "internal_key")
-    if got is None:
-        return "this is an internal model of the deployment: requests must carry its internal_key"
-    if got != expected:
-        return "internal_key does not match this deployment"
-    return None
+def to_tensors(tensors: dict[str, np.ndarray]) -> list:
+    """A wire message's named arrays as Triton tensors."""
+    return [pb().Tensor(name, array) for name, array in tensors.items()]
+
+
+def request_getter(request):
+    """A wire Getter over a request's inputs."""
+    return lambda name: input_array(request, name)
+
+
+def response_getter(response):
+    """A wire Getter over a (BLS) response's outputs."""
+
+    def get(name: str):
+        t = pb().get_output_tensor_by_name(response, name)
+        return None if t is None else t.as_numpy()
+
+    return get

@@ -5,26 +5,55 @@ owns all request state; Triton's execute() only enqueues."""
 
 from __future__ import annotations
 
-import json
 import queue
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from backends.common import triton_io as tio
-from backends.common.engine import finish_reason, next_tokens
+from backends.common.batch import Span
 from backends.common.kv_handoff import export_handle
 from backends.common.kv_pool import KVPool
 from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
-from backends.common.request import InferReq, ParamError, ReqState, SamplingParams
-from backends.common.runner import ModelRunner, Span, set_cpu_threads
+from backends.common.postprocess import finish_reason, next_tokens
+from backends.common.request import InferReq, ParamError, ReqState
+from backends.common.runner import ModelRunner, set_cpu_threads
 from backends.common.streaming import Item, Stream, StreamSender
+from backends.common.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
 
 from .host_tier import HostKV, default_costs
 from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
+
+
+# ---- events for the scheduler loop (its only inputs from other threads) ------------------------------------------
+@dataclass(slots=True)
+class Arrival:
+    """A new request from master, with the sender of its decoupled stream."""
+
+    req: InferReq
+    sender: object
+
+
+@dataclass(slots=True)
+class TransferDone:
+    """A transfer job answered: a prefill BLS call or a host swap-in, for (rid, epoch)."""
+
+    rid: str
+    epoch: int
+    ok: bool
+    first_token: int | None = None
+    error: str | None = None
+
+
+class Wake:
+    """Nothing to handle: wakes the loop (at shutdown)."""
+
+
+Event = Arrival | TransferDone | Wake
 
 
 class DecodeModel:
@@ -123,14 +152,7 @@ class DecodeModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                refusal = tio.check_key(request, self.key)
-                if refusal:
-                    raise ParamError("internal_key", refusal)
-                rid = tio.input_str(request, "request_id")
-                ids = tio.input_ids(request, "input_ids")
-                if not rid or not ids:
-                    raise ParamError("input_ids", "request_id and input_ids are required")
-                params = SamplingParams.from_json(tio.input_str(request, "sampling_parameters") or "{}")
+                msg = DecodeRequest.decode(tio.request_getter(request), self.key)
             except ParamError as e:
                 pb = tio.pb()
                 sender.send(
@@ -138,12 +160,12 @@ class DecodeModel:
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
-            self.events.put(("new", InferReq(rid, ids, params), sender))
+            self.events.put(Arrival(InferReq(msg.request_id, msg.input_ids, msg.params), sender))
         return None
 
     def finalize(self):
         self.stop.set()
-        self.events.put(("wake",))
+        self.events.put(Wake())
         self.loop.join(timeout=10)
         self.transfers.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
@@ -183,8 +205,7 @@ class DecodeModel:
                     self._emit(req, [], "restart")
                 self._swap(plan)
                 for job in plan.transfers:
-                    req = self.sched.reqs[job.rid]
-                    self.transfers.submit(self._transfer, job, {**req.params.to_dict(), "seed": req.seed})
+                    self.transfers.submit(self._transfer, self._prefill_request(job))
                     self.watchdog.progress()
                 if plan.decode:
                     if self.host_kv is not None:
@@ -209,7 +230,7 @@ class DecodeModel:
             self.watchdog.progress()
         self.host_kv.swap_out(plan.swap_outs)
         for job in self.host_kv.swap_in(plan.swap_ins):
-            self._handle(("done", job.rid, job.epoch, True, None, None))
+            self._handle(TransferDone(job.rid, job.epoch, True))
         if plan.transfers:
             self.host_kv.wait_swap_outs()
 
@@ -217,7 +238,7 @@ class DecodeModel:
         if self.host_kv is None:
             return
         for job in self.host_kv.done():
-            self._handle(("done", job.rid, job.epoch, True, None, None))
+            self._handle(TransferDone(job.rid, job.epoch, True))
 
     def _log(self, message: str) -> None:
         print(f"[triton-pd] {self.instance}: {message}", file=sys.stderr, flush=True)
@@ -258,27 +279,26 @@ class DecodeModel:
             except queue.Empty:
                 return
 
-    def _handle(self, ev) -> None:
-        kind = ev[0]
-        if kind == "new":
-            _, req, sender = ev
-            if req.rid in self.sched.reqs:
+    def _handle(self, ev: Event) -> None:
+        if isinstance(ev, Arrival):
+            req = ev.req
+            refusal = f"request_id {req.rid}: duplicate" if req.rid in self.sched.reqs else None
+            if refusal is None:
+                try:
+                    self.sched.add(req)
+                except ParamError as e:  # a prompt this instance can never hold
+                    refusal = str(e)
+            if refusal is not None:
                 self.sender.push(
-                    Item(Stream(req.rid, sender), error=f"request_id {req.rid}: duplicate", error_code="INVALID_ARG")
+                    Item(Stream(req.rid, ev.sender), DecodeResponse(error=refusal, error_code="INVALID_ARG"))
                 )
                 return
-            try:
-                self.sched.add(req)
-            except ParamError as e:  # a prompt this instance can never hold
-                self.sender.push(Item(Stream(req.rid, sender), error=str(e), error_code="INVALID_ARG"))
-                return
-            self.streams[req.rid] = Stream(req.rid, sender)
-        elif kind == "done":
-            _, rid, epoch, ok, token, error = ev
+            self.streams[req.rid] = Stream(req.rid, ev.sender)
+        elif isinstance(ev, TransferDone):
             self.watchdog.progress()
-            if (rid, epoch) in self.sched.orphans:  # cancelled meanwhile: prefill no longer needs the notice
-                self.mailbox.discard(prefill_notice(rid, epoch))
-            c = self.sched.on_transfer_done(rid, epoch, ok, token, error)
+            if (ev.rid, ev.epoch) in self.sched.orphans:  # cancelled meanwhile: prefill no longer needs the notice
+                self.mailbox.discard(prefill_notice(ev.rid, ev.epoch))
+            c = self.sched.on_transfer_done(ev.rid, ev.epoch, ev.ok, ev.first_token, ev.error)
             if c.stale:
                 self.c_stale.increment(1)
             elif c.failed:
@@ -287,7 +307,7 @@ class DecodeModel:
                 self._after_token(c.req, c.first_token)
             elif c.recovered:
                 if "stale" in self.faults:
-                    self.events.put(("done", rid, epoch - 1, True, 0, None))
+                    self.events.put(TransferDone(ev.rid, ev.epoch - 1, True, 0))
                 self.c_recover[c.path].increment(1)
                 self.h_recovery.observe(time.monotonic() - c.req.paused_at)
 
@@ -312,31 +332,33 @@ class DecodeModel:
             self.mailbox.post(prefill_notice(rid, req.epoch), reason)  # prefill is computing for it: drop the job
         self._emit(req, [], reason)
 
-    def _transfer(self, job: TransferJob, params: dict) -> None:
+    def _transfer(self, msg: PrefillRequest) -> None:
         """Runs on a transfer thread: one BLS call to pd_prefill; the answer goes back to the loop as an event."""
+        rid, epoch = msg.request_id, msg.epoch
         try:
-            inputs = [
-                tio.tensor("input_ids", job.ids),
-                tio.tensor("start", [job.start]),
-                tio.tensor("dst_slots", job.dst_slots),
-                tio.tensor("epoch", [job.epoch]),
-                tio.tensor("request_id", job.rid),
-                tio.tensor("sample", job.sample),
-                tio.tensor("sampling_parameters", json.dumps(params)),
-                tio.tensor("kv_handle", self.handle),
-                tio.tensor("internal_key", self.key),
-            ]
-            pb = tio.pb()
-            resp = pb.InferenceRequest(
-                model_name="pd_prefill", inputs=inputs, requested_output_names=["first_token", "epoch"]
-            ).exec()
+            resp = (
+                tio.pb()
+                .InferenceRequest(
+                    model_name=PrefillRequest.MODEL,
+                    inputs=tio.to_tensors(msg.encode(self.key)),
+                    requested_output_names=list(PrefillRequest.OUTPUTS),
+                )
+                .exec()
+            )
             if resp.has_error():
-                self.events.put(("done", job.rid, job.epoch, False, None, f"prefill: {resp.error().message()}"))
+                self.events.put(TransferDone(rid, epoch, False, error=f"prefill: {resp.error().message()}"))
                 return
-            token = int(pb.get_output_tensor_by_name(resp, "first_token").as_numpy().reshape(-1)[0])
-            self.events.put(("done", job.rid, job.epoch, True, token, None))
+            answer = PrefillResponse.decode(tio.response_getter(resp))
+            if answer.epoch != epoch or (msg.sample and answer.first_token is None):
+                raise ParamError("first_token", f"prefill answered epoch {answer.epoch} token {answer.first_token}")
+            self.events.put(TransferDone(rid, epoch, True, answer.first_token))
         except Exception as e:
-            self.events.put(("done", job.rid, job.epoch, False, None, f"prefill call failed: {e}"))
+            self.events.put(TransferDone(rid, epoch, False, error=f"prefill call failed: {e}"))
+
+    def _prefill_request(self, job: TransferJob) -> PrefillRequest:
+        req = self.sched.reqs[job.rid]
+        params = replace(req.params, seed=req.seed)  # resolved once here: prefill samples with decode's seed
+        return PrefillRequest(job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, self.handle)
 
     def _decode_step(self, reqs: list[InferReq]) -> None:
         spans = [Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid) for r in reqs]
@@ -357,23 +379,14 @@ class DecodeModel:
         stream = self.streams.pop(req.rid, None) if final else self.streams.get(req.rid)
         self.watchdog.progress()
         if stream is not None:
-            self.sender.push(Item(stream, ids, reason, error, num_pauses=req.num_pauses))
+            self.sender.push(Item(stream, DecodeResponse(ids, reason, error, num_pauses=req.num_pauses)))
 
-    def _send(self, stream: Stream, ids, reason, error, code, num_pauses, final) -> None:
+    def _send(self, stream: Stream, response: DecodeResponse) -> None:
         """Errors travel as an ordinary final response (finish_reason "error" + error_message): an error response
         after data responses on a decoupled BLS stream did not reach master's iterator in Triton 2.51."""
         pb = tio.pb()
-        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        resp = pb.InferenceResponse(
-            output_tensors=[
-                tio.tensor("output_ids", [] if error is not None else ids),
-                tio.tensor("finish_reason", "error" if error is not None else (reason or "")),
-                tio.tensor("error_message", error or ""),
-                tio.tensor("error_code", code if error is not None else ""),
-                tio.tensor("num_pauses", [num_pauses]),
-            ]
-        )
-        stream.sender.send(resp, flags=flags)
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if response.final else 0
+        stream.sender.send(pb.InferenceResponse(output_tensors=tio.to_tensors(response.encode())), flags=flags)
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self.sched.reqs):

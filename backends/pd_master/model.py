@@ -17,6 +17,7 @@ from backends.common.loader import load_config, load_tokenizer, resolve
 from backends.common.mailbox import Mailbox
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
+from backends.common.wire import DecodeRequest, DecodeResponse
 
 from .text import IncrementalDetokenizer, StopStrings
 
@@ -214,18 +215,11 @@ class MasterModel:
                 self.m_inflight.set(len(self.active))
             self.mailbox.discard(req.current_rid or req.rid)
 
-    def _decode_stream(self, req: ClientRequest, rid: str, prompt_ids: list[int], params: SamplingParams):
-        pb = tio.pb()
-        inputs = [
-            tio.tensor("input_ids", prompt_ids),
-            tio.tensor("sampling_parameters", json.dumps(params.to_dict())),
-            tio.tensor("request_id", rid),
-            tio.tensor("internal_key", self.key),
-        ]
-        bls = pb.InferenceRequest(
-            model_name="pd_decode",
-            inputs=inputs,
-            requested_output_names=["output_ids", "finish_reason", "error_message", "error_code", "num_pauses"],
+    def _decode_stream(self, msg: DecodeRequest):
+        bls = tio.pb().InferenceRequest(
+            model_name=DecodeRequest.MODEL,
+            inputs=tio.to_tensors(msg.encode(self.key)),
+            requested_output_names=list(DecodeResponse.OUTPUTS),
         )
         return bls.exec(decoupled=True)
 
@@ -242,7 +236,7 @@ class MasterModel:
             # every stream is read to its end, whatever happens: a response iterator dropped before its end (master
             # used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died
             restarted, failure, code = False, None, "INTERNAL"
-            stream = self._decode_stream(req, seg_rid, prompt_ids, params)
+            stream = self._decode_stream(DecodeRequest(seg_rid, prompt_ids, params))
             try:
                 for resp in stream:
                     if req.abort_reason or restarted or failure is not None:
@@ -250,18 +244,13 @@ class MasterModel:
                     if resp.has_error():
                         failure = resp.error().message()
                         continue
-                    ids_t = tio.pb().get_output_tensor_by_name(resp, "output_ids")
-                    if ids_t is None:
+                    part = DecodeResponse.decode(tio.response_getter(resp))
+                    if part is None:
                         continue  # the empty closing response of the stream
-                    new_ids = [int(x) for x in ids_t.as_numpy().reshape(-1)]
-                    reason_t = tio.pb().get_output_tensor_by_name(resp, "finish_reason")
-                    reason = reason_t.as_numpy().reshape(-1)[0].decode() if reason_t is not None else ""
-                    if reason == "error":
-                        msg_t = tio.pb().get_output_tensor_by_name(resp, "error_message")
-                        failure = msg_t.as_numpy().reshape(-1)[0].decode() if msg_t is not None else "decode failed"
-                        code_t = tio.pb().get_output_tensor_by_name(resp, "error_code")
-                        code = (code_t.as_numpy().reshape(-1)[0].decode() if code_t is not None else "") or code
+                    if part.error is not None:
+                        failure, code = part.error, part.error_code
                         continue
+                    new_ids, reason = part.output_ids, part.finish_reason or ""
                     if not new_ids and not reason:
                         continue
                     all_ids.extend(new_ids)

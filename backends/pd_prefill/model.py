@@ -21,25 +21,19 @@ from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
 from backends.common.runner import set_cpu_threads
+from backends.common.wire import KEY_FIELD, PrefillRequest, PrefillResponse
 
 SLOW_PREFILL_SECONDS = 3.0  # the "slow_prefill" test hook's wait before each batch
 
 
 class PrefillJob:
-    def __init__(self, request, key: str):
-        refusal = tio.check_key(request, key)
-        if refusal:
-            raise ParamError("internal_key", refusal)
-        self.rid = tio.input_str(request, "request_id") or "?"
-        self.ids = tio.input_ids(request, "input_ids") or []
-        self.start = int(tio.input_ids(request, "start")[0])
-        self.dst_slots = tio.input_ids(request, "dst_slots") or []
-        self.epoch = int(tio.input_ids(request, "epoch")[0])
-        self.sample = tio.input_bool(request, "sample", True)
-        self.handle = tio.input_str(request, "kv_handle")
-        self.params = SamplingParams.from_json(tio.input_str(request, "sampling_parameters") or "{}")
-        if not 0 <= self.start < len(self.ids) or len(self.dst_slots) != len(self.ids) - self.start:
-            raise ParamError("dst_slots", f"{len(self.dst_slots)} slots for positions [{self.start}, {len(self.ids)})")
+    """One PrefillRequest being computed: its answer (first token or error) and its cancel notice's name."""
+
+    def __init__(self, msg: PrefillRequest):
+        self.msg = msg
+        self.rid, self.ids, self.start, self.epoch, self.sample = (
+            msg.request_id, msg.input_ids, msg.start, msg.epoch, msg.sample
+        )  # fmt: skip
         self.first_token: int | None = None
         self.error: str | None = None
         self.notice = prefill_notice(self.rid, self.epoch)
@@ -85,10 +79,10 @@ class PrefillModel:
         responses = [None] * len(requests)
         for i, request in enumerate(requests):
             try:
-                jobs.append(PrefillJob(request, self.key))
-            except (ParamError, TypeError, IndexError) as e:
+                jobs.append(PrefillJob(PrefillRequest.decode(tio.request_getter(request), self.key)))
+            except ParamError as e:
                 jobs.append(None)
-                code = "UNAVAILABLE" if "internal_key" in str(e) else "INVALID_ARG"
+                code = "UNAVAILABLE" if e.field == KEY_FIELD else "INVALID_ARG"
                 responses[i] = pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), code))
         valid = [j for j in jobs if j is not None]
         if valid:
@@ -101,12 +95,8 @@ class PrefillModel:
                 code = "CANCELLED" if job.error.startswith("cancelled") else "INTERNAL"
                 responses[i] = pb.InferenceResponse(output_tensors=[], error=tio.error(job.error, code))
             else:
-                responses[i] = pb.InferenceResponse(
-                    output_tensors=[
-                        tio.tensor("first_token", [job.first_token if job.first_token is not None else -1]),
-                        tio.tensor("epoch", [job.epoch]),
-                    ]
-                )
+                answer = PrefillResponse(job.epoch, job.first_token)
+                responses[i] = pb.InferenceResponse(output_tensors=tio.to_tensors(answer.encode()))
         return responses
 
     def _take_cancelled(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
@@ -141,7 +131,12 @@ class PrefillModel:
                 continue
             # one token (it obeys min_tokens: no EOS if the answer needs more); decode resolved the seed
             params = SamplingParams(
-                **{**job.params.to_dict(), "max_tokens": 1, "min_tokens": min(1, job.params.min_tokens), "stop": []}
+                **{
+                    **job.msg.params.to_dict(),
+                    "max_tokens": 1,
+                    "min_tokens": min(1, job.msg.params.min_tokens),
+                    "stop": [],
+                }
             )
             try:
                 req = self.engine.add_request(job.ids, params)
@@ -175,8 +170,8 @@ class PrefillModel:
             slots, node = self.engine.scheduler.radix.match_prefix(job.ids)
             if len(slots) != len(job.ids):
                 raise RuntimeError(f"prefill cache lost positions ({len(slots)} of {len(job.ids)})")
-            peer = self.peers.open(job.handle)
-            copy_rows(self.engine.runner.kv.buffer, slots[job.start :], peer.buffer, job.dst_slots)
+            peer = self.peers.open(job.msg.kv_handle)
+            copy_rows(self.engine.runner.kv.buffer, slots[job.start :], peer.buffer, job.msg.dst_slots)
             self.m_tokens.increment(len(job.ids) - job.start)
             job.first_token = req.output_ids[0] if job.sample else None
         except Exception as e:

@@ -189,7 +189,7 @@ class DeferredLaunch:
         return n <= self.max_rows
 
     def launch_greedy(self, spans):
-        from backends.common.runner import Span
+        from backends.common.batch import Span
 
         if len(spans) > self.max_rows or any(len(s.token_ids) != 1 for s in spans):
             return None

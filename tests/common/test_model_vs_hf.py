@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from backends.common import loader
+from backends.common.batch import ForwardBatch
 from backends.common.kv_store import KVStore
-from backends.common.model import ForwardBatch, LlamaModel
+from backends.common.model import LlamaModel
 
 
 def full_logits(model: LlamaModel, ids: list[int], dtype=torch.float32) -> torch.Tensor:

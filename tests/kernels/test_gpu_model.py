@@ -14,11 +14,11 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from backends.common import loader  # noqa: E402
+from backends.common.batch import Span, build_batch  # noqa: E402
 from backends.common.config import ModelConfig  # noqa: E402
 from backends.common.gpu_model import GpuLlama  # noqa: E402
 from backends.common.kv_store import KVStore  # noqa: E402
 from backends.common.model import LlamaModel  # noqa: E402
-from backends.common.runner import ModelRunner, Span  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -45,13 +45,13 @@ def pair(cfg, slots=600, graphs=None, linear_choice=None):
 
 
 class RefRunner:
-    """ModelRunner.build_batch without loading anything: the reference path on a given model and pool."""
+    """The reference path on a given model and pool, without loading anything."""
 
     def __init__(self, model, kv):
         self.model, self.kv, self.device = model, kv, torch.device(DEVICE)
 
     def forward(self, spans):
-        return self.model.forward(ModelRunner.build_batch(self, spans), self.kv)
+        return self.model.forward(build_batch(spans, self.device), self.kv)
 
 
 def run_both(ref_runner, gpu, spans):

@@ -1,0 +1,74 @@
+"""The batch types every forward pass takes: `Span` (what the scheduler asks for: new tokens of one sequence over
+its slots) and `ForwardBatch` (spans flattened for the PyTorch model). Depends on nothing in the engine, so the
+runner, the CPU model and the GPU model all import it and none imports another."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Span:
+    """Compute K/V and logits for tokens at positions [start, start + len(token_ids)); slots covers [0, end)."""
+
+    token_ids: list[int]
+    start: int
+    slots: list[int]
+    key: object = None  # the request's id: lets the GPU path keep its slot-table row between steps
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Flattened new tokens of every sequence; sequence i owns rows [starts[i], starts[i] + new_lens[i]).
+
+    ctx_slots[i] lists the slots of all of sequence i's context, prefix and new tokens: [0, ctx_len), of which
+    the new tokens are the last new_lens[i]. out_slots are the slots the new tokens' K/V are written to.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64
+    starts: list[int]
+    new_lens: list[int]
+    ctx_slots: list[torch.Tensor]  # each [ctx_len] int64
+    logits_rows: torch.Tensor  # [N] int64: rows of T to compute logits for (usually each sequence's last)
+    _decode: tuple | None = None
+
+    def decode_rows(self):
+        """Single-token sequences gathered for one padded attention call: (rows, slots [B, Lmax], mask), or None
+        when fewer than two sequences decode. Computed once per batch and shared by every layer."""
+        if self._decode is None:
+            idx = [i for i, n in enumerate(self.new_lens) if n == 1]
+            if len(idx) < 2:
+                self._decode = ()
+            else:
+                lens = [self.ctx_slots[i].numel() for i in idx]
+                dev = self.input_ids.device
+                slots = torch.zeros(len(idx), max(lens), dtype=torch.int64, device=dev)
+                for r, i in enumerate(idx):
+                    slots[r, : lens[r]] = self.ctx_slots[i]
+                valid = torch.arange(max(lens), device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+                rows = torch.tensor([self.starts[i] for i in idx], dtype=torch.int64, device=dev)
+                self._decode = (rows, slots, valid[:, None, None, :])
+        return self._decode or None
+
+
+def build_batch(spans: list[Span], device) -> ForwardBatch:
+    """The spans as one ragged ForwardBatch on `device`."""
+    ids, pos, out, starts, new_lens, ctx = [], [], [], [], [], []
+    for s in spans:
+        n, end = len(s.token_ids), s.start + len(s.token_ids)
+        starts.append(len(ids))
+        new_lens.append(n)
+        ids.extend(s.token_ids)
+        pos.extend(range(s.start, end))
+        out.extend(s.slots[s.start : end])
+        ctx.append(torch.tensor(s.slots[:end], dtype=torch.int64, device=device))
+    rows = [st + n - 1 for st, n in zip(starts, new_lens)]
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return ForwardBatch(t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows))

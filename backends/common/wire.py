@@ -1,0 +1,233 @@
+"""The messages between the deployment's models: one dataclass per contract, encoded into named tensors once by its
+sender and decoded (and validated) once by its receiver.
+
+    master ──DecodeRequest──► decode ──PrefillRequest──► prefill
+    master ◄─DecodeResponse── decode ◄─PrefillResponse── prefill
+
+Tensors here are plain numpy arrays keyed by name (`Tensors`); `triton_io` turns them into Triton tensors and reads
+them back through a `Getter`, so every contract is testable without Triton. Nothing is pickled: ids are int64, text
+is UTF-8 BYTES, sampling parameters and the KV handle are JSON strings. A decode error raises `ParamError` naming
+the field; an internal request without the deployment's key is refused before any other field is read."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .request import ParamError, SamplingParams
+
+Tensors = dict[str, np.ndarray]
+Getter = Callable[[str], "np.ndarray | None"]
+
+KEY_FIELD = "internal_key"
+FINISH_ERROR = "error"  # decode's finish_reason for an error that travels as an ordinary final response
+
+
+# ---- encoding helpers ---------------------------------------------------------------------------------------
+def _ints(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([value.encode("utf-8")], dtype=np.object_)
+
+
+def _flag(value: bool) -> np.ndarray:
+    return np.array([bool(value)], dtype=np.bool_)
+
+
+def _get_ints(get: Getter, name: str, required: bool = True) -> list[int] | None:
+    a = get(name)
+    if a is None:
+        if required:
+            raise ParamError(name, "is required")
+        return None
+    return [int(x) for x in np.asarray(a).reshape(-1)]
+
+
+def _get_int(get: Getter, name: str) -> int:
+    v = _get_ints(get, name)
+    if len(v) != 1:
+        raise ParamError(name, f"must hold one integer, got {len(v)}")
+    return v[0]
+
+
+def _get_text(get: Getter, name: str, default: str | None = None) -> str:
+    a = get(name)
+    if a is None or np.asarray(a).size == 0:
+        if default is None:
+            raise ParamError(name, "is required")
+        return default
+    v = np.asarray(a).reshape(-1)[0]
+    try:
+        return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+    except UnicodeDecodeError:
+        raise ParamError(name, "is not valid UTF-8") from None
+
+
+def _get_flag(get: Getter, name: str, default: bool) -> bool:
+    a = get(name)
+    return default if a is None or np.asarray(a).size == 0 else bool(np.asarray(a).reshape(-1)[0])
+
+
+def _get_params(get: Getter) -> SamplingParams:
+    return SamplingParams.from_json(_get_text(get, "sampling_parameters", "{}"))
+
+
+def check_key(get: Getter, expected: str) -> None:
+    """Refuse an internal request that lacks the deployment's key (ParamError naming internal_key)."""
+    got = get(KEY_FIELD)
+    if got is None or np.asarray(got).size == 0:
+        raise ParamError(KEY_FIELD, "this is an internal model of the deployment: requests must carry its internal_key")
+    if _get_text(get, KEY_FIELD) != expected:
+        raise ParamError(KEY_FIELD, "internal_key does not match this deployment")
+
+
+# ---- master -> decode ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class DecodeRequest:
+    """One client request's decode stream (a segment of it in restart mode)."""
+
+    MODEL = "pd_decode"
+
+    request_id: str
+    input_ids: list[int]
+    params: SamplingParams
+
+    def encode(self, key: str) -> Tensors:
+        return {
+            "input_ids": _ints(self.input_ids),
+            "sampling_parameters": _text(json.dumps(self.params.to_dict())),
+            "request_id": _text(self.request_id),
+            KEY_FIELD: _text(key),
+        }
+
+    @classmethod
+    def decode(cls, get: Getter, key: str) -> DecodeRequest:
+        check_key(get, key)
+        rid = _get_text(get, "request_id", "")
+        ids = _get_ints(get, "input_ids", required=False) or []
+        if not rid or not ids:
+            raise ParamError("input_ids", "request_id and input_ids are required")
+        return cls(rid, ids, _get_params(get))
+
+
+# ---- decode -> master ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class DecodeResponse:
+    """What one decode response carries: every token pending for the stream since the last response; on the final
+    one its finish reason, or an error (finish_reason "error" with a message and a Triton status code name)."""
+
+    OUTPUTS = ("output_ids", "finish_reason", "error_message", "error_code", "num_pauses")
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: str = "INTERNAL"
+    num_pauses: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def encode(self) -> Tensors:
+        failed = self.error is not None
+        return {
+            "output_ids": _ints([] if failed else self.output_ids),
+            "finish_reason": _text(FINISH_ERROR if failed else (self.finish_reason or "")),
+            "error_message": _text(self.error or ""),
+            "error_code": _text(self.error_code if failed else ""),
+            "num_pauses": _ints([self.num_pauses]),
+        }
+
+    @classmethod
+    def decode(cls, get: Getter) -> DecodeResponse | None:
+        """None for a response without outputs (the empty closing response of a decoupled stream)."""
+        ids = _get_ints(get, "output_ids", required=False)
+        if ids is None:
+            return None
+        reason = _get_text(get, "finish_reason", "")
+        pauses = _get_ints(get, "num_pauses", required=False) or [0]
+        if reason == FINISH_ERROR:
+            message = _get_text(get, "error_message", "") or "decode failed"
+            return cls([], None, message, _get_text(get, "error_code", "") or "INTERNAL", pauses[0])
+        return cls(ids, reason or None, None, "INTERNAL", pauses[0])
+
+
+# ---- decode -> prefill --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PrefillRequest:
+    """Compute K/V for positions [start, len(input_ids)) into decode's `dst_slots` (one per position), under
+    `epoch`; `sample` asks for the first output token (a prompt), else the answer carries none (a recovery)."""
+
+    MODEL = "pd_prefill"
+    OUTPUTS = ("first_token", "epoch")
+
+    request_id: str
+    input_ids: list[int]
+    start: int
+    dst_slots: list[int]
+    epoch: int
+    sample: bool
+    params: SamplingParams  # the seed already resolved by decode
+    kv_handle: str  # decode's KV pool as JSON fields (kv_handoff.export_handle)
+
+    def __post_init__(self) -> None:
+        if not self.input_ids:
+            raise ParamError("input_ids", "is empty")
+        if not 0 <= self.start < len(self.input_ids) or len(self.dst_slots) != len(self.input_ids) - self.start:
+            raise ParamError(
+                "dst_slots", f"{len(self.dst_slots)} slots for positions [{self.start}, {len(self.input_ids)})"
+            )
+        if self.epoch < 0:
+            raise ParamError("epoch", f"must be >= 0, got {self.epoch}")
+
+    def encode(self, key: str) -> Tensors:
+        return {
+            "input_ids": _ints(self.input_ids),
+            "start": _ints([self.start]),
+            "dst_slots": _ints(self.dst_slots),
+            "epoch": _ints([self.epoch]),
+            "request_id": _text(self.request_id),
+            "sample": _flag(self.sample),
+            "sampling_parameters": _text(json.dumps(self.params.to_dict())),
+            "kv_handle": _text(self.kv_handle),
+            KEY_FIELD: _text(key),
+        }
+
+    @classmethod
+    def decode(cls, get: Getter, key: str) -> PrefillRequest:
+        check_key(get, key)
+        return cls(
+            request_id=_get_text(get, "request_id", "?"),
+            input_ids=_get_ints(get, "input_ids"),
+            start=_get_int(get, "start"),
+            dst_slots=_get_ints(get, "dst_slots"),
+            epoch=_get_int(get, "epoch"),
+            sample=_get_flag(get, "sample", True),
+            params=_get_params(get),
+            kv_handle=_get_text(get, "kv_handle"),
+        )
+
+
+# ---- prefill -> decode --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PrefillResponse:
+    """The transfer is written; `first_token` is the sampled token of a prompt job, None for a recovery job."""
+
+    epoch: int
+    first_token: int | None = None
+
+    def encode(self) -> Tensors:
+        return {
+            "first_token": _ints([-1 if self.first_token is None else self.first_token]),
+            "epoch": _ints([self.epoch]),
+        }
+
+    @classmethod
+    def decode(cls, get: Getter) -> PrefillResponse:
+        token = _get_int(get, "first_token")
+        return cls(_get_int(get, "epoch"), None if token < 0 else token)

@@ -1,0 +1,94 @@
+"""The package's layering, read from the source (lazy imports inside functions included): backends/common/
+depends on nothing above it, the roles do not import each other, and no two modules import each other."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ("pd_master", "pd_decode", "pd_prefill")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Project modules `path` imports anywhere in its body."""
+    pkg = module_name(path).split(".")
+    if path.name != "__init__.py":
+        pkg = pkg[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            names = [f"{mod}.{a.name}" for a in node.names] + [mod]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n.split(".")[0] in ("backends", "kernels", "perf")}
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    files = [p for d in ("backends", "kernels") for p in (ROOT / d).rglob("*.py")]
+    mods = {module_name(p): p for p in files}
+    g = {}
+    for name, path in mods.items():
+        # an import of a name from a module (from .x import Y) is an edge to the module x
+        g[name] = {d if d in mods else d.rsplit(".", 1)[0] for d in imports(path)} & set(mods) - {name}
+    return g
+
+
+def test_common_depends_on_nothing_above_it():
+    bad = {
+        (m, d)
+        for m, deps in graph().items()
+        if m.startswith("backends.common")
+        for d in deps
+        if not (d.startswith("backends.common") or d.startswith("kernels"))
+    }
+    assert not bad, f"backends/common imports from above it: {sorted(bad)}"
+
+
+def test_roles_do_not_import_each_other():
+    bad = set()
+    for m, deps in graph().items():
+        for role in ROLES:
+            if m.startswith(f"backends.{role}"):
+                bad |= {(m, d) for d in deps if any(d.startswith(f"backends.{r}") for r in ROLES if r != role)}
+    assert not bad, sorted(bad)
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(g[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d) :] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    # package __init__ re-exports are not cycles of code; only module-to-module ones count
+    cycles = [c for c in cycles if not any(ROOT.joinpath(*x.split(".")).is_dir() for x in c)]
+    assert not cycles, cycles
+
+
+def test_the_graph_sees_known_edges():
+    """The checker itself: it must see module-level and lazy imports, relative and absolute."""
+    g = graph()
+    assert "backends.common.batch" in g["backends.common.runner"]  # from .batch import Span (module level)
+    assert "backends.common.gpu_model" in g["backends.common.runner"]  # lazy, inside ModelRunner.__init__
+    assert "backends.common.wire" in g["backends.pd_decode.model"]  # absolute
