@@ -1,25 +1,16 @@
-"""`triton-pd serve`: lay out the Python backend, render the model repository with this deployment's settings,
-start tritonserver, show progress until every model is ready, and shut down cleanly on Ctrl-C or SIGTERM."""
+"""`triton-pd serve`: its options, and the composition of the three pieces that serve a deployment: what it is
+(`deployment.Deployment`, values), how tritonserver is invoked for it (`tritonserver`), and the process that
+watches the server until it stops (`supervisor.Supervisor`)."""
 
 from __future__ import annotations
 
 import argparse
-import glob
-import os
-import secrets
-import shutil
-import signal
-import string
-import subprocess
 import sys
-import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("pd_master", "pd_decode", "pd_prefill")
-EXIT_TIMEOUT_S = 20  # tritonserver --exit-timeout-secs: how long its shutdown waits for requests in flight
+from .deployment import Deployment, gpu_count
+from .supervisor import Supervisor
+from .tritonserver import Ports, command, environment, layout_for, render
 
 
 def register(sub) -> None:
@@ -127,6 +118,13 @@ def register(sub) -> None:
         "paused, so no answer stalls for long. 0: a paused request waits until there is room",
     )
     p.add_argument(
+        "--decode-overlap",
+        choices=["on", "off"],
+        default="on",
+        help="decode launches step n+1 before reading step n's tokens whenever the next step is certain to be one "
+        "more greedy token for every running request (GPU decode graphs); off: every step is read before the next",
+    )
+    p.add_argument(
         "--stall-seconds",
         type=float,
         default=30.0,
@@ -153,375 +151,41 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-@dataclass
-class Layout:
-    tritonserver: Path
-    backend_dir: Path
-    lib_dirs: list[Path]
-
-
-def pytriton_layout(workdir: Path) -> Layout:
-    """The tritonserver bundled in nvidia-pytriton, with a backends/python/ folder for the running Python."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "triton-pd: error: nvidia-pytriton is not installed (run `make setup`) and no --tritonserver was given"
-        )
-    base = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
-    libs = base.parent.parent / "nvidia_pytriton.libs"
-    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = base / "python_backend_stubs" / ver / "triton_python_backend_stub"
-    if not stub.exists():
-        raise SystemExit(f"triton-pd: error: no Python backend stub for Python {ver} in {base}")
-    be = workdir / "backends"
-    py = be / "python"
-    py.mkdir(parents=True, exist_ok=True)
-    for src in (
-        base / "backends/python/libtriton_python.so",
-        base / "backends/python/triton_python_backend_utils.py",
-        stub,
-    ):
-        dst = py / src.name
-        if not dst.exists():
-            shutil.copy2(src, dst)
-    return Layout(base / "bin" / "tritonserver", be, [libs])
-
-
-def render(workdir: Path, values: dict[str, str]) -> Path:
-    repo = workdir / "models"
-    if repo.exists():
-        shutil.rmtree(repo)
-    for name in MODELS:
-        src = PROJECT_ROOT / "model_repository" / name
-        (repo / name / "1").mkdir(parents=True)
-        shutil.copy2(src / "1" / "model.py", repo / name / "1" / "model.py")
-        text = string.Template((src / "config.pbtxt").read_text()).substitute(values)
-        (repo / name / "config.pbtxt").write_text(text)
-    return repo
-
-
-def parse_gpus(gpus: str, available: int | None = None, flag: str = "--gpus") -> list[int]:
-    """'0,1' -> [0, 1]; an id the machine does not have is an error naming the flag."""
-    try:
-        ids = [int(g) for g in gpus.split(",") if g.strip()]
-    except ValueError:
-        raise SystemExit(f"triton-pd: error: {flag} must be comma-separated GPU ids, got {gpus!r}") from None
-    if not ids:
-        raise SystemExit(f"triton-pd: error: {flag} names no GPU")
-    bad = [g for g in ids if g < 0 or (available is not None and g >= available)]
-    if bad:
-        raise SystemExit(f"triton-pd: error: {flag} names GPU {bad[0]}, but this machine has {available} GPU(s)")
-    return ids
-
-
-def instance_groups(count: int, gpu: bool, gpus: str, available: int | None = None, flag: str = "--gpus") -> str:
-    """Triton instance_group entries: `count` instances spread round robin over the listed GPUs (2 prefill
-    instances over '1,2' -> one on GPU 1 and one on GPU 2)."""
-    if not gpu:
-        return f"{{ count: {count} kind: KIND_CPU }}"
-    ids = parse_gpus(gpus, available, flag)
-    per = {g: 0 for g in ids}
-    for i in range(count):
-        per[ids[i % len(ids)]] += 1
-    return ", ".join(f"{{ count: {n} kind: KIND_GPU gpus: [ {g} ] }}" for g, n in per.items() if n)
-
-
-def cpu_threads_per_instance(instances: int) -> int:
-    """The cores this process may use, shared among the compute instances (prefill and decode run at the same
-    time; torch's OpenMP threads spin at every barrier, so oversubscribed cores slow each step several-fold)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, instances))
-
-
-def gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
-
-
-def kv_bytes_per_token(cfg, dtype: str) -> int:
-    import torch
-
-    from .common.runner import parse_dtype
-
-    itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
-    import torch
-
-    return int(torch.cuda.get_device_properties(device).total_memory * fraction // per_token)
-
-
-def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1) -> int:
-    """Four times the device pool (paused requests outnumber running ones when the pool is over-committed), within
-    a quarter of physical memory shared by the decode instances (pinned memory cannot be swapped out)."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(4 * kv_tokens, ram // 4 // max(1, instances) // per_token)
-
-
-def wait_ready(proc: subprocess.Popen, http_port: int, timeout: float, log_path: Path, stopping: list) -> None:
-    t0, shown = time.monotonic(), set()
-    url = f"http://127.0.0.1:{http_port}"
-    while not stopping:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").splitlines()[-30:]
-            raise SystemExit(
-                "triton-pd: error: tritonserver exited with status "
-                f"{proc.returncode} before it was ready; last log lines:\n" + "\n".join(tail)
-            )
-        for m in MODELS:
-            if m not in shown and _ok(f"{url}/v2/models/{m}/ready"):
-                shown.add(m)
-                print(f"[triton-pd] {m} ready ({time.monotonic() - t0:.0f} s)", flush=True)
-        if len(shown) == len(MODELS) and _ok(f"{url}/v2/health/ready"):
-            return
-        if time.monotonic() - t0 > timeout:
-            raise SystemExit(f"triton-pd: error: models not ready after {timeout:.0f} s (see {log_path})")
-        time.sleep(0.5)
-
-
-def _ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except Exception:
-        return False
-
-
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .common import loader
-
-    loader.resolve(a.model)  # validate and convert once, before several processes want it
-    n_gpus = gpu_count()
-    gpu = a.device == "gpu" or (a.device == "auto" and n_gpus > 0)
-    dtype = a.dtype or ("bfloat16" if gpu else "float32")
-    workdir = Path(a.workdir or PROJECT_ROOT / ".run" / f"serve-{a.http_port}").resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    deployment = secrets.token_hex(4)
-    key_file = workdir / "internal_key"
-    key_file.write_text(secrets.token_hex(24))
-    key_file.chmod(0o600)
-    mailbox = Path("/dev/shm") / f"triton-pd-{deployment}"
-    cfg = loader.load_config(loader.resolve(a.model))
-    per_token = kv_bytes_per_token(cfg, dtype)
-    kv_tokens = a.kv_tokens or (
-        kv_tokens_for_gpu(per_token, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
-    )
-    host_kv = (
-        a.host_kv_tokens
-        if a.host_kv_tokens is not None
-        else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
-    )
-    prefill_kv = a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings))
-    timeout = (
-        a.request_timeout
-        if a.request_timeout is not None
-        else float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
-    )
-    cpu_threads = a.cpu_threads or cpu_threads_per_instance(a.prefill_instances + a.decode_instances)
-    values = {
-        "PROJECT_ROOT": str(PROJECT_ROOT),
-        "MODEL": a.model,
-        "DTYPE": dtype,
-        "DEPLOYMENT": deployment,
-        "KEY_FILE": str(key_file),
-        "MAILBOX_DIR": str(mailbox),
-        "KV_TOKENS": str(kv_tokens),
-        "PREFILL_KV_TOKENS": str(prefill_kv),
-        "MAX_BATCH": str(a.max_batch),
-        "CPU_THREADS": str(cpu_threads),
-        "CHUNK_SIZE": str(a.chunk_size),
-        "MAX_PREFILL_TOKENS": str(a.max_prefill_tokens),
-        "MAX_INFLIGHT": str(a.max_inflight),
-        "MAX_STREAMS": str(a.max_streams),
-        "REQUEST_TIMEOUT": str(timeout),
-        "ON_DECODE_OOM": a.on_decode_oom,
-        "PAUSE_POLICY": a.pause_policy,
-        "FAULT_INJECTION": a.fault_injection,
-        "STALL_SECONDS": str(a.stall_seconds),
-        "HOST_KV_TOKENS": str(host_kv),
-        "ROTATION_QUANTUM": str(a.rotation_quantum),
-        "MASTER_INSTANCES": "1",
-        "DECODE_GROUPS": instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
-        "PREFILL_GROUPS": instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),
-    }
-    repo = render(workdir, values)
-    if a.tritonserver:
-        layout = Layout(Path(a.tritonserver), Path(a.backend_dir or "/opt/tritonserver/backends"), [])
-    else:
-        layout = pytriton_layout(workdir)
-        if a.backend_dir:
-            layout.backend_dir = Path(a.backend_dir)
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub takes the first python3
-    env["LD_LIBRARY_PATH"] = ":".join([str(p) for p in layout.lib_dirs] + [env.get("LD_LIBRARY_PATH", "")])
-    env["PD_REQUEST_TIMEOUT_SECONDS"] = str(timeout)
-    cmd = os.environ.get("TRITON_PD_DEBUG_WRAP", "").split() + [
-        str(layout.tritonserver),
-        f"--model-repository={repo}",
-        f"--backend-directory={layout.backend_dir}",
-        f"--http-port={a.http_port}",
-        f"--grpc-port={a.grpc_port}",
-        f"--metrics-port={a.metrics_port}",
-        "--allow-metrics=true",
-        "--exit-on-error=true",
-        "--strict-readiness=true",
-        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-        f"--log-verbose={a.log_verbose}",
-        # a pool large enough not to grow under load (growth of the Python backend's pool under concurrent BLS
-        # traffic is where 2.51 has crashed for us); tensors are small, so this is address space, not RAM
-        f"--backend-config=python,shm-default-byte-size={a.shm_mb << 20}",
-        "--backend-config=python,shm-growth-byte-size=67108864",
-        # One thread of this pool (per model instance, in tritonserver) is held by every BLS call until its first
-        # response, and the same pool sends every decoupled response. Master holds at most --max-streams decode
-        # streams, so a pool smaller than that starves master's sends to clients: with the default (32), 200
-        # concurrent streams stalled every answer until some finished. A pool of --max-inflight + 64 (1088
-        # threads) let 200 clients on 2 cores crash tritonserver (boost::interprocess::lock_exception).
-        f"--backend-config=python,thread-pool-size={a.max_streams + 64}",
-    ]
-    log_path = workdir / "tritonserver.log"
-    print(
-        f"[triton-pd] model {a.model} ({dtype}, {'GPU' if gpu else 'CPU'}), {a.prefill_instances} prefill + "
-        f"{a.decode_instances} decode instance(s), decode KV pool {kv_tokens} tokens, on_decode_oom="
-        f"{a.on_decode_oom}, {cpu_threads} CPU thread(s) per instance",
-        flush=True,
-    )
+    dep = Deployment.from_args(a, gpu_count())
+    dep.write_key()
+    repo = render(dep.workdir, dep.template_values())
+    layout = layout_for(dep.workdir, a.tritonserver, a.backend_dir)
+    ports = Ports(a.http_port, a.grpc_port, a.metrics_port)
+    log_path = dep.workdir / "tritonserver.log"
+    print(f"[triton-pd] {dep.summary()}", flush=True)
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    stopping = []
-
-    def on_signal(signum, frame):
-        # only signal here: the main thread may be inside proc.wait(), whose lock a handler must not take
-        if not stopping:
-            stopping.append(signum)
-            print("\n[triton-pd] shutting down (again to force)", flush=True)
-            _signal_group(proc, signal.SIGTERM, group=False)
-        else:
-            _signal_group(proc, signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stubs: dict[str, tuple[int, str]] = {}
-    died = None
+    sup = Supervisor(command(layout, repo, ports, dep, a.shm_mb, a.log_verbose), environment(layout, dep), log_path,
+                     ports.http)  # fmt: skip
     try:
-        wait_ready(proc, a.http_port, a.ready_timeout, log_path, stopping)
-        if not stopping:
-            print(
-                f"[triton-pd] ready: HTTP :{a.http_port}  gRPC :{a.grpc_port}  metrics :{a.metrics_port}/metrics",
-                flush=True,
-            )
-            print(
-                "[triton-pd] try:\n"
-                f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{a.grpc_port} --chat "
-                '--prompt "What is the capital of France?" --temperature 0\n'
-                f"  curl -s -X POST 127.0.0.1:{a.http_port}/v2/models/pd_master/generate_stream "
-                '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
-                '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
-                flush=True,
-            )
-        if not stopping:
-            stubs = python_stubs(proc.pid)
-        # Triton 2.51 neither restarts a dead Python stub nor fails the requests it held: with master's or a decode
-        # instance's stub gone, the client streams through it would hang for ever. Stop instead, so that clients see
-        # an error and a supervisor can restart the server. (A dead prefill instance fails its jobs at once:
-        # decode reports them, and the server keeps serving.)
-        watched = {name: pid for name, (pid, _) in stubs.items() if name.startswith(("pd_master", "pd_decode"))}
-        kill_at = None
-        while True:
-            try:
-                rc = proc.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if kill_at is not None and time.monotonic() > kill_at:
-                _signal_group(proc, signal.SIGKILL)  # its shutdown waits for requests the dead stub will never end
-            if died is None and not stopping:
-                died = next((name for name, pid in watched.items() if not process_alive(pid)), None)
-                if died is not None:
-                    print(
-                        f"[triton-pd] {died}'s stub (pid {watched[died]}) died and Triton does not restart it: "
-                        f"stopping the server (see {log_path})",
-                        flush=True,
-                    )
-                    _signal_group(proc, signal.SIGTERM, group=False)
-                    kill_at = time.monotonic() + EXIT_TIMEOUT_S + 10
+        if sup.wait_ready(a.ready_timeout):
+            print_ready(ports)
+        rc = sup.watch()
     finally:
-        if proc.poll() is None:
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-        _signal_group(proc, signal.SIGKILL)  # stub processes left behind by a crash
-        cleanup(deployment, mailbox, [region for _, region in stubs.values()])
-    if died is not None:
-        print(f"triton-pd: error: {died}'s stub died (see {log_path})", file=sys.stderr)
+        sup.close(dep.deployment_id, dep.mailbox)
+    if sup.died is not None:
+        print(f"triton-pd: error: {sup.died}'s stub died (see {log_path})", file=sys.stderr)
         return 1
-    if stopping:
+    if sup.stopping:
         print("[triton-pd] stopped", flush=True)
         return 0
     print(f"triton-pd: error: tritonserver exited with status {rc} (see {log_path})", file=sys.stderr)
     return 1
 
 
-def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
-    """The Python stubs tritonserver `server_pid` runs, from /proc: instance name -> (pid, name of the stub's
-    shared-memory region in /dev/shm)."""
-    stubs = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            if int(_stat_fields(stat)[1]) != server_pid:  # the parent pid
-                continue
-            with open(stat[: -len("stat")] + "cmdline", "rb") as f:
-                argv = [a.decode() for a in f.read().rstrip(b"\0").split(b"\0")]
-        except (OSError, IndexError, ValueError, UnicodeDecodeError):
-            continue
-        # stub, model.py, shm region, shm sizes, parent pid, backend dir, ..., instance name, execution env
-        if len(argv) >= 4 and argv[0].endswith("triton_python_backend_stub"):
-            stubs[argv[-2]] = (int(stat.split("/")[2]), argv[2])
-    return stubs
-
-
-def process_alive(pid: int) -> bool:
-    """False once the process is gone or a zombie (tritonserver does not reap a stub that died)."""
-    try:
-        return _stat_fields(f"/proc/{pid}/stat")[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def _stat_fields(path: str) -> list[str]:
-    """The fields of a /proc/<pid>/stat after the command name (which may hold spaces): state, parent pid, ..."""
-    with open(path) as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int, group: bool = True) -> None:
-    try:
-        if group:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def cleanup(deployment: str, mailbox: Path, stub_regions: tuple[str, ...] | list[str] = ()) -> None:
-    """Shared-memory segments and the mailbox of this deployment, even if a stub died without finalize(), and the
-    stubs' own regions, which tritonserver removes only when it stops cleanly."""
-    shutil.rmtree(mailbox, ignore_errors=True)
-    regions = [f"/dev/shm/{r}" for r in stub_regions if r.startswith("triton_python_backend_shm_region")]
-    for path in glob.glob(f"/dev/shm/tpd_{deployment}_*") + regions:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+def print_ready(ports: Ports) -> None:
+    print(f"[triton-pd] ready: HTTP :{ports.http}  gRPC :{ports.grpc}  metrics :{ports.metrics}/metrics", flush=True)
+    print(
+        "[triton-pd] try:\n"
+        f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{ports.grpc} --chat "
+        '--prompt "What is the capital of France?" --temperature 0\n'
+        f"  curl -s -X POST 127.0.0.1:{ports.http}/v2/models/pd_master/generate_stream "
+        '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
+        '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
+        flush=True,
+    )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backends.common.runner import set_cpu_threads
-from backends.serve import cpu_threads_per_instance, instance_groups, parse_gpus
+from backends.deployment import cpu_threads_per_instance, instance_groups, parse_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,11 +64,33 @@ def test_compute_instances_take_their_thread_count(model):
 
 
 def test_host_kv_default_is_four_pools_within_a_quarter_of_ram_per_decode_instance(monkeypatch):
-    from backends import serve
+    from backends import deployment
 
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (64 << 30) // 4096}  # 64 GiB of RAM
-    monkeypatch.setattr(serve.os, "sysconf", pages.__getitem__)
+    monkeypatch.setattr(deployment.os, "sysconf", pages.__getitem__)
     mib = 1 << 20  # KV bytes per token
-    assert serve.default_host_kv_tokens(mib, 1000) == 4000
-    assert serve.default_host_kv_tokens(mib, 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
-    assert serve.default_host_kv_tokens(mib, 100_000, instances=4) == 4 * 1024
+    assert deployment.default_host_kv_tokens(mib, 1000) == 4000
+    assert deployment.default_host_kv_tokens(mib, 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
+    assert deployment.default_host_kv_tokens(mib, 100_000, instances=4) == 4 * 1024
+
+
+def test_deployment_values_fill_every_template_and_reach_the_configs(tmp_path):
+    from backends.cli import build_parser
+    from backends.deployment import Deployment
+    from backends.tritonserver import MODELS, render
+
+    a = build_parser().parse_args(
+        ["serve", "--device", "cpu", "--kv-tokens", "1000", "--host-kv-tokens", "0", "--max-streams", "7",
+         "--workdir", str(tmp_path), "--request-timeout", "-1"]
+    )  # fmt: skip
+    dep = Deployment.from_args(a, n_gpus=0)
+    assert (dep.gpu, dep.dtype, dep.kv_tokens, dep.host_kv_tokens) == (False, "float32", 1000, 0)
+    assert dep.request_timeout == -1 and dep.prefill_groups == "{ count: 1 kind: KIND_CPU }"
+    dep.write_key()
+    assert len(dep.key_file.read_text()) == 48 and (dep.key_file.stat().st_mode & 0o077) == 0
+    repo = render(tmp_path, dep.template_values())  # string.Template.substitute: a missing value raises
+    configs = {m: (repo / m / "config.pbtxt").read_text() for m in MODELS}
+    assert all("${" not in c for c in configs.values())
+    assert '"kv_tokens" value: { string_value: "1000" }' in configs["pd_decode"]
+    assert '"max_streams" value: { string_value: "7" }' in configs["pd_master"]
+    assert str(dep.key_file) in configs["pd_prefill"] and str(dep.mailbox) in configs["pd_master"]

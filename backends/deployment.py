@@ -1,0 +1,207 @@
+"""What a deployment is, as values: the model, where its instances run, how large its pools are and the limits it
+enforces, all derived once from `triton-pd serve`'s options and the machine. `Deployment.template_values()` is what
+the model repository's config.pbtxt templates are rendered with. Nothing here starts a process."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_gpus(gpus: str, available: int | None = None, flag: str = "--gpus") -> list[int]:
+    """'0,1' -> [0, 1]; an id the machine does not have is an error naming the flag."""
+    try:
+        ids = [int(g) for g in gpus.split(",") if g.strip()]
+    except ValueError:
+        raise SystemExit(f"triton-pd: error: {flag} must be comma-separated GPU ids, got {gpus!r}") from None
+    if not ids:
+        raise SystemExit(f"triton-pd: error: {flag} names no GPU")
+    bad = [g for g in ids if g < 0 or (available is not None and g >= available)]
+    if bad:
+        raise SystemExit(f"triton-pd: error: {flag} names GPU {bad[0]}, but this machine has {available} GPU(s)")
+    return ids
+
+
+def instance_groups(count: int, gpu: bool, gpus: str, available: int | None = None, flag: str = "--gpus") -> str:
+    """Triton instance_group entries: `count` instances spread round robin over the listed GPUs (2 prefill
+    instances over '1,2' -> one on GPU 1 and one on GPU 2)."""
+    if not gpu:
+        return f"{{ count: {count} kind: KIND_CPU }}"
+    ids = parse_gpus(gpus, available, flag)
+    per = {g: 0 for g in ids}
+    for i in range(count):
+        per[ids[i % len(ids)]] += 1
+    return ", ".join(f"{{ count: {n} kind: KIND_GPU gpus: [ {g} ] }}" for g, n in per.items() if n)
+
+
+def cpu_threads_per_instance(instances: int) -> int:
+    """The cores this process may use, shared among the compute instances (prefill and decode run at the same
+    time; torch's OpenMP threads spin at every barrier, so oversubscribed cores slow each step several-fold)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, instances))
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def kv_bytes_per_token(cfg, dtype: str) -> int:
+    import torch
+
+    from .common.runner import parse_dtype
+
+    itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).total_memory * fraction // per_token)
+
+
+def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1) -> int:
+    """Four times the device pool (paused requests outnumber running ones when the pool is over-committed), within
+    a quarter of physical memory shared by the decode instances (pinned memory cannot be swapped out)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(4 * kv_tokens, ram // 4 // max(1, instances) // per_token)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One served deployment's settings, every default resolved."""
+
+    model: str
+    dtype: str
+    gpu: bool
+    workdir: Path
+    deployment_id: str  # names its shared-memory segments and mailbox
+    key_file: Path
+    mailbox: Path
+    kv_tokens: int
+    host_kv_tokens: int
+    prefill_kv_tokens: int
+    cpu_threads: int
+    request_timeout: float
+    decode_groups: str
+    prefill_groups: str
+    prefill_instances: int
+    decode_instances: int
+    max_batch: int
+    chunk_size: int
+    max_prefill_tokens: int
+    max_inflight: int
+    max_streams: int
+    on_decode_oom: str
+    pause_policy: str
+    fault_injection: str
+    stall_seconds: float
+    rotation_quantum: float
+    decode_overlap: str  # "on": step n+1 launched before step n's tokens are read (GPU graphs, greedy)
+
+    @classmethod
+    def from_args(cls, a, n_gpus: int) -> Deployment:
+        """From `triton-pd serve`'s parsed options on a machine with `n_gpus` GPUs: resolves the model (converting
+        it once, before several processes want it) and sizes the pools."""
+        from .common import loader
+
+        cfg = loader.load_config(loader.resolve(a.model))
+        gpu = a.device == "gpu" or (a.device == "auto" and n_gpus > 0)
+        dtype = a.dtype or ("bfloat16" if gpu else "float32")
+        workdir = Path(a.workdir or PROJECT_ROOT / ".run" / f"serve-{a.http_port}").resolve()
+        deployment_id = secrets.token_hex(4)
+        per_token = kv_bytes_per_token(cfg, dtype)
+        kv_tokens = a.kv_tokens or (
+            kv_tokens_for_gpu(per_token, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
+        )
+        host_kv = a.host_kv_tokens
+        if host_kv is None:
+            host_kv = default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
+        timeout = a.request_timeout
+        if timeout is None:
+            timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
+        return cls(
+            model=a.model,
+            dtype=dtype,
+            gpu=gpu,
+            workdir=workdir,
+            deployment_id=deployment_id,
+            key_file=workdir / "internal_key",
+            mailbox=Path("/dev/shm") / f"triton-pd-{deployment_id}",
+            kv_tokens=kv_tokens,
+            host_kv_tokens=host_kv,
+            prefill_kv_tokens=a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings)),
+            cpu_threads=a.cpu_threads or cpu_threads_per_instance(a.prefill_instances + a.decode_instances),
+            request_timeout=timeout,
+            decode_groups=instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
+            prefill_groups=instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),
+            prefill_instances=a.prefill_instances,
+            decode_instances=a.decode_instances,
+            max_batch=a.max_batch,
+            chunk_size=a.chunk_size,
+            max_prefill_tokens=a.max_prefill_tokens,
+            max_inflight=a.max_inflight,
+            max_streams=a.max_streams,
+            on_decode_oom=a.on_decode_oom,
+            pause_policy=a.pause_policy,
+            fault_injection=a.fault_injection,
+            stall_seconds=a.stall_seconds,
+            rotation_quantum=a.rotation_quantum,
+            decode_overlap=a.decode_overlap,
+        )
+
+    def write_key(self) -> None:
+        """The internal key, readable by this user only; a new one for every start."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.key_file.write_text(secrets.token_hex(24))
+        self.key_file.chmod(0o600)
+
+    def template_values(self) -> dict[str, str]:
+        """The ${NAME} values of model_repository/*/config.pbtxt."""
+        return {
+            "PROJECT_ROOT": str(PROJECT_ROOT),
+            "MODEL": self.model,
+            "DTYPE": self.dtype,
+            "DEPLOYMENT": self.deployment_id,
+            "KEY_FILE": str(self.key_file),
+            "MAILBOX_DIR": str(self.mailbox),
+            "KV_TOKENS": str(self.kv_tokens),
+            "PREFILL_KV_TOKENS": str(self.prefill_kv_tokens),
+            "MAX_BATCH": str(self.max_batch),
+            "CPU_THREADS": str(self.cpu_threads),
+            "CHUNK_SIZE": str(self.chunk_size),
+            "MAX_PREFILL_TOKENS": str(self.max_prefill_tokens),
+            "MAX_INFLIGHT": str(self.max_inflight),
+            "MAX_STREAMS": str(self.max_streams),
+            "REQUEST_TIMEOUT": str(self.request_timeout),
+            "ON_DECODE_OOM": self.on_decode_oom,
+            "PAUSE_POLICY": self.pause_policy,
+            "FAULT_INJECTION": self.fault_injection,
+            "STALL_SECONDS": str(self.stall_seconds),
+            "HOST_KV_TOKENS": str(self.host_kv_tokens),
+            "ROTATION_QUANTUM": str(self.rotation_quantum),
+            "DECODE_OVERLAP": self.decode_overlap,
+            "MASTER_INSTANCES": "1",
+            "DECODE_GROUPS": self.decode_groups,
+            "PREFILL_GROUPS": self.prefill_groups,
+        }
+
+    def summary(self) -> str:
+        return (
+            f"model {self.model} ({self.dtype}, {'GPU' if self.gpu else 'CPU'}), {self.prefill_instances} prefill + "
+            f"{self.decode_instances} decode instance(s), decode KV pool {self.kv_tokens} tokens, on_decode_oom="
+            f"{self.on_decode_oom}, {self.cpu_threads} CPU thread(s) per instance, {self.max_streams} decode streams"
+        )
+

@@ -1,0 +1,155 @@
+"""The supervisor of one tritonserver process: progress until every model is ready, Ctrl-C and SIGTERM turned
+into a clean stop (twice forces it), the stop of the whole server when master's or a decode instance's stub dies
+(Triton 2.51 neither restarts it nor fails the streams it held), and the deployment's shared memory removed
+whatever happened."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from .tritonserver import EXIT_TIMEOUT_S, MODELS
+
+
+class Supervisor:
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int):
+        self.log_path, self.http_port = log_path, http_port
+        self.stopping: list[int] = []
+        self.stubs: dict[str, tuple[int, str]] = {}
+        self.died: str | None = None
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        # only signal here: the main thread may be inside proc.wait(), whose lock a handler must not take
+        if not self.stopping:
+            self.stopping.append(signum)
+            print("\n[triton-pd] shutting down (again to force)", flush=True)
+            signal_group(self.proc, signal.SIGTERM, group=False)
+        else:
+            signal_group(self.proc, signal.SIGKILL)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once every model and the server are ready; False if a stop was asked for first."""
+        t0, shown = time.monotonic(), set()
+        url = f"http://127.0.0.1:{self.http_port}"
+        while not self.stopping:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
+                raise SystemExit(
+                    "triton-pd: error: tritonserver exited with status "
+                    f"{self.proc.returncode} before it was ready; last log lines:\n" + "\n".join(tail)
+                )
+            for m in MODELS:
+                if m not in shown and _ok(f"{url}/v2/models/{m}/ready"):
+                    shown.add(m)
+                    print(f"[triton-pd] {m} ready ({time.monotonic() - t0:.0f} s)", flush=True)
+            if len(shown) == len(MODELS) and _ok(f"{url}/v2/health/ready"):
+                return True
+            if time.monotonic() - t0 > timeout:
+                raise SystemExit(f"triton-pd: error: models not ready after {timeout:.0f} s (see {self.log_path})")
+            time.sleep(0.5)
+        return False
+
+    def watch(self) -> int:
+        """Until tritonserver exits: its exit status. Stops it when a watched stub dies (self.died names it)."""
+        if not self.stopping:
+            self.stubs = python_stubs(self.proc.pid)
+        # A dead prefill instance fails its jobs at once (decode reports them), so the server keeps serving.
+        watched = {n: pid for n, (pid, _) in self.stubs.items() if n.startswith(("pd_master", "pd_decode"))}
+        kill_at = None
+        while True:
+            try:
+                return self.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            if kill_at is not None and time.monotonic() > kill_at:
+                signal_group(self.proc, signal.SIGKILL)  # its shutdown waits for requests the dead stub never ends
+            if self.died is None and not self.stopping:
+                self.died = next((n for n, pid in watched.items() if not process_alive(pid)), None)
+                if self.died is not None:
+                    print(
+                        f"[triton-pd] {self.died}'s stub (pid {watched[self.died]}) died and Triton does not restart "
+                        f"it: stopping the server (see {self.log_path})",
+                        flush=True,
+                    )
+                    signal_group(self.proc, signal.SIGTERM, group=False)
+                    kill_at = time.monotonic() + EXIT_TIMEOUT_S + 10
+
+    def close(self, deployment_id: str, mailbox: Path) -> None:
+        """Kill what is left (stubs left behind by a crash too) and remove the deployment's shared memory."""
+        if self.proc.poll() is None:
+            signal_group(self.proc, signal.SIGKILL)
+            self.proc.wait()
+        signal_group(self.proc, signal.SIGKILL)
+        cleanup(deployment_id, mailbox, [region for _, region in self.stubs.values()])
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
+    """The Python stubs tritonserver `server_pid` runs, from /proc: instance name -> (pid, name of the stub's
+    shared-memory region in /dev/shm)."""
+    stubs = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            if int(_stat_fields(stat)[1]) != server_pid:  # the parent pid
+                continue
+            with open(stat[: -len("stat")] + "cmdline", "rb") as f:
+                argv = [a.decode() for a in f.read().rstrip(b"\0").split(b"\0")]
+        except (OSError, IndexError, ValueError, UnicodeDecodeError):
+            continue
+        # stub, model.py, shm region, shm sizes, parent pid, backend dir, ..., instance name, execution env
+        if len(argv) >= 4 and argv[0].endswith("triton_python_backend_stub"):
+            stubs[argv[-2]] = (int(stat.split("/")[2]), argv[2])
+    return stubs
+
+
+def process_alive(pid: int) -> bool:
+    """False once the process is gone or a zombie (tritonserver does not reap a stub that died)."""
+    try:
+        return _stat_fields(f"/proc/{pid}/stat")[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a /proc/<pid>/stat after the command name (which may hold spaces): state, parent pid, ..."""
+    with open(path) as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def signal_group(proc: subprocess.Popen, sig: int, group: bool = True) -> None:
+    try:
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cleanup(deployment: str, mailbox: Path, stub_regions: tuple[str, ...] | list[str] = ()) -> None:
+    """Shared-memory segments and the mailbox of this deployment, even if a stub died without finalize(), and the
+    stubs' own regions, which tritonserver removes only when it stops cleanly."""
+    shutil.rmtree(mailbox, ignore_errors=True)
+    regions = [f"/dev/shm/{r}" for r in stub_regions if r.startswith("triton_python_backend_shm_region")]
+    for path in glob.glob(f"/dev/shm/tpd_{deployment}_*") + regions:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
