@@ -13,12 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from backends.common import triton_io as tio
-from backends.common.batch import Span
 from backends.common.kv_handoff import export_handle
 from backends.common.kv_pool import KVPool
 from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
-from backends.common.postprocess import finish_reason, next_tokens
+from backends.common.postprocess import finish_reason
 from backends.common.request import InferReq, ParamError, ReqState
 from backends.common.runner import ModelRunner, set_cpu_threads
 from backends.common.streaming import Item, Stream, StreamSender
@@ -27,6 +26,7 @@ from backends.common.wire import DecodeRequest, DecodeResponse, PrefillRequest, 
 from .host_tier import HostKV, default_costs
 from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
+from .steps import DecodeSteps, drop_after
 
 
 # ---- events for the scheduler loop (its only inputs from other threads) ------------------------------------------
@@ -86,6 +86,9 @@ class DecodeModel:
             quantum=float(p.get("rotation_quantum", "0")),
             costs=default_costs(self.runner.cfg, self.runner.kv.bytes_per_slot, gpu),
         )
+        self.steps = DecodeSteps(
+            self.runner, self.sched, self.eos, self._after_token, overlap=p.get("decode_overlap", "on") == "on"
+        )
         self.watchdog = ProgressWatchdog(float(p.get("stall_seconds", "30")))
         self._last_invariant_check = 0.0
         self.key = open(p["internal_key_file"]).read().strip()
@@ -144,6 +147,10 @@ class DecodeModel:
         self.c_stalls = m.counter("pd_decode_stalls_total", "Times decode made no progress for stall_seconds with work")
         self.c_violations = m.counter("pd_decode_invariant_violations_total", "Scheduler invariant checks that failed")
         self.c_unfittable = m.counter("pd_decode_unfittable_total", "Requests ended because they could never fit")
+        self.c_overlapped = m.counter(
+            "pd_decode_overlapped_steps_total", "Decode steps launched before the previous step's tokens were read"
+        )
+        self._reported_overlap = 0
         self.g["total"].set(self.sched.pool.num_slots)
         self._last_gauges = 0.0
 
@@ -187,6 +194,8 @@ class DecodeModel:
                 self._take_cancels(poll_senders=poll)
                 if poll:
                     last_cancel_poll = now
+                if self.steps.pending and not self.steps.may_keep(busy=swapping):
+                    self.steps.flush()  # this schedule may look at token histories or hand slots out
                 plan = self.sched.schedule()
                 for req in plan.ended:
                     self._emit(req, [], "length")
@@ -210,8 +219,10 @@ class DecodeModel:
                 if plan.decode:
                     if self.host_kv is not None:
                         self.host_kv.order_compute()  # the step may write slots a swap-out is still reading
-                    self._decode_step(plan.decode)
+                    self.steps.step(plan.decode)
+                    self._count_overlap()
                 else:
+                    self.steps.flush()
                     self._check_invariants()
                 self._check_progress()
                 self._gauges()
@@ -324,6 +335,7 @@ class DecodeModel:
                     self._cancel(rid, "cancelled")
 
     def _cancel(self, rid: str, reason: str) -> None:
+        self.steps.flush()  # a cancelled running request's tokens go to the cache: none may be a placeholder
         req = self.sched.cancel(rid, reason)
         if req is None:
             return
@@ -360,19 +372,22 @@ class DecodeModel:
         params = replace(req.params, seed=req.seed)  # resolved once here: prefill samples with decode's seed
         return PrefillRequest(job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, self.handle)
 
-    def _decode_step(self, reqs: list[InferReq]) -> None:
-        spans = [Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid) for r in reqs]
-        for req, token in zip(reqs, next_tokens(self.runner, spans, reqs, self.eos)):
-            self.sched.after_decode(req, token)
-            self._after_token(req, token)
-
-    def _after_token(self, req: InferReq, token: int) -> None:
+    def _after_token(self, req: InferReq, token: int, num_out: int | None = None) -> None:
+        """`token` is output number num_out (default: the last) of req."""
         # "length" at sched.max_len: the model's context or the pool's size, whichever is smaller (a request that
         # outgrew the pool could never be given its next slot)
-        reason = finish_reason(req, token, self.eos, self.sched.max_len)
+        reason = finish_reason(req, token, self.eos, self.sched.max_len, num_out=num_out)
         if reason:
+            if num_out is not None:
+                drop_after(req, num_out)  # a step launched after this token computed a row for nothing
             self.sched.finish(req, reason)
         self._emit(req, [token], reason)
+
+    def _count_overlap(self) -> None:
+        n = self.steps.num_overlapped - self._reported_overlap
+        if n:
+            self.c_overlapped.increment(n)
+            self._reported_overlap += n
 
     def _emit(self, req: InferReq, ids: list[int], reason: str | None, error: str | None = None) -> None:
         final = reason is not None or error is not None
@@ -389,6 +404,7 @@ class DecodeModel:
         stream.sender.send(pb.InferenceResponse(output_tensors=tio.to_tensors(response.encode())), flags=flags)
 
     def _fail_all(self, message: str) -> None:
+        self.steps.drop()
         for rid in list(self.sched.reqs):
             req = self.sched.cancel(rid, "error")
             if req is not None:

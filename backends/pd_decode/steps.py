@@ -1,0 +1,118 @@
+"""Decode's steps, overlapped like the offline engine's: a greedy graph batch for step n+1 is launched before step
+n's tokens are read, so the host schedules, emits and prepares while the GPU computes.
+
+While a step is launched and unread, each of its requests ends with a placeholder token (PENDING); the device knows
+the real one and feeds it to the next step (a span id of -1, see `GpuLlama.launch_greedy`). Nothing may look at
+those requests' token histories until the step is read, so the loop schedules over an unread step only when the
+plan is certain to be one more decode token for every running request (`may_keep`):
+
+- nothing waits, is paused, recovers or is in flight: no admission, no rotation, no recovery, so no slot goes to
+  prefill (another process) or to the host tier's copy stream while the GPU may still write it;
+- the pool has a free slot for every running request: the reservation pauses nobody and evicts nothing;
+- no running request is within one token of `max_len`, and every one is greedy with nothing banned;
+- the batch replays a captured graph.
+
+Everything else reads the step first (`flush`), as do cancellations and the end of the loop. A request that stops
+at step n (EOS, max_tokens, a stop id) has computed one row of step n+1 for nothing: its placeholder is dropped and
+the slot that row wrote goes back to the pool, exactly as the synchronous loop leaves it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backends.common.batch import Span
+from backends.common.postprocess import greedy_unbanned, next_tokens
+from backends.common.request import InferReq, ReqState
+
+from .scheduler import DecodeScheduler
+
+PENDING = -1  # an output token sampled on the device and not read back yet
+
+
+@dataclass(slots=True)
+class _Launched:
+    handle: object
+    rows: list[tuple[InferReq, int]]  # (request, index of its placeholder in output_ids)
+
+
+class DecodeSteps:
+    def __init__(
+        self,
+        runner,
+        sched: DecodeScheduler,
+        eos_ids: list[int],
+        on_token: Callable[[InferReq, int, int], None],
+        overlap: bool = True,
+    ):
+        """on_token(req, token, num_out): `token` is output number num_out of req (its output_ids[num_out - 1]);
+        the callback finishes the request if it stops there (dropping any later placeholder: `drop_after`)."""
+        self.runner, self.sched, self.eos, self.on_token, self.overlap = runner, sched, eos_ids, on_token, overlap
+        self._launched: _Launched | None = None
+        self.num_steps = 0
+        self.num_overlapped = 0  # steps launched while the step before was still unread
+
+    @property
+    def pending(self) -> bool:
+        return self._launched is not None
+
+    def may_keep(self, busy: bool = False) -> bool:
+        """Whether the next schedule() may run over the unread step (see the module's rules); `busy`: the caller
+        has work of its own in flight that hands out slots (host copies)."""
+        s = self.sched
+        if busy or s.inflight or s.orphans:
+            return False
+        running = []
+        for r in s.reqs.values():
+            if r.state is not ReqState.RUNNING:
+                return False
+            running.append(r)
+        return (
+            s.pool.num_free >= len(running)
+            and self.runner.graph_batch(len(running))
+            and all(r.num_tokens + 1 < s.max_len for r in running)
+            and greedy_unbanned(running, self.eos)
+        )
+
+    def step(self, reqs: list[InferReq]) -> None:
+        """One decode token for each of reqs (each holds a reserved slot for it)."""
+        if self.overlap and greedy_unbanned(reqs, self.eos):
+            handle = self.runner.launch_greedy(self._spans(reqs))
+            if handle is not None:
+                launched = _Launched(handle, [(r, len(r.output_ids)) for r in reqs])
+                for r in reqs:
+                    self.sched.after_decode(r, PENDING)
+                self.num_steps += 1
+                self.num_overlapped += self.pending
+                self.flush()  # read step n while step n+1 runs
+                self._launched = launched
+                return
+        self.flush()
+        self.num_steps += 1
+        for req, token in zip(reqs, next_tokens(self.runner, self._spans(reqs), reqs, self.eos)):
+            self.sched.after_decode(req, token)
+            self.on_token(req, token, len(req.output_ids))
+
+    def flush(self) -> None:
+        """Read the unread step's tokens into its requests' placeholders and report each (in batch order)."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return
+        for (req, i), token in zip(launched.rows, self.runner.collect(launched.handle)):
+            if req.state is not ReqState.RUNNING or req.output_ids[i] != PENDING:
+                continue  # ended at the step before (its row here was computed for nothing)
+            req.output_ids[i] = token
+            self.on_token(req, token, i + 1)
+
+    def drop(self) -> None:
+        """Forget the unread step (the loop failed its requests)."""
+        self._launched = None
+
+    @staticmethod
+    def _spans(reqs: list[InferReq]) -> list[Span]:
+        return [Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid) for r in reqs]
+
+
+def drop_after(req: InferReq, num_out: int) -> None:
+    """A request that stops at output num_out keeps no placeholder of a step launched after that token."""
+    del req.output_ids[num_out:]

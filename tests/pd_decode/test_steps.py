@@ -1,0 +1,167 @@
+"""Decode's overlapped steps on the real CPU model: a loop shaped like decode's (transfers answered one iteration
+after they start, cancels, arrivals mid-run, pauses with local and prefill recovery) gives the same tokens and
+finish reasons whether step n+1 is launched before step n is read or not, leaves no placeholder and no leaked KV, and
+never schedules over an unread step when the plan could look at token histories."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.common.batch import Span
+from backends.common.kv_pool import KVPool
+from backends.common.postprocess import finish_reason
+from backends.common.request import InferReq, ReqState, SamplingParams
+from backends.pd_decode.scheduler import DecodeScheduler
+from backends.pd_decode.steps import PENDING, DecodeSteps, drop_after
+from tests.common.test_engine import DeferredLaunch
+
+
+class Loop:
+    """decode's scheduler loop without Triton: prefill is the same runner, answering one iteration later."""
+
+    def __init__(self, runner, pool: int, overlap: bool, max_batch: int = 4):
+        self.runner = DeferredLaunch(runner) if overlap else runner
+        self.eos = runner.cfg.eos_token_ids
+        self.sched = DecodeScheduler(KVPool(pool), max_running=max_batch, max_len=runner.cfg.max_position_embeddings)
+        self.steps = DecodeSteps(self.runner, self.sched, self.eos, self.on_token, overlap=overlap)
+        self.transfers = []
+        self.done: dict[str, tuple[list[int], str]] = {}
+        self.kept = 0  # schedules run over an unread step
+
+    def on_token(self, req: InferReq, token: int, num_out: int) -> None:
+        assert token != PENDING and req.output_ids[num_out - 1] == token
+        reason = finish_reason(req, token, self.eos, self.sched.max_len, num_out=num_out)
+        if reason:
+            drop_after(req, num_out)
+            self.sched.finish(req, reason)
+            self.done[req.rid] = (list(req.output_ids), reason)
+
+    def _prefill(self, job) -> int:
+        """What prefill does for a job: K/V of positions [start, len(ids)) into the request's slots."""
+        req = self.sched.reqs[job.rid]
+        assert PENDING not in job.ids
+        logits = self.runner.runner.forward if isinstance(self.runner, DeferredLaunch) else self.runner.forward
+        out = logits([Span(job.ids[job.start :], job.start, req.slots, None)])
+        return int(out[0].argmax())
+
+    def cancel(self, rid: str) -> None:
+        self.steps.flush()
+        req = self.sched.cancel(rid)
+        if req is not None:
+            self.done[rid] = (list(req.output_ids), "cancelled")
+
+    def iteration(self) -> None:
+        answering, self.transfers = self.transfers, []
+        for job, token in answering:
+            c = self.sched.on_transfer_done(job.rid, job.epoch, True, token if job.sample else None)
+            if c.first_token is not None:
+                self.on_token(c.req, c.first_token, len(c.req.output_ids))
+        if self.steps.pending:
+            if self.steps.may_keep():
+                self.kept += 1
+            else:
+                self.steps.flush()
+        plan = self.sched.schedule()
+        if self.steps.pending:  # scheduled over an unread step: it may only have been one more decode token
+            assert not (plan.paused or plan.transfers or plan.swap_outs or plan.ended or plan.resumed_local)
+        for req in plan.ended:
+            self.done[req.rid] = (list(req.output_ids), req.finish_reason)
+        self.transfers = [(job, self._prefill(job)) for job in plan.transfers]
+        if plan.decode:
+            self.steps.step(plan.decode)
+        else:
+            self.steps.flush()
+        assert self.sched.check_invariants(liveness=False) == []
+
+    def run(self, arrivals: dict[int, list[InferReq]], cancels: dict[int, str], limit: int = 2000) -> None:
+        for i in range(limit):
+            for req in arrivals.get(i, []):
+                self.sched.add(req)
+            if i in cancels:
+                self.cancel(cancels[i])
+            if i > max(arrivals) and not self.sched.reqs and not self.steps.pending and not self.transfers:
+                return
+            self.iteration()
+        raise AssertionError("the loop did not finish")
+
+
+@pytest.fixture
+def runner(engine):
+    """The session engine's runner. The loops here write its KV buffer directly, under the engine's radix cache,
+    so that cache is emptied before and after (else it would serve other tests' prefixes from overwritten slots)."""
+    engine.scheduler.radix.clear()
+    yield engine.runner
+    engine.scheduler.radix.clear()
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, **kw)
+
+
+@pytest.mark.parametrize("pool", [4096, 40], ids=["roomy", "pausing"])
+def test_overlapped_decode_equals_synchronous(engine, runner, pool):
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,", "Once upon a time", "Hello")]
+    prompts.append(prompts[0] + tok.encode(" Paris. The capital of Italy"))  # shares a prefix with the first
+    probe = engine.generate([prompts[1]], greedy(20))[0].output_ids
+    engine.scheduler.radix.clear()
+
+    def requests():
+        return {
+            0: [
+                InferReq("a", prompts[0], greedy(18)),
+                InferReq("b", prompts[1], greedy(20, stop_token_ids=[probe[7]])),  # stops mid-batch
+                InferReq("c", prompts[2], greedy(24, min_tokens=5)),  # banned EOS: its first steps run synchronously
+            ],
+            9: [InferReq("d", prompts[3], greedy(30))],  # arrives while steps are in flight
+            14: [InferReq("e", prompts[4], greedy(16))],
+        }
+
+    results, loops = [], []
+    for overlap in (False, True):
+        loop = Loop(runner, pool, overlap)
+        loop.run(requests(), cancels={16: "d"})
+        assert not loop.sched.reqs and not loop.steps.pending
+        free, used, cached = loop.sched.accounting()
+        assert used == 0 and free + cached == pool
+        assert all(PENDING not in ids for ids, _ in loop.done.values())
+        results.append(loop.done)
+        loops.append(loop)
+    assert results[0] == results[1]
+    assert results[1]["b"][1] == "stop" and results[1]["b"][0][-1] == probe[7]
+    assert results[1]["d"][1] == "cancelled" and 0 < len(results[1]["d"][0]) < 30
+    sync, over = loops
+    assert sync.steps.num_overlapped == 0 and sync.kept == 0
+    least = 10 if pool == 4096 else 0  # a tight pool mostly runs synchronously: the next plan may pause
+    assert over.steps.num_overlapped > least and over.kept > least
+    assert over.runner.launched >= over.steps.num_overlapped
+    # the tight pool pauses (those iterations read the step first, and recovery resumes the same tokens)
+    assert (over.sched.num_pauses > 0) == (pool == 40) and over.sched.num_pauses == sync.sched.num_pauses
+    assert over.sched.num_recoveries == sync.sched.num_recoveries
+
+
+def test_may_keep_refuses_every_unsafe_schedule(engine, runner):
+    loop = Loop(runner, 4096, overlap=True)
+    a = InferReq("a", engine.tokenizer.encode("The capital of France is"), greedy(30))
+    loop.sched.add(a)
+    for _ in range(4):  # admit, answer the prompt transfer, two decode steps
+        loop.iteration()
+    assert a.state is ReqState.RUNNING and loop.steps.pending and loop.steps.may_keep()
+    assert a.output_ids[-1] == PENDING
+    assert not loop.steps.may_keep(busy=True)  # host copies in flight
+    waiting = InferReq("w", [1, 2, 3], greedy(2))
+    loop.sched.add(waiting)
+    assert not loop.steps.may_keep()  # an admission hands slots to prefill
+    loop.sched.cancel("w")
+    assert loop.steps.may_keep()
+    loop.sched.max_len = a.num_tokens + 1
+    assert not loop.steps.may_keep()  # the plan would end it at capacity
+    loop.sched.max_len = runner.cfg.max_position_embeddings
+    taken = loop.sched.pool.alloc(loop.sched.pool.num_free)
+    assert not loop.steps.may_keep()  # the reservation would evict or pause
+    loop.sched.pool.free(taken)
+    a.params.temperature = 0.5
+    assert not loop.steps.may_keep()  # sampling reads logits: no graph argmax
+    a.params.temperature = 0.0
+    loop.steps.flush()
+    assert PENDING not in a.output_ids and not loop.steps.pending
