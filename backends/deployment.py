@@ -79,6 +79,12 @@ def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1) -
     return min(4 * kv_tokens, ram // 4 // max(1, instances) // per_token)
 
 
+def default_max_streams(decode_instances: int, max_batch: int) -> int:
+    """Decode streams master opens at once: what the decode instances can hold, a full batch each plus as many again
+    waiting for their prompt's KV or paused, so that prefill works on the next requests while a batch decodes."""
+    return 2 * decode_instances * max_batch
+
+
 @dataclass(frozen=True)
 class Deployment:
     """One served deployment's settings, every default resolved."""
@@ -153,7 +159,7 @@ class Deployment:
             chunk_size=a.chunk_size,
             max_prefill_tokens=a.max_prefill_tokens,
             max_inflight=a.max_inflight,
-            max_streams=a.max_streams,
+            max_streams=a.max_streams or default_max_streams(a.decode_instances, a.max_batch),
             on_decode_oom=a.on_decode_oom,
             pause_policy=a.pause_policy,
             fault_injection=a.fault_injection,
@@ -204,4 +210,3 @@ class Deployment:
             f"{self.decode_instances} decode instance(s), decode KV pool {self.kv_tokens} tokens, on_decode_oom="
             f"{self.on_decode_oom}, {self.cpu_threads} CPU thread(s) per instance, {self.max_streams} decode streams"
         )
-

@@ -69,10 +69,10 @@ def register(sub) -> None:
     p.add_argument(
         "--max-streams",
         type=int,
-        default=64,
+        default=None,
         help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT "
-        "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Keep it moderate: with "
-        "120-200 concurrent streams master's stub has crashed in Triton 2.51 (README, operating notes)",
+        "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Default: 2 x "
+        "--decode-instances x --max-batch (a full batch per decode instance, and as many again in prefill or paused)",
     )
     p.add_argument(
         "--request-timeout",

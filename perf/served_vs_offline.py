@@ -1,8 +1,8 @@
 """Served time per output token against the offline engine's step time, same machine, same run (CPU by default).
 
-    python perf/served_vs_offline.py [--batches 1 16] [--new-tokens 64]
+    python perf/served_vs_offline.py [--batches 1 16] [--new-tokens 64] [--overlap on off]
     python perf/served_vs_offline.py --model random:llama3.1-8b --device gpu --batches 1 32 128 \
-        --new-tokens 128 --kv-tokens 65536 --out perf/results/served_vs_offline_h200.md     (the H200 run)
+        --new-tokens 256 --kv-tokens 65536 --overlap on off --out perf/results/served_vs_offline_h200.md (H200)
 
 Served: B concurrent gRPC streams (greedy, EOS ignored) against a real tritonserver (1 prefill + 1 decode);
 time per output token = (last token time - time of token n/4) / (tokens after it), averaged over the streams (the
@@ -15,9 +15,11 @@ tritonserver, master, decode and prefill processes.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 from backends.common.engine import Engine
 from backends.common.request import SamplingParams
@@ -71,6 +73,21 @@ def served_tpot(server: Server, prompts, n: int) -> float:
     return statistics.mean(tpots)
 
 
+def serve(a, dtype: str, overlap: str) -> Server:
+    args = ["--model", a.model, "--device", a.device, "--dtype", dtype, "--kv-tokens", str(a.kv_tokens)]
+    args += ["--max-batch", str(max(a.batches)), "--max-streams", str(max(max(a.batches), 64))]
+    args += ["--decode-overlap", overlap]
+    if a.device == "gpu":
+        args += ["--prefill-kv-tokens", "32768"]
+    return Server(*args, name=f"perf-{overlap}")
+
+
+def write(a, lines: list[str]) -> None:
+    print("\n".join(lines), flush=True)
+    if a.out:
+        Path(a.out).write_text("# " + "\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -78,10 +95,32 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--kv-tokens", type=int, default=16384, help="decode pool (and the offline engine's)")
-    ap.add_argument("--out", default=None, help="also write the table (markdown) here")
+    ap.add_argument(
+        "--overlap", nargs="+", choices=["on", "off"], default=["on"], help="served decode loops to measure"
+    )
+    ap.add_argument("--time-limit", type=float, default=1200, help="seconds; then what was measured is written")
+    ap.add_argument("--out", default=None, help="also write the table (markdown) here, after every row")
     a = ap.parse_args()
     gpu = a.device == "gpu"
     dtype = "bfloat16" if gpu else "float32"
+    head = [
+        f"Served TPOT vs offline decode step ({a.model}, {dtype}, {a.device}, {a.new_tokens} new tokens)",
+        "",
+        "| decode overlap | batch | served ms/token | offline step ms | ratio | overlapped steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows: list[str] = []
+    servers: list[Server] = []
+
+    def give_up():  # the run ends whatever happens: what was measured is written, the servers are stopped
+        write(a, head + rows + ["", f"TIME LIMIT: stopped after {a.time_limit:g} s"])
+        for sv in servers:
+            sv.stop()
+        os._exit(124)
+
+    timer = threading.Timer(a.time_limit, give_up)
+    timer.daemon = True
+    timer.start()
     engine = Engine(
         a.model, dtype, "cuda" if gpu else "cpu", kv_tokens=a.kv_tokens, max_batch=max(a.batches),
         max_batch_tokens=8192 if gpu else 2048,
@@ -99,28 +138,23 @@ def main():
 
         gc.collect()
         torch.cuda.empty_cache()
-    args = ["--model", a.model, "--device", a.device, "--dtype", dtype, "--kv-tokens", str(a.kv_tokens)]
-    args += ["--max-batch", str(max(a.batches)), "--max-streams", str(max(max(a.batches), 64))]
-    if gpu:
-        args += ["--prefill-kv-tokens", "32768"]
-    server = Server(*args, name="perf")
-    try:
-        served_tpot(server, prompts[a.batches[0]], 16)  # warm-up
-        rows = [(b, served_tpot(server, prompts[b], a.new_tokens), offline[b]) for b in a.batches]
-    finally:
-        server.stop()
-    lines = [
-        f"Served TPOT vs offline decode step ({a.model}, {dtype}, {a.device}, {a.new_tokens} new tokens)",
-        "",
-        "| batch | served ms/token | offline step ms | ratio |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| {b} | {sv * 1e3:.2f} | {off * 1e3:.2f} | {sv / off:.2f} |" for b, sv, off in rows]
-    print("\n".join(lines))
-    if a.out:
-        from pathlib import Path
-
-        Path(a.out).write_text("# " + "\n".join(lines) + "\n")
+    for overlap in a.overlap:
+        server = serve(a, dtype, overlap)
+        servers.append(server)
+        try:
+            served_tpot(server, prompts[a.batches[0]], 16)  # warm-up
+            for b in a.batches:
+                before = server.metric("pd_decode_overlapped_steps_total")
+                sv = served_tpot(server, prompts[b], a.new_tokens)
+                n = int(server.metric("pd_decode_overlapped_steps_total") - before)
+                rows.append(
+                    f"| {overlap} | {b} | {sv * 1e3:.2f} | {offline[b] * 1e3:.2f} | {sv / offline[b]:.2f} | {n} |"
+                )
+                write(a, head + rows)
+        finally:
+            server.stop()
+            servers.remove(server)
+    timer.cancel()
 
 
 if __name__ == "__main__":

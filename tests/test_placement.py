@@ -94,3 +94,17 @@ def test_deployment_values_fill_every_template_and_reach_the_configs(tmp_path):
     assert '"kv_tokens" value: { string_value: "1000" }' in configs["pd_decode"]
     assert '"max_streams" value: { string_value: "7" }' in configs["pd_master"]
     assert str(dep.key_file) in configs["pd_prefill"] and str(dep.mailbox) in configs["pd_master"]
+
+
+def test_max_streams_defaults_to_twice_what_decode_can_run_at_once(tmp_path):
+    from backends.cli import build_parser
+    from backends.deployment import Deployment
+
+    def deploy(*extra):
+        a = build_parser().parse_args(["serve", "--device", "cpu", "--workdir", str(tmp_path), *extra])
+        return Deployment.from_args(a, n_gpus=0)
+
+    assert deploy().max_streams == 512  # one decode instance, --max-batch 256: a batch, and as many again waiting
+    assert deploy("--decode-instances", "2", "--max-batch", "128").max_streams == 512
+    assert deploy("--max-batch", "2").max_streams == 4
+    assert deploy("--max-streams", "9").max_streams == 9

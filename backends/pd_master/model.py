@@ -49,33 +49,50 @@ class ClientRequest:
     abort_reason: str | None = None  # set by the watchdog: "cancelled" or "timeout"
     current_rid: str = ""  # the decode request of the current segment (restart mode adds segments)
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # relay and watchdog both send
+    seen_cancelled: bool = False  # is_cancelled() answered True (the stub caches it)
 
 
 class DrainedStreams:
-    """Holds finished BLS response iterators for a while before letting them go.
+    """Finished BLS response iterators, held until Triton's stub has surely dropped its own reference to them.
 
-    Triton 2.51's stub keeps a second reference to every decoupled response iterator (with all the responses it
-    delivered, numpy arrays included) in a map that a stub thread erases, without the GIL, shortly after the last
-    response. If Python has already dropped its reference, that erase frees Python objects without the GIL and
-    corrupts the stub's heap: under many short concurrent streams the stub failed with "Cannot create a circular
-    NumPy array 'base' dependency" and then died. Keeping Python's reference until the erase has surely happened
-    makes Python's release the last one, done with the GIL held."""
+    Triton 2.51's stub keeps a second reference to every decoupled response iterator in a map. Reading the last
+    response queues the iterator's id to the stub's stub-to-parent thread, which erases it from the map without the
+    GIL. If Python had already dropped its reference, that erase ran the iterator's destructor there, freeing the
+    numpy array of every tensor of every response it delivered without the GIL: under many short concurrent streams
+    the stub's heap was corrupted ("Cannot create a circular NumPy array 'base' dependency") and the stub died.
 
-    def __init__(self, hold_seconds: float = 10.0, clock=time.monotonic):
-        self.hold, self.clock = hold_seconds, clock
-        self.items: deque[tuple[float, object]] = deque()
+    The same thread answers `is_cancelled()` queries, in the order they were queued, and a query returns only once
+    answered. So a query queued after a stream's last response returns only after that stream's erase: it is a
+    barrier. Master numbers its queries (`barrier`); an iterator kept while n queries had started is let go once a
+    query numbered above n has returned. Queries come from each relay just before it answers its client, and from
+    the watchdog's cancellation poll of every live request (every 0.1 s), so nothing is held for a set time: an
+    iterator waits only for the next query, and its release is Python's, with the GIL held."""
+
+    def __init__(self):
+        self.started = 0  # barrier queries started
+        self.completed = 0  # the highest-numbered query that has returned
+        self.items: deque[tuple[int, object]] = deque()  # (queries started when kept, iterator), in that order
         self.lock = threading.Lock()
+
+    def barrier(self, query) -> object:
+        """Run `query` (an is_cancelled() call that is certain to be queued) as a numbered barrier; its result."""
+        with self.lock:
+            self.started += 1
+            ticket = self.started
+        result = query()
+        with self.lock:
+            self.completed = max(self.completed, ticket)
+        return result  # the caller reaps, outside its own locks
 
     def keep(self, iterator) -> None:
         with self.lock:
-            self.items.append((self.clock() + self.hold, iterator))
-        self.reap()
+            self.items.append((self.started, iterator))
 
     def reap(self) -> None:
-        """Let go of what has been held long enough (the watchdog calls this, so an idle server frees them too)."""
-        now, expired = self.clock(), []
+        """Let go of every iterator a returned barrier has cleared."""
+        expired = []
         with self.lock:
-            while self.items and self.items[0][0] <= now:
+            while self.items and self.items[0][0] < self.completed:
                 expired.append(self.items.popleft()[1])
         del expired  # released here, by a Python thread holding the GIL, outside the lock
 
@@ -114,7 +131,7 @@ class MasterModel:
         self.drained = DrainedStreams()
         self.m_held = m.gauge(
             "pd_master_drained_streams_held",
-            f"Finished decode streams master holds for {self.drained.hold:g} s (Triton stub workaround)",
+            "Finished decode streams master holds until Triton's stub has dropped its own reference to them",
         )
         self._held_reported = 0
         self.stop_event = threading.Event()
@@ -237,6 +254,8 @@ class MasterModel:
             # used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died
             restarted, failure, code = False, None, "INTERNAL"
             stream = self._decode_stream(DecodeRequest(seg_rid, prompt_ids, params))
+            # final_part: the client's last response of a streamed answer, sent once decode's stream has ended
+            drained, final_part = False, None
             try:
                 for resp in stream:
                     if req.abort_reason or restarted or failure is not None:
@@ -269,14 +288,20 @@ class MasterModel:
                     # the same response as its "restart": they go to the client before the segment ends
                     restarted = reason == "restart"
                     final = bool(reason) and not restarted
-                    if req.stream and (new_ids or final):
-                        self._send(req, delta, new_ids, reason if final else None, len(all_ids), final)
                     if final:
-                        finish = reason
+                        finish, final_part = reason, (delta, new_ids)
                         if stops.stopped:
                             req.abort_reason = "stop"  # keep draining quietly
+                    elif req.stream and new_ids:
+                        self._send(req, delta, new_ids, None, len(all_ids), False)
+                drained = True
             finally:
-                self.drained.keep(stream)
+                if not self._stream_ended(req, stream, drained):
+                    self.drained.keep(stream)
+                stream = None
+                self.drained.reap()
+            if req.stream and final_part is not None:
+                self._send(req, *final_part, finish, len(all_ids), True)
             if failure is not None:
                 self._finish_with_error(req, failure, code)
                 return
@@ -309,6 +334,15 @@ class MasterModel:
                 text, ids = prompt_text + text, req.prompt_ids + all_ids
             self._send(req, text, ids, finish, len(all_ids), True)
         self.m_requests.increment(1)
+
+    def _stream_ended(self, req: ClientRequest, stream, drained: bool) -> bool:
+        """After a decode stream's end (or a failure while reading it): True when the stub has surely erased its
+        own reference to the iterator, so that the relay may drop it now; else DrainedStreams holds it."""
+        if not drained:  # read to its end whatever happened: an iterator dropped before its end stays in the map
+            self._cancel_everywhere(req, "cancelled")
+            for _ in stream:
+                pass
+        return self._barrier(req)
 
     def _send(self, req: ClientRequest, text: str, ids: list[int], reason: str | None, n_out: int, final: bool):
         pb = tio.pb()
@@ -382,16 +416,23 @@ class MasterModel:
             self._deliver(req, None, True)  # Triton releases a decoupled request only after its FINAL flag
 
     def _client_cancelled(self, req: ClientRequest) -> bool:
-        # Under the send lock, and never once FINAL went out: after FINAL, Triton frees the response factory that
-        # is_cancelled() reads. Asking then corrupted the stub's heap under load ("malloc(): unaligned fastbin chunk
-        # detected" in 2.51, master's stub gone).
+        self._barrier(req)
+        return req.seen_cancelled
+
+    def _barrier(self, req: ClientRequest) -> bool:
+        """Ask the client's sender whether it was cancelled, as a DrainedStreams barrier; True when such a query
+        was queued and has returned. Under the send lock, and never once FINAL went out: after FINAL, Triton frees
+        the response factory that is_cancelled() reads (asking then corrupted the stub's heap under load, "malloc():
+        unaligned fastbin chunk detected" in 2.51). The stub caches a True answer and queues no further query, so
+        once cancelled a request gives no barrier."""
         with req.send_lock:
-            if req.ended.is_set():
+            if req.ended.is_set() or req.seen_cancelled:
                 return False
             try:
-                return bool(req.sender.is_cancelled())
+                req.seen_cancelled = bool(self.drained.barrier(req.sender.is_cancelled))
             except Exception:
                 return False
+            return True
 
     def _cancel_everywhere(self, req: ClientRequest, reason: str) -> None:
         """Decode drops the request, releases its KV and tells prefill; the notice reaches every instance."""
