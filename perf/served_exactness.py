@@ -13,13 +13,13 @@ floating-point reductions, so bf16 argmax ties may break differently.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 from pathlib import Path
 
 from backends.common.engine import Engine
 from backends.common.request import SamplingParams
+from perf.limits import wall_clock_limit
 from tests.server.client import grpc_generate
 from tests.server.conftest import Server
 
@@ -63,15 +63,7 @@ def main() -> int:
         if a.out:
             Path(a.out).write_text("# " + text + "\n")
 
-    def give_up():
-        report(["", f"TIME LIMIT: stopped after {a.time_limit:g} s"])
-        for sv in servers:
-            sv.stop()
-        os._exit(124)
-
-    timer = threading.Timer(a.time_limit, give_up)
-    timer.daemon = True
-    timer.start()
+    timer = wall_clock_limit(a.time_limit, lambda note: report(["", note]), servers)
     engine = Engine(a.model, dtype, "cuda" if gpu else "cpu", kv_tokens=32768, max_batch=64, chunk_size=512,
                     max_batch_tokens=4096)  # fmt: skip
     topics = ["the printing press", "tides", "the immune system", "prime numbers", "glaciers", "the violin",

@@ -1,6 +1,6 @@
 """Served time per output token against the offline engine's step time, same machine, same run (CPU by default).
 
-    python perf/served_vs_offline.py [--batches 1 16] [--new-tokens 64] [--overlap on off]
+    python -m perf.served_vs_offline [--batches 1 16] [--new-tokens 64] [--overlap on off]
     python perf/served_vs_offline.py --model random:llama3.1-8b --device gpu --batches 1 32 128 \
         --new-tokens 256 --kv-tokens 65536 --overlap on off --out perf/results/served_vs_offline_h200.md (H200)
 
@@ -15,7 +15,6 @@ tritonserver, master, decode and prefill processes.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import threading
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from backends.common.engine import Engine
 from backends.common.request import SamplingParams
+from perf.limits import wall_clock_limit
 from tests.server.client import StreamClient
 from tests.server.conftest import Server
 
@@ -112,15 +112,7 @@ def main():
     rows: list[str] = []
     servers: list[Server] = []
 
-    def give_up():  # the run ends whatever happens: what was measured is written, the servers are stopped
-        write(a, head + rows + ["", f"TIME LIMIT: stopped after {a.time_limit:g} s"])
-        for sv in servers:
-            sv.stop()
-        os._exit(124)
-
-    timer = threading.Timer(a.time_limit, give_up)
-    timer.daemon = True
-    timer.start()
+    timer = wall_clock_limit(a.time_limit, lambda note: write(a, head + rows + ["", note]), servers)
     engine = Engine(
         a.model, dtype, "cuda" if gpu else "cpu", kv_tokens=a.kv_tokens, max_batch=max(a.batches),
         max_batch_tokens=8192 if gpu else 2048,
