@@ -38,6 +38,13 @@ class RadixCache:
         # unlocked nodes without children: what eviction may take, kept up to date by every change to the tree's
         # shape or locks so that evict() never walks the whole tree
         self.evictable_leaves: set[Node] = set()
+        # those leaves in eviction order, (priority, last_access, id, seq, node), kept across evict() calls: an
+        # entry is pushed whenever a leaf becomes evictable or its priority or last access changes, and is valid
+        # only while it still matches its node (stale ones are skipped, and dropped when they outnumber the rest).
+        # Rebuilding the order on every call cost O(leaves) per allocation once the cache was full: prefill's
+        # bookkeeping per round of 256 requests went from 3 ms to 570 ms on a full 131,072-slot cache.
+        self._heap: list[tuple] = []
+        self._seq = itertools.count()
 
     @property
     def evictable_size(self) -> int:
@@ -45,9 +52,30 @@ class RadixCache:
 
     def _touch(self, node: Node) -> None:
         t = next(self._clock)
+        leaf = node
         while node is not None:
             node.last_access = t
             node = node.parent
+        if leaf in self.evictable_leaves:  # only the start of the path can be a leaf
+            self._push(leaf)
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.priority, node.last_access, id(node), next(self._seq), node))
+        if len(self._heap) > 2 * len(self.evictable_leaves) + 64:  # mostly stale: rebuild from the leaves
+            self._heap = [(n.priority, n.last_access, id(n), next(self._seq), n) for n in self.evictable_leaves]
+            heapq.heapify(self._heap)
+
+    def _add_evictable(self, node: Node) -> None:
+        self.evictable_leaves.add(node)
+        self._push(node)
+
+    def _pop_lru(self) -> Node | None:
+        """The evictable leaf to go first (lowest priority, then least recently used), taken off the heap."""
+        while self._heap:
+            priority, last_access, _, _, node = heapq.heappop(self._heap)
+            if node in self.evictable_leaves and (priority, last_access) == (node.priority, node.last_access):
+                return node
+        return None
 
     def _split(self, node: Node, at: int) -> Node:
         """Split node's edge at `at`; returns the new upper node holding key[:at]."""
@@ -90,7 +118,7 @@ class RadixCache:
                 leaf = Node(node, list(tokens[i:]), list(slots[i:]), 0)
                 node.children[tokens[i]] = leaf
                 self.evictable_leaves.discard(node)
-                self.evictable_leaves.add(leaf)
+                self.evictable_leaves.add(leaf)  # its heap entry is pushed by _touch below, once it is stamped
                 self.cached_size += len(leaf.key)
                 node = leaf
                 break
@@ -101,12 +129,12 @@ class RadixCache:
             if n < len(key):
                 child = self._split(child, n)
             node, i = child, i + n
-        self._touch(node)
         if priority is not None:
             cur = node
             while cur is not self.root:
                 cur.priority = priority
                 cur = cur.parent
+        self._touch(node)  # pushes the end node's heap entry if it is an evictable leaf
         return i
 
     def lock(self, node: Node) -> None:
@@ -125,7 +153,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.protected_size -= len(node.key)
                 if not node.children:
-                    self.evictable_leaves.add(node)
+                    self._add_evictable(node)
             node = node.parent
 
     def evict(self, num_slots: int) -> int:
@@ -134,16 +162,14 @@ class RadixCache:
         history loses only the positions that are needed. Returns the number freed."""
         if num_slots <= 0:
             return 0
-        leaves = [(n.priority, n.last_access, id(n), n) for n in self.evictable_leaves]
-        heapq.heapify(leaves)
         freed = 0
-        while freed < num_slots and leaves:
-            *_, node = heapq.heappop(leaves)
+        while freed < num_slots and (node := self._pop_lru()) is not None:
             need = num_slots - freed
             if len(node.value) > need:  # trim the tail: [0, len - need) stays cached
                 self.pool.free(node.value[-need:])
                 del node.value[-need:], node.key[-need:]
                 self.cached_size -= need
+                self._push(node)  # still evictable, first in line
                 return freed + need
             self.pool.free(node.value)
             freed += len(node.value)
@@ -152,8 +178,7 @@ class RadixCache:
             del parent.children[node.key[0]]
             self.evictable_leaves.discard(node)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                self.evictable_leaves.add(parent)
-                heapq.heappush(leaves, (parent.priority, parent.last_access, id(parent), parent))
+                self._add_evictable(parent)
         return freed
 
     def _nodes(self):

@@ -102,3 +102,108 @@ def test_random_operations_keep_accounting_exact(seed):
         rc.unlock(node)
     rc.clear()
     assert pool.num_free == pool.num_slots and rc.cached_size == 0 and rc.protected_size == 0
+
+
+def _evict_by_full_scan(rc, num_slots: int) -> int:
+    """The eviction order by definition: lowest priority, then least recently used, re-read from every evictable
+    leaf for each one taken (what evict() did before it kept its heap across calls)."""
+    freed = 0
+    while freed < num_slots and rc.evictable_leaves:
+        node = min(rc.evictable_leaves, key=lambda n: (n.priority, n.last_access, id(n)))
+        need = num_slots - freed
+        if len(node.value) > need:
+            rc.pool.free(node.value[-need:])
+            del node.value[-need:], node.key[-need:]
+            rc.cached_size -= need
+            return freed + need
+        rc.pool.free(node.value)
+        freed += len(node.value)
+        rc.cached_size -= len(node.value)
+        parent = node.parent
+        del parent.children[node.key[0]]
+        rc.evictable_leaves.discard(node)
+        if parent is not rc.root and not parent.children and parent.lock_ref == 0:
+            rc.evictable_leaves.add(parent)
+    return freed
+
+
+def _contents(rc):
+    """(token path, slots) of every node, and the free slots: the cache's whole state."""
+    out = []
+    for n in rc._nodes():
+        path, cur = [], n
+        while cur is not rc.root:
+            path = cur.key + path
+            cur = cur.parent
+        out.append((tuple(path), tuple(n.value)))
+    return sorted(out), sorted(s for s in range(rc.pool.num_slots) if rc.pool.is_free(s))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_kept_heap_evicts_exactly_in_the_full_scan_order(seed):
+    """Inserts with and without priorities, matches that touch, locks and partial evictions: every evict() of the
+    kept heap leaves the same cache, slot for slot, as the full scan applied to a copy taken just before."""
+    import copy
+
+    rng = random.Random(seed)
+    pool = KVPool(400)
+    rc = RadixCache(pool)
+    locked = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 30))]
+            slots, node = rc.match_prefix(tokens)
+            own = pool.alloc(len(tokens) - len(slots))
+            if own is None:
+                continue
+            present = rc.insert(tokens, slots + own, priority=rng.choice([None, None, 0, 1, 2]))
+            pool.free((slots + own)[len(slots) : present])
+        elif op < 0.65:
+            _, node = rc.match_prefix([rng.randrange(3) for _ in range(rng.randrange(1, 12))])
+            if rng.random() < 0.5 and node is not rc.root:
+                rc.lock(node)
+                locked.append(node)
+        elif op < 0.75 and locked:
+            rc.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            n = rng.randrange(1, 60)
+            twin = copy.deepcopy(rc)
+            assert rc.evict(n) == _evict_by_full_scan(twin, n)
+            assert _contents(rc) == _contents(twin)
+        assert rc.evictable_leaves == {n for n in rc._nodes() if not n.children and n.lock_ref == 0}
+        assert len(rc._heap) <= 2 * len(rc.evictable_leaves) + 64  # stale entries are dropped
+
+
+def test_eviction_on_a_full_cache_does_not_scan_every_leaf():
+    """Thousands of cached sequences and one allocation at a time (prefill's pattern once its cache is full): each
+    evict(n) touches a few heap entries, not every leaf (counted by the comparisons the heap makes)."""
+    pool = KVPool(60_000)
+    rc = RadixCache(pool)
+    for i in range(3_000):  # distinct 20-token sequences under a shared 4-token prefix
+        tokens = [1, 2, 3, 4, 100 + i // 50, 1000 + i] + list(range(14))
+        slots, _ = rc.match_prefix(tokens)
+        own = pool.alloc(len(tokens) - len(slots))
+        pool.free(own[: rc.insert(tokens, slots + own) - len(slots)])
+    leaves = len(rc.evictable_leaves)
+    assert leaves >= 3_000
+
+    class Counted(tuple):
+        comparisons = 0
+
+        def __lt__(self, other):
+            Counted.comparisons += 1
+            return tuple.__lt__(self, other)
+
+    import heapq
+
+    rc._heap = [Counted(e) for e in rc._heap]
+    heapq.heapify(rc._heap)
+    # every entry pushed from here on is counted too
+    rc._push = lambda n: heapq.heappush(rc._heap, Counted((n.priority, n.last_access, id(n), next(rc._seq), n)))
+    Counted.comparisons = 0
+    for _ in range(200):
+        assert rc.evict(18) == 18
+    # ordering the leaves afresh on each call (what evict() did) takes at least one comparison per leaf per call:
+    # 200 x 3,000; the kept heap needs O(log n) per entry pushed or popped
+    assert Counted.comparisons < 200 * leaves / 20, Counted.comparisons
