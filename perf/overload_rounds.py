@@ -148,10 +148,11 @@ def main() -> int:
             r += 1
         if a.duration:
             extra += windows(rows, starts, a.window)
-        free, used, cached, total = (server.metric(f"pd_kv_slots_{k}") for k in ("free", "used", "cached", "total"))
         held = {k: server.wait_metric(k, lambda v: v == 0, timeout=30) for k in (
             "pd_decode_running_requests", "pd_decode_queued_requests", "pd_decode_paused_requests",
             "pd_decode_recovering_requests", "pd_kv_slots_used")}  # fmt: skip
+        # read once every request has let go (gauges update every 50 ms, so read them together after the wait)
+        free, used, cached, total = (server.metric(f"pd_kv_slots_{k}") for k in ("free", "used", "cached", "total"))
         exact = free + used + cached == total
         extra.append(f"after the last round: {held}; free {free:.0f} + used {used:.0f} + cached {cached:.0f} "
                      f"{'==' if exact else '!='} total {total:.0f}")  # fmt: skip
