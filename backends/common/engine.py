@@ -10,7 +10,7 @@ import torch
 
 from .batch import Span
 from .kv_pool import KVPool
-from .postprocess import finish_reason, greedy_unbanned, next_tokens, sample_requests
+from .postprocess import PENDING, LaunchedStep, finish_reason, greedy_unbanned, next_tokens, sample_requests
 from .request import InferReq, ParamError, ReqState, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -26,18 +26,6 @@ class Output:
 
 class EngineError(RuntimeError):
     pass
-
-
-PENDING = -1  # an output token sampled on the device but not read back yet (Engine with overlap)
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A launched greedy graph step whose tokens are still on the device: (request, index of its placeholder in
-    output_ids) per row."""
-
-    handle: object
-    rows: list[tuple[InferReq, int]]
 
 
 class Engine:
@@ -62,7 +50,7 @@ class Engine:
         overlap: bool = True,
     ):
         self.overlap = overlap
-        self._pending: _Pending | None = None
+        self._pending: LaunchedStep | None = None
         self.runner = ModelRunner(
             model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs
         )
@@ -114,7 +102,7 @@ class Engine:
         if handle is not None:
             self.num_steps += 1
             self.num_overlapped += self._pending is not None
-            launched = _Pending(handle, [(r, len(r.output_ids)) for r in reqs])
+            launched = LaunchedStep(handle, [(r, len(r.output_ids)) for r in reqs])
             for r in reqs:
                 r.output_ids.append(PENDING)
             if self._pending is not None:  # read step n while step n+1 runs

@@ -4,12 +4,25 @@ rules)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .batch import Span
 from .request import InferReq
 from .runner import ModelRunner
 from .sampler import sample
+
+PENDING = -1  # an output token sampled on the device and not read back yet (a step launched over an unread one)
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A greedy graph step launched without waiting for its tokens (`ModelRunner.launch_greedy`), which are still on
+    the device: (request, index of its PENDING placeholder in output_ids) per row."""
+
+    handle: object
+    rows: list[tuple[InferReq, int]]
 
 
 def banned_ids(req: InferReq, eos_ids: list[int]) -> list[int]:

@@ -147,10 +147,12 @@ class DecodeModel:
         self.c_stalls = m.counter("pd_decode_stalls_total", "Times decode made no progress for stall_seconds with work")
         self.c_violations = m.counter("pd_decode_invariant_violations_total", "Scheduler invariant checks that failed")
         self.c_unfittable = m.counter("pd_decode_unfittable_total", "Requests ended because they could never fit")
-        self.c_overlapped = m.counter(
-            "pd_decode_overlapped_steps_total", "Decode steps launched before the previous step's tokens were read"
-        )
-        self._reported_overlap = 0
+        self.c_overlapped = {
+            "steps": m.counter(
+                "pd_decode_overlapped_steps_total", "Decode steps launched before the previous step's tokens were read"
+            )
+        }
+        self._reported["overlapped"] = {"steps": 0}
         self.g["total"].set(self.sched.pool.num_slots)
         self._last_gauges = 0.0
 
@@ -220,7 +222,6 @@ class DecodeModel:
                     if self.host_kv is not None:
                         self.host_kv.order_compute()  # the step may write slots a swap-out is still reading
                     self.steps.step(plan.decode)
-                    self._count_overlap()
                 else:
                     self.steps.flush()
                     self._check_invariants()
@@ -383,12 +384,6 @@ class DecodeModel:
             self.sched.finish(req, reason)
         self._emit(req, [token], reason)
 
-    def _count_overlap(self) -> None:
-        n = self.steps.num_overlapped - self._reported_overlap
-        if n:
-            self.c_overlapped.increment(n)
-            self._reported_overlap += n
-
     def _emit(self, req: InferReq, ids: list[int], reason: str | None, error: str | None = None) -> None:
         final = reason is not None or error is not None
         stream = self.streams.pop(req.rid, None) if final else self.streams.get(req.rid)
@@ -429,6 +424,7 @@ class DecodeModel:
         self.g["host_used"].set(s.host_accounting()[1])
         self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
         self._count_deltas("skips", s.host_skips, self.c_host_skips)
+        self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
         self.g["stalled"].set(round(self.watchdog.stalled_for(bool(s.reqs)), 1))
 
     def _count_deltas(self, name: str, totals: dict, counters: dict) -> None:

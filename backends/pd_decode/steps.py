@@ -19,21 +19,12 @@ the slot that row wrote goes back to the pool, exactly as the synchronous loop l
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from backends.common.batch import Span
-from backends.common.postprocess import greedy_unbanned, next_tokens
+from backends.common.postprocess import PENDING, LaunchedStep, greedy_unbanned, next_tokens
 from backends.common.request import InferReq, ReqState
 
 from .scheduler import DecodeScheduler
-
-PENDING = -1  # an output token sampled on the device and not read back yet
-
-
-@dataclass(slots=True)
-class _Launched:
-    handle: object
-    rows: list[tuple[InferReq, int]]  # (request, index of its placeholder in output_ids)
 
 
 class DecodeSteps:
@@ -48,7 +39,7 @@ class DecodeSteps:
         """on_token(req, token, num_out): `token` is output number num_out of req (its output_ids[num_out - 1]);
         the callback finishes the request if it stops there (dropping any later placeholder: `drop_after`)."""
         self.runner, self.sched, self.eos, self.on_token, self.overlap = runner, sched, eos_ids, on_token, overlap
-        self._launched: _Launched | None = None
+        self._launched: LaunchedStep | None = None
         self.num_steps = 0
         self.num_overlapped = 0  # steps launched while the step before was still unread
 
@@ -79,7 +70,7 @@ class DecodeSteps:
         if self.overlap and greedy_unbanned(reqs, self.eos):
             handle = self.runner.launch_greedy(self._spans(reqs))
             if handle is not None:
-                launched = _Launched(handle, [(r, len(r.output_ids)) for r in reqs])
+                launched = LaunchedStep(handle, [(r, len(r.output_ids)) for r in reqs])
                 for r in reqs:
                     self.sched.after_decode(r, PENDING)
                 self.num_steps += 1
