@@ -71,8 +71,9 @@ def register(sub) -> None:
         type=int,
         default=None,
         help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT "
-        "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Default: 2 x "
-        "--decode-instances x --max-batch (a full batch per decode instance, and as many again in prefill or paused)",
+        "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Default: --decode-instances x "
+        "--max-batch, at least 64. At 512 tritonserver 2.51 itself crashed once in three runs on 2 cores (README, "
+        "operating notes)",
     )
     p.add_argument(
         "--request-timeout",

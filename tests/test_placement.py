@@ -96,7 +96,7 @@ def test_deployment_values_fill_every_template_and_reach_the_configs(tmp_path):
     assert str(dep.key_file) in configs["pd_prefill"] and str(dep.mailbox) in configs["pd_master"]
 
 
-def test_max_streams_defaults_to_twice_what_decode_can_run_at_once(tmp_path):
+def test_max_streams_defaults_to_what_decode_can_run_at_once(tmp_path):
     from backends.cli import build_parser
     from backends.deployment import Deployment
 
@@ -104,7 +104,7 @@ def test_max_streams_defaults_to_twice_what_decode_can_run_at_once(tmp_path):
         a = build_parser().parse_args(["serve", "--device", "cpu", "--workdir", str(tmp_path), *extra])
         return Deployment.from_args(a, n_gpus=0)
 
-    assert deploy().max_streams == 512  # one decode instance, --max-batch 256: a batch, and as many again waiting
-    assert deploy("--decode-instances", "2", "--max-batch", "128").max_streams == 512
-    assert deploy("--max-batch", "2").max_streams == 4
+    assert deploy().max_streams == 256  # one decode instance, --max-batch 256
+    assert deploy("--decode-instances", "2", "--max-batch", "128").max_streams == 256
+    assert deploy("--max-batch", "2").max_streams == 64  # the floor: small batches still queue on decode
     assert deploy("--max-streams", "9").max_streams == 9

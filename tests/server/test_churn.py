@@ -3,7 +3,7 @@
 Before pd_master held on to its drained BLS response iterators until the stub had dropped its own reference
 (DrainedStreams), the stub freed each iterator's numpy arrays from a thread without the GIL; with 12-16 clients
 opening short streams, the stub failed after 95 to about 1,200 requests ("Cannot create a circular NumPy array
-'base' dependency", then "stub died"). Also 512 concurrent streams under the default stream limit."""
+'base' dependency", then "stub died"). Also 256 concurrent streams under the default stream limit."""
 
 from __future__ import annotations
 
@@ -68,13 +68,14 @@ def test_many_short_streams_all_answered_and_server_stays_up(churn_server):
     assert s.metric("pd_master_drained_streams_held") == 0
 
 
-STREAMS = 512
+STREAMS = 256
 
 
-def test_512_concurrent_streams_with_the_default_stream_limit():
-    """512 clients at once under the defaults (--max-batch 256, so --max-streams 512 and a Python backend pool of
-    576 threads): 512 decode streams open at once, 256 decoding and the rest queued on decode; every answer is
-    complete, the server stays up, and master lets go of every drained stream without a timed hold."""
+def test_256_concurrent_streams_with_the_default_stream_limit():
+    """256 clients at once under the defaults (--max-batch 256, so --max-streams 256 and a Python backend pool of
+    320 threads, where it was 64 streams before): all decode streams open at once, every answer is complete, the
+    server stays up, and master lets go of every drained stream without a timed hold. (At 512 streams tritonserver
+    2.51 itself crashed in one of three runs: see deployment.default_max_streams.)"""
     s = Server("--kv-tokens", "16384", name="streams512")
     try:
         peak, stop = [0.0], threading.Event()
@@ -118,7 +119,7 @@ def test_512_concurrent_streams_with_the_default_stream_limit():
         errors = [r.error for r in results if r.error is not None]
         assert not errors, f"{len(errors)} of {STREAMS} failed, first: {errors[0]}"
         assert all(len(r.ids) == 3 + i % 3 and r.finish_reason == "length" for i, r in enumerate(results))
-        assert peak[0] > 256, f"at most {peak[0]:.0f} decode streams were open at once"
+        assert peak[0] > 128, f"at most {peak[0]:.0f} decode streams were open at once"  # the old limit was 64
         assert s.proc.poll() is None, "the server stopped"
         s.assert_released(timeout=10.0)
         assert s.wait_metric("pd_master_drained_streams_held", lambda v: v == 0, timeout=5.0) == 0
