@@ -17,6 +17,7 @@ class Span:
     start: int
     slots: list[int]
     key: object = None  # the request's id: lets the GPU path keep its slot-table row between steps
+    state_page: int = -1  # hybrid models: the request's linear-attention state page (state at `start` on entry)
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class ForwardBatch:
     new_lens: list[int]
     ctx_slots: list[torch.Tensor]  # each [ctx_len] int64
     logits_rows: torch.Tensor  # [N] int64: rows of T to compute logits for (usually each sequence's last)
+    state_pages: list[int] | None = None  # hybrid models: each sequence's state page
     _decode: tuple | None = None
 
     def decode_rows(self):
@@ -71,4 +73,4 @@ def build_batch(spans: list[Span], device) -> ForwardBatch:
     def t(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    return ForwardBatch(t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows))
+    return ForwardBatch(t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows), [s.state_page for s in spans])

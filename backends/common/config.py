@@ -1,4 +1,6 @@
-"""Model configuration of the Llama family, read from a Hugging Face config.json or a named shape."""
+"""Model configuration, read from a Hugging Face config.json or a named shape: the Llama family (Llama, Qwen2,
+Qwen3, SmolLM2) and the hybrid Qwen3-Next family (gated DeltaNet linear-attention layers interleaved with gated
+full-attention layers, dense or mixture-of-experts MLPs)."""
 
 from __future__ import annotations
 
@@ -25,10 +27,64 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": .., ...}
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # ---- hybrid (Qwen3-Next): absent for the Llama family ------------------------------------------------
+    arch: str = "llama"  # "llama" (the Llama family) or "qwen3_next"
+    layer_types: list[str] = field(default_factory=list)  # per layer "full_attention" or "linear_attention"
+    partial_rotary_factor: float = 1.0  # rope on the first head_dim * factor dims of q and k
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 0  # 0: dense MLPs
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    mtp_layers: int = 0  # multi-token-prediction layers shipped with the weights (Qwen3-Next: 1)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.arch == "qwen3_next"
+
+    @property
+    def full_layers(self) -> list[int]:
+        """Indices of the layers that keep K/V per position (every layer of a Llama-family model)."""
+        if not self.layer_types:
+            return list(range(self.num_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """Indices of the linear-attention layers, whose per-request state is fixed-size."""
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_value_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def state_floats_per_page(self) -> int:
+        """float32 values of one request's linear-attention state: per linear layer, the conv inputs it keeps
+        (conv_dim x (kernel - 1)) and the recurrent state (value heads x key dim x value dim)."""
+        per_layer = self.conv_dim * (self.linear_conv_kernel_dim - 1) + (
+            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        )
+        return len(self.linear_layers) * per_layer
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
+        if model_type == "qwen3_next":
+            return cls._from_qwen3_next(cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -62,11 +118,62 @@ class ModelConfig:
         )
 
     @classmethod
+    def _from_qwen3_next(cls, cfg: dict) -> ModelConfig:
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"rope type {kind!r} is not supported for qwen3_next (default)")
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(n)
+        ]
+        if len(types) != n or set(types) - {"full_attention", "linear_attention"}:
+            raise ValueError(f"layer_types must name {n} layers, each full_attention or linear_attention")
+        eos = cfg.get("eos_token_id")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=n,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            qk_norm=True,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            arch="qwen3_next",
+            layer_types=list(types),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+            linear_num_key_heads=cfg["linear_num_key_heads"],
+            linear_num_value_heads=cfg["linear_num_value_heads"],
+            linear_key_head_dim=cfg["linear_key_head_dim"],
+            linear_value_head_dim=cfg["linear_value_head_dim"],
+            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+            num_experts=cfg.get("num_experts", 0),
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
+            norm_topk_prob=cfg.get("norm_topk_prob", True),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+            mtp_layers=cfg.get("num_nextn_predict_layers", 0),
+        )
+
+    @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         return cls.from_hf(json.loads((Path(folder) / "config.json").read_text()))
 
     def to_hf(self) -> dict:
         """A config.json that transformers loads as the same model (used for the cached GGUF conversion)."""
+        if self.is_hybrid:
+            return self._to_hf_qwen3_next()
         model_type = "qwen3" if self.qk_norm else ("qwen2" if self.attention_bias else "llama")
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
         out = {
@@ -92,6 +199,53 @@ class ModelConfig:
             out["rope_scaling"] = self.rope_scaling
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            out["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids
+        return out
+
+    def _to_hf_qwen3_next(self) -> dict:
+        out = {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            **{
+                k: getattr(self, k)
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "head_dim",
+                    "rms_norm_eps",
+                    "max_position_embeddings",
+                    "tie_word_embeddings",
+                    "attention_bias",
+                    "layer_types",
+                    "linear_num_key_heads",
+                    "linear_num_value_heads",
+                    "linear_key_head_dim",
+                    "linear_value_head_dim",
+                    "linear_conv_kernel_dim",
+                    "num_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "shared_expert_intermediate_size",
+                    "norm_topk_prob",
+                    "decoder_sparse_step",
+                    "mlp_only_layers",
+                )
+            },  # fmt: skip
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.mtp_layers:
+            out["num_nextn_predict_layers"] = self.mtp_layers
         if self.eos_token_ids:
             out["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids
         return out
@@ -172,4 +326,28 @@ SHAPES["llama3.1-8b"] = SHAPES["llama3-8b"]
 SHAPES["tiny-test"] = ModelConfig(
     vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
     max_position_embeddings=4096, rope_theta=10000.0, eos_token_ids=[2],
+)  # fmt: skip
+
+
+def _every_fourth_full(n: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+# Qwen3-Next-80B-A3B's attention and linear-attention layer shapes and its 3:1 linear/full layer mix (public
+# config.json), with a dense MLP of its intermediate size instead of the 512-expert MoE so that random weights fit
+# one H200 (about 3.9 B parameters). For benchmarks of the hybrid path; not a real checkpoint.
+SHAPES["qwen3-next-layout"] = ModelConfig(
+    vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_layers=48, num_heads=16, num_kv_heads=2,
+    head_dim=256, rope_theta=10000000.0, rms_norm_eps=1e-6, max_position_embeddings=262144, qk_norm=True,
+    eos_token_ids=[151645], arch="qwen3_next", layer_types=_every_fourth_full(48), partial_rotary_factor=0.25,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    mtp_layers=1,
+)  # fmt: skip
+# A tiny hybrid for CPU tests: three linear layers and one full layer, an MoE MLP on every second layer.
+SHAPES["tiny-hybrid"] = ModelConfig(
+    vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+    rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096, qk_norm=True, eos_token_ids=[2],
+    arch="qwen3_next", layer_types=_every_fourth_full(4), partial_rotary_factor=0.25, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2, mtp_layers=1,
 )  # fmt: skip

@@ -14,6 +14,7 @@ from .postprocess import PENDING, LaunchedStep, finish_reason, greedy_unbanned, 
 from .request import InferReq, ParamError, ReqState, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .state_pages import StatePages
 
 
 @dataclass(slots=True)
@@ -48,15 +49,18 @@ class Engine:
         backend: str = "auto",
         cuda_graphs: bool = True,
         overlap: bool = True,
+        state_pages: int | None = None,
     ):
         self.overlap = overlap
         self._pending: LaunchedStep | None = None
         self.runner = ModelRunner(
-            model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs
-        )
+            model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs,
+            state_pages=state_pages,
+        )  # fmt: skip
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings
-        self.scheduler = Scheduler(KVPool(kv_tokens), max_batch, chunk_size, max_batch_tokens)
+        self.state_pages = StatePages(self.runner.num_state_pages) if self.runner.state is not None else None
+        self.scheduler = Scheduler(KVPool(kv_tokens), max_batch, chunk_size, max_batch_tokens, self.state_pages)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_overlapped = 0  # steps launched while the step before was still unread
@@ -92,7 +96,12 @@ class Engine:
             if self.scheduler.has_work():
                 raise EngineError("KV pool too small: no request can make progress (raise --kv-tokens)")
             return done
-        spans = [Span(s.req.token_slice(s.start, s.start + s.num_new), s.start, s.req.slots, s.req.rid) for s in plan]
+        spans = [
+            Span(s.req.token_slice(s.start, s.start + s.num_new), s.start, s.req.slots, s.req.rid, s.req.state_page)
+            for s in plan
+        ]
+        if self.state_pages is not None:
+            self.runner.apply_state_ops(self.state_pages.take_ops())
         rows = [i for i, s in enumerate(plan) if s.samples]
         reqs = [plan[i].req for i in rows]
         eos = self.cfg.eos_token_ids

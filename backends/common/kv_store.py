@@ -82,3 +82,54 @@ class KVStore:
             self.buffer = None
             self.shm.close(unlink)
             self.shm = None
+
+
+class StateStore:
+    """Every request's linear-attention state, one float32 row per state page: buffer [num_pages, floats per
+    page]. A page holds, for each linear layer j, the conv inputs it keeps (`conv(j)`: [pages, conv_dim, K - 1])
+    and the recurrent state (`ssm(j)`: [pages, value heads, key dim, value dim]). One buffer, shareable like the
+    KV store, so that a prefill instance writes a hand-off's state into decode's page."""
+
+    def __init__(self, cfg, buffer: torch.Tensor, shm: SharedFile | None = None):
+        self.buffer, self.shm = buffer, shm
+        self.num_pages = buffer.shape[0]
+        self.conv_shape = (cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+        self.ssm_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        self.num_layers = len(cfg.linear_layers)
+        c = self.conv_shape[0] * self.conv_shape[1]
+        s = self.ssm_shape[0] * self.ssm_shape[1] * self.ssm_shape[2]
+        self._offsets = [(j * (c + s), j * (c + s) + c, (j + 1) * (c + s)) for j in range(self.num_layers)]
+
+    @classmethod
+    def allocate(cls, cfg, num_pages: int, device, shm_name: str | None = None) -> StateStore:
+        shape = (num_pages, cfg.state_floats_per_page())
+        if shm_name is None:
+            return cls(cfg, torch.zeros(shape, dtype=torch.float32, device=device))
+        shm = SharedFile(shm_name, shape[0] * shape[1] * 4)
+        return cls(cfg, tensor_on(shm.map, torch.float32, shape), shm)
+
+    def conv(self, j: int) -> torch.Tensor:
+        a, b, _ = self._offsets[j]
+        return self.buffer[:, a:b].view(self.num_pages, *self.conv_shape)
+
+    def ssm(self, j: int) -> torch.Tensor:
+        _, b, c = self._offsets[j]
+        return self.buffer[:, b:c].view(self.num_pages, *self.ssm_shape)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.buffer.shape[1] * 4
+
+    def apply(self, ops: list[tuple[int, int]]) -> None:
+        """Run page copies in order: (dst, src) copies page src into dst, (dst, -1) zeroes dst."""
+        for dst, src in ops:
+            if src < 0:
+                self.buffer[dst].zero_()
+            else:
+                self.buffer[dst].copy_(self.buffer[src])
+
+    def close(self, unlink: bool = False) -> None:
+        if self.shm is not None:
+            self.buffer = None
+            self.shm.close(unlink)
+            self.shm = None

@@ -102,6 +102,8 @@ def load_weights(src: ModelSource, dtype: torch.dtype, device: str | torch.devic
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    if cfg.is_hybrid:
+        return random_hybrid_weights(cfg, dtype, device, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
@@ -131,4 +133,72 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) 
         if cfg.qk_norm:
             w[p + "self_attn.q_norm.weight"] = ones(cfg.head_dim)
             w[p + "self_attn.k_norm.weight"] = ones(cfg.head_dim)
+    return w
+
+
+def random_hybrid_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Qwen3-Next names and shapes, N(0, 0.02) matrices; RMSNorm offsets 0 (Qwen3-Next applies 1 + w), gated-norm
+    weights 1. The DeltaNet layers get a long memory (decay rates A in [0.005, 0.05), dt bias -2) and std-0.1
+    projections, so that their state shapes the tokens long after it was written: a lost or mismatched state then
+    shows in the output (with transformers' init, A in [0.01, 16), it fades within a few tokens)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+    def const(n, value):
+        return torch.full((n,), value, device=device, dtype=dtype)
+
+    H, D = cfg.hidden_size, cfg.head_dim
+    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, H), "model.norm.weight": const(H, 0.0)}
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = rand(cfg.vocab_size, H)
+
+    def mlp(p, inter):
+        w[p + "gate_proj.weight"] = rand(inter, H)
+        w[p + "up_proj.weight"] = rand(inter, H)
+        w[p + "down_proj.weight"] = rand(H, inter)
+
+    def layer(p, i, full):
+        w[p + "input_layernorm.weight"] = const(H, 0.0)
+        w[p + "post_attention_layernorm.weight"] = const(H, 0.0)
+        if full:
+            a = p + "self_attn."
+            w[a + "q_proj.weight"] = rand(2 * cfg.num_heads * D, H)
+            w[a + "k_proj.weight"] = rand(cfg.num_kv_heads * D, H)
+            w[a + "v_proj.weight"] = rand(cfg.num_kv_heads * D, H)
+            w[a + "o_proj.weight"] = rand(H, cfg.num_heads * D)
+            w[a + "q_norm.weight"] = const(D, 0.0)
+            w[a + "k_norm.weight"] = const(D, 0.0)
+        else:
+            a = p + "linear_attn."
+            kd, vd, hv = (
+                cfg.linear_num_key_heads * cfg.linear_key_head_dim,
+                cfg.linear_value_dim,
+                cfg.linear_num_value_heads,
+            )
+            w[a + "in_proj_qkvz.weight"] = rand(2 * kd + 2 * vd, H, std=0.1)
+            w[a + "in_proj_ba.weight"] = rand(2 * hv, H, std=0.1)
+            w[a + "conv1d.weight"] = rand(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim, std=0.3)
+            w[a + "dt_bias"] = const(hv, -2.0)
+            w[a + "A_log"] = (torch.rand(hv, generator=gen, device=device) * 0.045 + 0.005).log().to(dtype)
+            w[a + "norm.weight"] = const(cfg.linear_value_head_dim, 1.0)
+            w[a + "out_proj.weight"] = rand(H, vd, std=0.1)
+        if cfg.is_moe_layer(i):
+            m = p + "mlp."
+            w[m + "gate.weight"] = rand(cfg.num_experts, H)
+            for e in range(cfg.num_experts):
+                mlp(f"{m}experts.{e}.", cfg.moe_intermediate_size)
+            mlp(m + "shared_expert.", cfg.shared_expert_intermediate_size)
+            w[m + "shared_expert_gate.weight"] = rand(1, H)
+        else:
+            mlp(p + "mlp.", cfg.intermediate_size)
+
+    for i in range(cfg.num_layers):
+        layer(f"model.layers.{i}.", i, cfg.layer_types[i] == "full_attention")
+    if cfg.mtp_layers:
+        w["mtp.fc.weight"] = rand(H, 2 * H)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            w[f"mtp.{n}.weight"] = const(H, 0.0)
+        layer("mtp.layers.0.", 0, True)
     return w

@@ -3,6 +3,12 @@ eviction of unreferenced leaves. Pure Python over integers.
 
 The tree owns the slots stored in it. A holder that uses a matched prefix must `lock` the returned node before
 the slots are used and `unlock` it when done; locked nodes and their ancestors are never evicted.
+
+Hybrid models (`state` given): a node may also own a state checkpoint, the linear-attention state at the node's
+end. A prefix is then usable only up to a position that has one (the root, position 0, always does: the zero
+state), so `match_prefix` stops at the deepest checkpoint and never returns K/V whose state it cannot restore.
+Checkpoints stay with a node's end through splits, go with it when its tail is trimmed or it is evicted, and are
+dropped on their own (least recently used first) when the state pages run short (`evict_state`).
 """
 
 from __future__ import annotations
@@ -12,10 +18,11 @@ import itertools
 from collections.abc import Sequence
 
 from .kv_pool import KVPool
+from .state_pages import ZERO, StatePages
 
 
 class Node:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "priority")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "priority", "state")
 
     def __init__(self, parent: Node | None, key: list[int], value: list[int], last_access: int):
         self.children: dict[int, Node] = {}
@@ -25,11 +32,14 @@ class Node:
         self.lock_ref = 0
         self.last_access = last_access
         self.priority = 0  # evicted after every lower-priority leaf (decode keeps paused requests' KV longer)
+        self.state = ZERO  # hybrid models: the state page checkpointed at this node's end (ZERO: none)
 
 
 class RadixCache:
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, state: StatePages | None = None):
         self.pool = pool
+        self.state = state
+        self.checkpoints: set[Node] = set()  # nodes that own a state page
         self._clock = itertools.count()
         self.root = Node(None, [], [], 0)
         self.root.lock_ref = 1  # the root is never evicted
@@ -88,8 +98,12 @@ class RadixCache:
         node.key, node.value = node.key[at:], node.value[at:]
         return upper
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
-        """Slots of the longest cached prefix of tokens, and the node where it ends (lock it before use)."""
+    def match_prefix(self, tokens: Sequence[int], kv_only: bool = False) -> tuple[list[int], Node]:
+        """Slots of the longest cached prefix of tokens, and the node where it ends (lock it before use). With
+        state checkpoints, the longest prefix that ends at one (its page: the node's `state`, or ZERO at the
+        root), unless `kv_only`: then the K/V alone, as for a model without state."""
+        if self.state is not None and not kv_only:
+            return self._match_checkpointed(tokens)
         node, slots, i = self.root, [], 0
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -106,10 +120,54 @@ class RadixCache:
         self._touch(node)
         return slots, node
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int], priority: int | None = None) -> int:
+    def _match_checkpointed(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
+        node, i = self.root, 0
+        best = self.root
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            key, n = child.key, 0
+            while n < len(key) and i + n < len(tokens) and key[n] == tokens[i + n]:
+                n += 1
+            if n < len(key):
+                break  # a checkpoint sits at a node's end: this one's is past the match
+            node, i = child, i + n
+            if child.state != ZERO:
+                best = child
+        slots: list[int] = []
+        cur = best
+        while cur is not self.root:
+            slots[:0] = cur.value
+            cur = cur.parent
+        self._touch(best)
+        return slots, best
+
+    def checkpoint_of(self, node: Node) -> int:
+        """The state page to restore at the end of a matched prefix: ZERO at the root (position 0)."""
+        return ZERO if node is self.root else node.state
+
+    def _drop_state(self, node: Node) -> None:
+        if node.state != ZERO:
+            self.state.free(node.state)
+            node.state = ZERO
+            self.checkpoints.discard(node)
+
+    def evict_state(self, n: int = 1) -> int:
+        """Free n checkpoint pages, least recently used first (their K/V stays). Returns how many were freed."""
+        freed = 0
+        for node in sorted(self.checkpoints, key=lambda x: x.last_access)[:n]:
+            self._drop_state(node)
+            freed += 1
+        return freed
+
+    def insert(
+        self, tokens: Sequence[int], slots: Sequence[int], priority: int | None = None, state_page: int = ZERO
+    ) -> int:
         """Store slots for tokens. Returns how many leading tokens were already cached: the caller still owns
         slots[:that] (duplicates of the tree's own, to be freed by the caller) and the tree now owns the rest.
-        With `priority`, every node on the path gets that eviction priority."""
+        With `priority`, every node on the path gets that eviction priority. `state_page` (the state after all of
+        tokens) is always taken: it becomes the checkpoint at the end, or is freed when one is already there."""
         assert len(tokens) == len(slots)
         node, i = self.root, 0
         while i < len(tokens):
@@ -134,6 +192,12 @@ class RadixCache:
             while cur is not self.root:
                 cur.priority = priority
                 cur = cur.parent
+        if state_page != ZERO:
+            if node is self.root or node.state != ZERO:
+                self.state.free(state_page)
+            else:
+                node.state = state_page
+                self.checkpoints.add(node)
         self._touch(node)  # pushes the end node's heap entry if it is an evictable leaf
         return i
 
@@ -166,12 +230,16 @@ class RadixCache:
         while freed < num_slots and (node := self._pop_lru()) is not None:
             need = num_slots - freed
             if len(node.value) > need:  # trim the tail: [0, len - need) stays cached
+                if self.state is not None:
+                    self._drop_state(node)  # its end moves: the checkpoint no longer matches it
                 self.pool.free(node.value[-need:])
                 del node.value[-need:], node.key[-need:]
                 self.cached_size -= need
                 self._push(node)  # still evictable, first in line
                 return freed + need
             self.pool.free(node.value)
+            if self.state is not None:
+                self._drop_state(node)
             freed += len(node.value)
             self.cached_size -= len(node.value)
             parent = node.parent

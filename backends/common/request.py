@@ -127,6 +127,7 @@ class InferReq:
         self.slots: list[int] = []
         self.cached_len = 0
         self.last_node = None
+        self.state_page = -1  # hybrid models: the live linear-attention state page (-1: none)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.epoch = 0

@@ -9,7 +9,7 @@ import torch
 
 from . import loader
 from .batch import Span, build_batch
-from .kv_store import KVStore
+from .kv_store import KVStore, StateStore
 from .model import LlamaModel
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -66,6 +66,12 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return "triton"
 
 
+def default_state_pages(max_batch: int) -> int:
+    """State pages of a hybrid model when not given: one live page per request of a full batch, as many again
+    for prefix-cache checkpoints (paused requests' states among them), and a few spare."""
+    return 2 * max_batch + 8
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -77,6 +83,8 @@ class ModelRunner:
         backend: str = "auto",
         max_batch: int = 256,
         cuda_graphs: bool = True,
+        state_pages: int | None = None,
+        state_shm_name: str | None = None,
     ):
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
@@ -85,6 +93,11 @@ class ModelRunner:
         self.tokenizer = loader.load_tokenizer(self.source)
         weights = loader.load_weights(self.source, self.dtype, self.device)
         cfg = self.cfg
+        self.state: StateStore | None = None
+        self.num_state_pages = 0
+        if cfg.is_hybrid:
+            self._init_hybrid(weights, kv_tokens, kv_shm_name, backend, max_batch, state_pages, state_shm_name)
+            return
         self.backend = pick_backend(backend, self.device)
         # the GPU path keeps one extra slot that padded graph rows read and write
         extra = 1 if self.backend == "triton" else 0
@@ -103,8 +116,33 @@ class ModelRunner:
         else:
             self.model = LlamaModel(cfg, weights)
 
+    def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, state_pages, state_shm_name):
+        """A hybrid model: K/V for its full-attention layers (and the MTP head's), a state page per running
+        request and per cache checkpoint. Plain PyTorch on any device for now: the GPU model and its CUDA graphs
+        cover the Llama family only."""
+        from .hybrid_model import HybridModel
+
+        if os.environ.get("TRITON_PD_BACKEND", backend) == "triton":
+            raise ValueError("backend 'triton' covers the Llama family only; hybrid models run with 'torch'")
+        self.backend = "torch"
+        self.model = HybridModel(self.cfg, weights)
+        self.kv = KVStore.allocate(
+            self.model.num_kv_layers, kv_tokens, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device,
+            shm_name=kv_shm_name,
+        )  # fmt: skip
+        self.num_slots = kv_tokens
+        self.num_state_pages = state_pages or default_state_pages(max_batch)
+        self.state = StateStore.allocate(self.cfg, self.num_state_pages, self.device, shm_name=state_shm_name)
+
+    def apply_state_ops(self, ops: list[tuple[int, int]]) -> None:
+        """Run the state-page copies the scheduler queued (see StatePages), before anything reads the pages."""
+        if ops:
+            self.state.apply(ops)
+
     def forward(self, spans: list[Span]) -> torch.Tensor:
         """float32 logits [len(spans), vocab]: the next-token logits after each span's last token."""
+        if self.state is not None:
+            return self.model.forward(build_batch(spans, self.device), self.kv, self.state)
         if self.backend == "triton":
             return self.model.forward(spans)
         return self.model.forward(build_batch(spans, self.device), self.kv)

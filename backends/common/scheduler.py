@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .kv_pool import KVPool
 from .radix_cache import RadixCache
 from .request import InferReq, ReqState
+from .state_pages import ZERO, StatePages
 
 
 @dataclass(slots=True)
@@ -23,11 +24,29 @@ class ScheduledSpan:
         return self.start + self.num_new == self.req.num_tokens
 
 
+class StateError(RuntimeError):
+    pass
+
+
 class KVAccounting:
-    """Slot ownership for requests that hold KV in one pool: `release`, `cache_unfinished`, `alloc`."""
+    """Slot ownership for requests that hold KV in one pool: `release`, `cache_unfinished`, `alloc`. For hybrid
+    models (the radix cache has state pages) also the state: a request that holds a prefix holds a live state page
+    (`req.state_page`) with the state at the end of its computed positions, which goes to the cache with its K/V."""
 
     def __init__(self, pool: KVPool, radix: RadixCache):
         self.pool, self.radix = pool, radix
+        self.state: StatePages | None = radix.state
+
+    def alloc_state(self) -> int:
+        """A free state page, dropping least recently used checkpoints when none is free."""
+        page = self.state.alloc()
+        if page is None and self.radix.evict_state(1):
+            page = self.state.alloc()
+        if page is None:
+            raise StateError(
+                f"all {self.state.num_pages} state pages are held by running requests (raise --state-pages)"
+            )
+        return page
 
     def alloc(self, n: int) -> list[int] | None:
         slots = self.pool.alloc(n)
@@ -37,30 +56,42 @@ class KVAccounting:
         return slots
 
     def match(self, req: InferReq, limit: int) -> None:
-        """Adopt the longest cached prefix of the request's tokens (at most `limit`)."""
+        """Adopt the longest cached prefix of the request's tokens (at most `limit`); with state, the longest that
+        ends at a checkpoint, whose state is queued to be copied into the request's new live page."""
+        page = self.alloc_state() if self.state is not None else ZERO  # first: it may drop a checkpoint
         slots, node = self.radix.match_prefix(req.all_ids[:limit])
         self.radix.lock(node)
         req.slots, req.cached_len, req.last_node = slots, len(slots), node
+        if self.state is not None:
+            self.state.copy(page, self.radix.checkpoint_of(node))
+            req.state_page = page
 
     def release(self, req: InferReq, keep_in_cache: bool = True, priority: int = 0) -> None:
         """Give back the request's KV: into the radix cache as unreferenced entries (evicted lowest priority
         first, then least recently used), or straight to the pool."""
         own = req.slots[req.cached_len :]
+        page, req.state_page = req.state_page, ZERO
         if keep_in_cache and req.slots:
-            present = self.radix.insert(req.all_ids[: len(req.slots)], req.slots, priority)
+            present = self.radix.insert(req.all_ids[: len(req.slots)], req.slots, priority, state_page=page)
             self.pool.free(req.slots[req.cached_len : present])  # duplicates of slots the tree already had
         else:
             self.pool.free(own)
+            if page != ZERO:
+                self.state.free(page)
         if req.last_node is not None:
             self.radix.unlock(req.last_node)
         req.slots, req.cached_len, req.last_node = [], 0, None
 
     def cache_unfinished(self, req: InferReq) -> None:
-        """Move the request's computed KV into the tree (still locked) so concurrent requests can share it."""
+        """Move the request's computed KV into the tree (still locked) so concurrent requests can share it. With
+        state, a copy of the live page becomes the checkpoint at this chunk boundary when a page is free."""
         n = len(req.slots)
-        present = self.radix.insert(req.all_ids[:n], req.slots)
+        ckpt = ZERO
+        if self.state is not None and (ckpt := self.state.alloc()) is not None:
+            self.state.copy(ckpt, req.state_page)
+        present = self.radix.insert(req.all_ids[:n], req.slots, state_page=ZERO if ckpt is None else ckpt)
         self.pool.free(req.slots[req.cached_len : present])
-        slots, node = self.radix.match_prefix(req.all_ids[:n])
+        slots, node = self.radix.match_prefix(req.all_ids[:n], kv_only=True)
         self.radix.lock(node)
         if req.last_node is not None:
             self.radix.unlock(req.last_node)
@@ -71,9 +102,16 @@ class KVAccounting:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_batch: int = 64, chunk_size: int = 512, max_batch_tokens: int = 2048):
+    def __init__(
+        self,
+        pool: KVPool,
+        max_batch: int = 64,
+        chunk_size: int = 512,
+        max_batch_tokens: int = 2048,
+        state: StatePages | None = None,
+    ):
         self.pool = pool
-        self.radix = RadixCache(pool)
+        self.radix = RadixCache(pool, state)
         self.kv = KVAccounting(pool, self.radix)
         self.max_batch, self.chunk_size, self.max_batch_tokens = max_batch, chunk_size, max_batch_tokens
         self.waiting: deque[InferReq] = deque()
@@ -155,3 +193,13 @@ class Scheduler:
     def accounting(self) -> tuple[int, int, int]:
         """(free, used by requests, held by cache); their sum is the pool size."""
         return self.pool.num_free, self.kv.used_by_requests(self.running), self.radix.cached_size
+
+    def state_accounting(self) -> tuple[int, int, int]:
+        """(free, live pages of requests, checkpoints in the cache) of the state pages; (0, 0, 0) without."""
+        return state_accounting(self.radix, self.running)
+
+
+def state_accounting(radix: RadixCache, holders) -> tuple[int, int, int]:
+    if radix.state is None:
+        return 0, 0, 0
+    return radix.state.num_free, sum(1 for r in holders if r.state_page != ZERO), len(radix.checkpoints)

@@ -1,0 +1,228 @@
+"""The hybrid Qwen3-Next family in plain PyTorch over the same ragged batches as the Llama model: gated DeltaNet
+linear-attention layers (short causal conv, gated delta rule, gated RMSNorm) interleaved with gated full-attention
+layers (q/k RMSNorm, partial rope, a sigmoid gate on the output), dense or mixture-of-experts MLPs.
+
+Full-attention layers read and write K/V by slot exactly as the Llama model does. Linear-attention layers keep a
+fixed-size state per request in a state page (`StateStore`): each span names its page, whose state is that of the
+span's first position on entry and of its end on exit. Single-token spans step together through the recurrent
+form; longer spans go through the chunked form, one sequence at a time.
+
+The optional MTP head (`mtp_forward`) predicts the token after next from the main model's last hidden state and
+the next token's embedding; it has one full-attention layer of its own, whose K/V live in an extra KV layer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import delta_rule as dr
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .kv_store import KVStore, StateStore
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3-Next's RMSNorm: weights are stored centred on 0 and applied as (1 + w), in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def stack_experts(w: dict[str, torch.Tensor], prefix: str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) from either the per-expert checkpoint names or the fused ones."""
+    fused = w.get(prefix + "experts.gate_up_proj")
+    if fused is not None:
+        return fused, w[prefix + "experts.down_proj"]
+    gate_up = torch.stack(
+        [
+            torch.cat((w[f"{prefix}experts.{e}.gate_proj.weight"], w[f"{prefix}experts.{e}.up_proj.weight"]))
+            for e in range(num_experts)
+        ]
+    )
+    down = torch.stack([w[f"{prefix}experts.{e}.down_proj.weight"] for e in range(num_experts)])
+    return gate_up, down
+
+
+class HybridModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.cfg, self.w = cfg, weights
+        emb = weights["model.embed_tokens.weight"]
+        self.dtype, self.device = emb.dtype, emb.device
+        self.lm_head = emb if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.kv_index = {layer: j for j, layer in enumerate(cfg.full_layers)}  # layer -> KV store layer
+        self.state_index = {layer: j for j, layer in enumerate(cfg.linear_layers)}
+        self.rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        self.inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.float32, device=self.device) / self.rot_dim)
+        )
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.experts = {}
+        for i in range(cfg.num_layers):
+            if cfg.is_moe_layer(i):
+                self.experts[i] = stack_experts(weights, f"model.layers.{i}.mlp.", cfg.num_experts)
+        self.has_mtp = cfg.mtp_layers > 0 and "mtp.fc.weight" in weights
+        if self.has_mtp:
+            self.mtp_kv_layer = len(cfg.full_layers)  # the KV store has one more layer for the MTP head
+            if cfg.is_moe_layer(0) or "mtp.layers.0.mlp.gate.weight" in weights:
+                self.experts["mtp"] = stack_experts(weights, "mtp.layers.0.mlp.", cfg.num_experts)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.cfg.full_layers) + (1 if self.has_mtp else 0)
+
+    def _linear(self, x, name):
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def rope(self, positions: torch.Tensor):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    # ---- token mixers ----------------------------------------------------------------------------------------
+    def full_attention(self, x, p, kv: KVStore, kv_layer: int, batch: ForwardBatch, cos, sin):
+        cfg, T, D = self.cfg, x.shape[0], self.cfg.head_dim
+        qg = self._linear(x, p + "q_proj").view(T, cfg.num_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
+        k = self._linear(x, p + "k_proj").view(T, cfg.num_kv_heads, D)
+        v = self._linear(x, p + "v_proj").view(T, cfg.num_kv_heads, D)
+        q = offset_rms_norm(q, self.w[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = offset_rms_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps)
+        r = self.rot_dim
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = torch.cat((q[..., :r] * c + rotate_half(q[..., :r]) * s, q[..., r:]), dim=-1)
+        k = torch.cat((k[..., :r] * c + rotate_half(k[..., :r]) * s, k[..., r:]), dim=-1)
+        kv.k(kv_layer)[batch.out_slots] = k
+        kv.v(kv_layer)[batch.out_slots] = v
+        out = torch.empty_like(q)
+        k_pool, v_pool = kv.k(kv_layer), kv.v(kv_layer)
+        for start, n, slots in zip(batch.starts, batch.new_lens, batch.ctx_slots):
+            ctx = slots.numel()
+            qs = q[start : start + n].transpose(0, 1)
+            ks, vs = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)
+            mask = torch.arange(ctx, device=x.device)[None, :] <= (ctx - n + torch.arange(n, device=x.device))[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start : start + n] = o.transpose(0, 1)
+        out = out.reshape(T, -1) * torch.sigmoid(gate)
+        return self._linear(out, p + "o_proj")
+
+    def _split_qkvz(self, x, p):
+        """in_proj outputs, grouped per key head as Qwen3-Next lays them out, as (mixed_qkv [T, conv_dim],
+        z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+        cfg, T = self.cfg, x.shape[0]
+        hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        r = cfg.linear_num_value_heads // hk
+        qkvz = self._linear(x, p + "in_proj_qkvz").view(T, hk, 2 * dk + 2 * r * dv)
+        ba = self._linear(x, p + "in_proj_ba").view(T, hk, 2 * r)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+        return mixed, z.reshape(T, -1, dv), b.reshape(T, -1), a.reshape(T, -1)
+
+    def _qkv_gates(self, mixed, b, a, p):
+        cfg, T = self.cfg, mixed.shape[0]
+        hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        kd = hk * dk
+        q = mixed[:, :kd].reshape(T, hk, dk).float()
+        k = mixed[:, kd : 2 * kd].reshape(T, hk, dk).float()
+        v = mixed[:, 2 * kd :].reshape(T, -1, dv).float()
+        r = cfg.linear_num_value_heads // hk
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+        q = dr.l2norm(q) * dk**-0.5
+        k = dr.l2norm(k)
+        beta = torch.sigmoid(b.float())
+        g = -self.w[p + "A_log"].float().exp() * F.softplus(a.float() + self.w[p + "dt_bias"].float())
+        return q, k, v, g, beta
+
+    def linear_attention(self, x, p, state: StateStore, j: int, batch: ForwardBatch):
+        cfg = self.cfg
+        mixed, z, b, a = self._split_qkvz(x, p)
+        conv_w = self.w[p + "conv1d.weight"].view(cfg.conv_dim, -1)
+        conv, ssm = state.conv(j), state.ssm(j)
+        core = torch.empty(x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim, device=x.device)
+        pages = batch.state_pages
+        single = [i for i, n in enumerate(batch.new_lens) if n == 1]
+        if single:
+            rows = torch.tensor([batch.starts[i] for i in single], dtype=torch.int64, device=x.device)
+            pg = torch.tensor([pages[i] for i in single], dtype=torch.int64, device=x.device)
+            cs = conv[pg]
+            m = dr.conv_step(mixed[rows].float(), cs, conv_w.float())
+            conv[pg] = cs
+            q, k, v, g, beta = self._qkv_gates(m, b[rows], a[rows], p)
+            ss = ssm[pg]
+            core[rows] = dr.recurrent_step(q, k, v, g, beta, ss)
+            ssm[pg] = ss
+        for i, (start, n) in enumerate(zip(batch.starts, batch.new_lens)):
+            if n == 1:
+                continue
+            page = pages[i]
+            sl = slice(start, start + n)
+            m = dr.conv_prefill(mixed[sl].float(), conv[page], conv_w.float())
+            q, k, v, g, beta = self._qkv_gates(m, b[sl], a[sl], p)
+            core[sl] = dr.chunked(q, k, v, g, beta, ssm[page])
+        out = gated_rms_norm(core.to(x.dtype), z, self.w[p + "norm.weight"], cfg.rms_norm_eps)
+        return self._linear(out.reshape(x.shape[0], -1), p + "out_proj")
+
+    # ---- MLPs --------------------------------------------------------------------------------------------------
+    def mlp(self, x, p, key):
+        if key not in self.experts:
+            return self._linear(
+                F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj"
+            )
+        cfg = self.cfg
+        gate_up, down = self.experts[key]
+        logits = F.linear(x, self.w[p + "gate.weight"])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+        if cfg.norm_topk_prob:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in top_i.unique().tolist():
+            tok, slot = torch.where(top_i == e)
+            g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, F.linear(F.silu(g) * u, down[e]) * top_w[tok, slot, None])
+        shared = self._linear(
+            F.silu(self._linear(x, p + "shared_expert.gate_proj")) * self._linear(x, p + "shared_expert.up_proj"),
+            p + "shared_expert.down_proj",
+        )
+        return out + torch.sigmoid(self._linear(x, p + "shared_expert_gate")) * shared
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+    def layer(self, h, i, prefix, kv, state, batch, cos, sin, kv_layer=None, mlp_key=None):
+        cfg, w = self.cfg, self.w
+        x = offset_rms_norm(h, w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
+        if kv_layer is not None:
+            h = h + self.full_attention(x, prefix + "self_attn.", kv, kv_layer, batch, cos, sin)
+        else:
+            h = h + self.linear_attention(x, prefix + "linear_attn.", state, self.state_index[i], batch)
+        x = offset_rms_norm(h, w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        return h + self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key)
+
+    @torch.inference_mode()
+    def hidden(self, batch: ForwardBatch, kv: KVStore, state: StateStore) -> torch.Tensor:
+        """Final-norm hidden states of every row [T, hidden] (before the LM head)."""
+        cfg = self.cfg
+        h = self.w["model.embed_tokens.weight"][batch.input_ids]
+        cos, sin = self.rope(batch.positions)
+        for i in range(cfg.num_layers):
+            h = self.layer(h, i, f"model.layers.{i}.", kv, state, batch, cos, sin, kv_layer=self.kv_index.get(i))
+        return offset_rms_norm(h, self.w["model.norm.weight"], cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVStore, state: StateStore) -> torch.Tensor:
+        """float32 logits [len(batch.logits_rows), vocab]."""
+        h = self.hidden(batch, kv, state)
+        return F.linear(h[batch.logits_rows], self.lm_head).float()

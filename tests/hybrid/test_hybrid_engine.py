@@ -1,0 +1,119 @@
+"""The hybrid (Qwen3-Next) path against transformers, and against itself under chunking, prefix hits and
+preemption: the state restored with the K/V must be the state at the same position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.common.batch import Span, build_batch
+from backends.common.request import SamplingParams
+from tests.conftest import hf_greedy
+from tests.hybrid.conftest import make_engine, prompt
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def assert_idle(engine):
+    sch = engine.scheduler
+    free, used, cached = sch.accounting()
+    assert used == 0 and free + cached == sch.pool.num_slots and sch.radix.protected_size == 0
+    sfree, live, ckpts = sch.state_accounting()
+    assert live == 0 and sfree + ckpts == engine.state_pages.num_pages
+    sch.radix.clear()
+    assert sch.state_accounting() == (engine.state_pages.num_pages, 0, 0)
+    assert sch.pool.num_free == sch.pool.num_slots
+
+
+@pytest.fixture(scope="module")
+def engine(hybrid_folder):
+    return make_engine(hybrid_folder)
+
+
+def test_config_reads_the_layer_mix(engine):
+    cfg = engine.cfg
+    assert cfg.is_hybrid and cfg.linear_layers == [0, 1, 2] and cfg.full_layers == [3]
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert engine.runner.kv.num_layers == 1  # K/V only for the full-attention layer
+
+
+def test_prefill_logits_match_transformers_whole_and_in_uneven_chunks(engine, hybrid_hf):
+    ids = prompt(1, 200)
+    with torch.no_grad():
+        ref = hybrid_hf(torch.tensor([ids])).logits[0].float()
+    runner = engine.runner
+    slots = list(range(len(ids)))
+    page = engine.state_pages.alloc()
+    try:
+        for cuts in ([0, 200], [0, 17, 81, 150, 200]):
+            runner.state.apply([(page, -1)])
+            rows = []
+            for a, b in zip(cuts, cuts[1:]):
+                batch = build_batch([Span(ids[a:b], a, slots, state_page=page)], "cpu")
+                batch.logits_rows = torch.arange(b - a)  # every row's logits
+                rows.append(runner.model.forward(batch, runner.kv, runner.state))
+            assert (torch.cat(rows) - ref).abs().max().item() <= 1e-4
+    finally:
+        engine.state_pages.free(page)
+
+
+@pytest.mark.parametrize("n", [5, 150])
+def test_greedy_equals_transformers(engine, hybrid_hf, n):
+    ids = prompt(n, n)
+    out = engine.generate([ids], greedy(32))[0]
+    assert out.output_ids == hf_greedy(hybrid_hf, ids, 32)
+    assert_idle(engine)
+
+
+def test_prefix_hit_restores_state_at_a_checkpoint_and_equals_a_cold_run(engine, hybrid_hf):
+    shared = prompt(7, 130)  # chunks of 64: checkpoints at 64 and 128
+    first = engine.generate([shared + prompt(8, 9)], greedy(8))[0]
+    before = engine.scheduler.num_cached_tokens
+    second_ids = shared + prompt(9, 11)
+    second = engine.generate([second_ids], greedy(16))[0]
+    assert engine.scheduler.num_cached_tokens - before == 128  # the deepest checkpoint inside the shared part
+    assert second.output_ids == hf_greedy(hybrid_hf, second_ids, 16)
+    assert first.output_ids == hf_greedy(hybrid_hf, shared + prompt(8, 9), 8)
+    assert_idle(engine)
+
+
+def test_batched_ragged_mixed_prefill_and_decode_equal_alone(engine):
+    prompts = [prompt(20 + i, n) for i, n in enumerate([3, 40, 97, 1, 64, 130])]
+    alone = [engine.generate([p], greedy(12))[0].output_ids for p in prompts]
+    engine.scheduler.radix.clear()
+    together = engine.generate(prompts, greedy(12))
+    assert [o.output_ids for o in together] == alone
+    assert_idle(engine)
+
+
+def test_preemption_under_a_tiny_pool_keeps_every_token(hybrid_folder):
+    prompts = [prompt(40 + i, 50 + 7 * i) for i in range(6)]
+    params = [greedy(40), SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
+    ref_engine = make_engine(hybrid_folder)
+    small = make_engine(hybrid_folder, kv_tokens=300, state_pages=20)
+    for p in params:
+        ref = [o.output_ids for o in ref_engine.generate(prompts, p)]
+        got = [o.output_ids for o in small.generate(prompts, p)]
+        assert got == ref
+    assert small.scheduler.num_preemptions > 0
+    assert_idle(small)
+
+
+def test_state_pages_run_short_drop_checkpoints_not_requests(hybrid_folder):
+    """With pages for the running requests only, checkpoints are dropped (least recently used) and every answer is
+    still exact."""
+    eng = make_engine(hybrid_folder, max_batch=4, state_pages=5)
+    prompts = [prompt(60 + i, 140) for i in range(8)]
+    ref = [o.output_ids for o in make_engine(hybrid_folder).generate(prompts, greedy(10))]
+    assert [o.output_ids for o in eng.generate(prompts, greedy(10))] == ref
+    assert_idle(eng)
+
+
+def test_random_hybrid_shape_generates():
+    from backends.common.engine import Engine
+
+    eng = Engine("random:tiny-hybrid", dtype="float32", device="cpu", kv_tokens=1024)
+    out = eng.generate([[5, 6, 7, 8]], greedy(6))[0]
+    assert len(out.output_ids) == 6 and eng.cfg.is_hybrid
