@@ -63,7 +63,7 @@ def kv_bytes_per_token(cfg, dtype: str) -> int:
     from .common.runner import parse_dtype
 
     itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return len(cfg.full_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize  # hybrid: full layers only
 
 
 def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
@@ -119,6 +119,7 @@ class Deployment:
     stall_seconds: float
     rotation_quantum: float
     decode_overlap: str  # "on": step n+1 launched before step n's tokens are read (GPU graphs, greedy)
+    state_pages: int = 0  # hybrid models: state pages per instance (0: the runner's default)
 
     @classmethod
     def from_args(cls, a, n_gpus: int) -> Deployment:
@@ -136,8 +137,12 @@ class Deployment:
             kv_tokens_for_gpu(per_token, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
         )
         host_kv = a.host_kv_tokens
+        if cfg.is_hybrid and host_kv:
+            raise ValueError(
+                "--host-kv-tokens: the host KV tier holds no linear-attention state; a hybrid model needs 0"
+            )
         if host_kv is None:
-            host_kv = default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
+            host_kv = 0 if cfg.is_hybrid else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
         timeout = a.request_timeout
         if timeout is None:
             timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
@@ -169,6 +174,7 @@ class Deployment:
             stall_seconds=a.stall_seconds,
             rotation_quantum=a.rotation_quantum,
             decode_overlap=a.decode_overlap,
+            state_pages=getattr(a, "state_pages", 0) or 0,
         )
 
     def write_key(self) -> None:
@@ -202,6 +208,7 @@ class Deployment:
             "HOST_KV_TOKENS": str(self.host_kv_tokens),
             "ROTATION_QUANTUM": str(self.rotation_quantum),
             "DECODE_OVERLAP": self.decode_overlap,
+            "STATE_PAGES": str(self.state_pages),
             "MASTER_INSTANCES": "1",
             "DECODE_GROUPS": self.decode_groups,
             "PREFILL_GROUPS": self.prefill_groups,

@@ -126,6 +126,14 @@ def register(sub) -> None:
         "more greedy token for every running request (GPU decode graphs); off: every step is read before the next",
     )
     p.add_argument(
+        "--state-pages",
+        type=int,
+        default=0,
+        help="hybrid (linear-attention) models: state pages per prefill and decode instance, one per running "
+        "request plus the prefix cache's state checkpoints. Default: 2 x --max-batch + 8 (decode) and 2 x 64 + 8 "
+        "(prefill); ignored for dense models",
+    )
+    p.add_argument(
         "--stall-seconds",
         type=float,
         default=30.0,
@@ -153,7 +161,11 @@ def register(sub) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    dep = Deployment.from_args(a, gpu_count())
+    try:
+        dep = Deployment.from_args(a, gpu_count())
+    except ValueError as e:  # options that contradict each other or the model (the message names the option)
+        print(f"triton-pd: error: {e}", file=sys.stderr)
+        return 2
     dep.write_key()
     repo = render(dep.workdir, dep.template_values())
     layout = layout_for(dep.workdir, a.tritonserver, a.backend_dir)

@@ -142,3 +142,14 @@ def _triton_copy(src, src_slots, dst, dst_slots) -> bool:
         idx = torch.tensor([src_slots, dst_slots], dtype=torch.int64).to(src.device, non_blocking=False)
         copy_kv(src, idx[0], dst, idx[1])
     return True
+
+
+def copy_state_page(src: torch.Tensor, src_page: int, dst: torch.Tensor, dst_page: int) -> None:
+    """dst[dst_page] = src[src_page] for state buffers [pages, floats per page] (a hybrid model's hand-off)."""
+    if src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"state pages of {src.shape[1]} and {dst.shape[1]} floats: not the same model")
+    if not 0 <= dst_page < dst.shape[0]:
+        raise ValueError(f"dst_state_page {dst_page} is outside decode's {dst.shape[0]} pages")
+    dst[dst_page].copy_(src[src_page].to(dst.device, non_blocking=True))
+    for dev in {t.device for t in (src, dst) if t.is_cuda}:
+        torch.cuda.current_stream(dev).synchronize()

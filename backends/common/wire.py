@@ -174,6 +174,9 @@ class PrefillRequest:
     sample: bool
     params: SamplingParams  # the seed already resolved by decode
     kv_handle: str  # decode's KV pool as JSON fields (kv_handoff.export_handle)
+    # hybrid models: decode's state pages (same JSON form) and the page to write the state after input_ids into
+    state_handle: str = ""
+    dst_state_page: int = -1
 
     def __post_init__(self) -> None:
         if not self.input_ids:
@@ -184,9 +187,13 @@ class PrefillRequest:
             )
         if self.epoch < 0:
             raise ParamError("epoch", f"must be >= 0, got {self.epoch}")
+        if self.state_handle and self.dst_state_page < 0:
+            raise ParamError("dst_state_page", f"must be >= 0 with a state_handle, got {self.dst_state_page}")
 
     def encode(self, key: str) -> Tensors:
+        state = {"state_handle": _text(self.state_handle), "dst_state_page": _ints([self.dst_state_page])}
         return {
+            **(state if self.state_handle else {}),
             "input_ids": _ints(self.input_ids),
             "start": _ints([self.start]),
             "dst_slots": _ints(self.dst_slots),
@@ -210,6 +217,8 @@ class PrefillRequest:
             sample=_get_flag(get, "sample", True),
             params=_get_params(get),
             kv_handle=_get_text(get, "kv_handle"),
+            state_handle=_get_text(get, "state_handle", ""),
+            dst_state_page=_get_int(get, "dst_state_page") if get("dst_state_page") is not None else -1,
         )
 
 

@@ -20,6 +20,7 @@ from backends.common.metrics import Metrics
 from backends.common.postprocess import finish_reason
 from backends.common.request import InferReq, ParamError, ReqState
 from backends.common.runner import ModelRunner, set_cpu_threads
+from backends.common.state_pages import StatePages
 from backends.common.streaming import Item, Stream, StreamSender
 from backends.common.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
 
@@ -70,11 +71,16 @@ class DecodeModel:
         kv_tokens = int(p["kv_tokens"])
         shm = None if gpu else f"tpd_{p['deployment']}_{self.instance}"
         self.runner = ModelRunner(
-            p["model"], p["dtype"], device, kv_tokens, kv_shm_name=shm, max_batch=int(p["max_batch"])
-        )
+            p["model"], p["dtype"], device, kv_tokens, kv_shm_name=shm, max_batch=int(p["max_batch"]),
+            state_pages=int(p.get("state_pages", "0")) or None, state_shm_name=shm and shm + "_state",
+        )  # fmt: skip
         self.eos = self.runner.cfg.eos_token_ids
         self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
+        state = self.runner.state
+        self.state_handle = export_handle(state, f"{p['deployment']}:{self.instance}:state") if state else ""
         host_tokens = int(p.get("host_kv_tokens", "0"))
+        if state is not None and host_tokens > 0:
+            raise ValueError("host_kv_tokens: the host KV tier holds no linear-attention state; hybrid models need 0")
         self.host_kv = HostKV(self.runner.kv, host_tokens) if host_tokens > 0 else None
         self.sched = DecodeScheduler(
             KVPool(kv_tokens),
@@ -85,6 +91,7 @@ class DecodeModel:
             host_pool=KVPool(host_tokens) if host_tokens > 0 else None,
             quantum=float(p.get("rotation_quantum", "0")),
             costs=default_costs(self.runner.cfg, self.runner.kv.bytes_per_slot, gpu),
+            state=StatePages(self.runner.num_state_pages) if state is not None else None,
         )
         self.steps = DecodeSteps(
             self.runner, self.sched, self.eos, self._after_token, overlap=p.get("decode_overlap", "on") == "on"
@@ -154,6 +161,11 @@ class DecodeModel:
         }
         self._reported["overlapped"] = {"steps": 0}
         self.g["total"].set(self.sched.pool.num_slots)
+        self.g["state_free"] = g("pd_state_pages_free", "Linear-attention state pages free (hybrid models)")
+        self.g["state_used"] = g("pd_state_pages_used", "State pages held by requests (hybrid models)")
+        self.g["state_cached"] = g("pd_state_pages_cached", "State pages held as prefix-cache checkpoints")
+        self.g["state_total"] = g("pd_state_pages_total", "Linear-attention state pages (0: a dense model)")
+        self.g["state_total"].set(self.runner.num_state_pages)
         self._last_gauges = 0.0
 
     # ---- Triton entry points -----------------------------------------------------------------------------
@@ -181,6 +193,8 @@ class DecodeModel:
         if self.host_kv is not None:
             self.host_kv.close()
         self.runner.kv.close(unlink=True)
+        if self.runner.state is not None:
+            self.runner.state.close(unlink=True)
 
     # ---- the scheduler loop ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -214,6 +228,8 @@ class DecodeModel:
                 for req in plan.restarted:
                     self.c_restarts.increment(1)
                     self._emit(req, [], "restart")
+                if self.sched.state is not None:  # state copies the plan queued, before prefill or a step writes
+                    self.runner.apply_state_ops(self.sched.state.take_ops())
                 self._swap(plan)
                 for job in plan.transfers:
                     self.transfers.submit(self._transfer, self._prefill_request(job))
@@ -371,7 +387,10 @@ class DecodeModel:
     def _prefill_request(self, job: TransferJob) -> PrefillRequest:
         req = self.sched.reqs[job.rid]
         params = replace(req.params, seed=req.seed)  # resolved once here: prefill samples with decode's seed
-        return PrefillRequest(job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, self.handle)
+        return PrefillRequest(
+            job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, self.handle,
+            self.state_handle, job.state_page,
+        )  # fmt: skip
 
     def _after_token(self, req: InferReq, token: int, num_out: int | None = None) -> None:
         """`token` is output number num_out (default: the last) of req."""
@@ -422,6 +441,11 @@ class DecodeModel:
         self.g["cached"].set(cached)
         self.g["epoch"].set(s.max_epoch)
         self.g["host_used"].set(s.host_accounting()[1])
+        if s.state is not None:
+            sfree, live, ckpts = s.state_accounting()
+            self.g["state_free"].set(sfree)
+            self.g["state_used"].set(live)
+            self.g["state_cached"].set(ckpts)
         self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
         self._count_deltas("skips", s.host_skips, self.c_host_skips)
         self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from backends.common.kv_pool import KVPool
 from backends.common.radix_cache import RadixCache
 from backends.common.request import InferReq, ParamError, ReqState
-from backends.common.scheduler import KVAccounting
+from backends.common.scheduler import KVAccounting, state_accounting
+from backends.common.state_pages import ZERO, StatePages
 
 PAUSED_PRIORITY = 1  # radix eviction priority of a paused request's KV (finished requests' KV has 0)
 
@@ -69,6 +70,7 @@ class TransferJob:
     sample: bool  # epoch 0: also sample the first output token; recovery: discard the sample
     source: str = "prefill"  # "prefill": prefill computes the positions; "host": copied from host_slots
     host_slots: list[int] = field(default_factory=list)  # source "host": host slots of positions [start, end)
+    state_page: int = ZERO  # hybrid models: the request's page, into which prefill writes the state at `end`
 
     @property
     def num_positions(self) -> int:
@@ -152,13 +154,17 @@ class DecodeScheduler:
         quantum: float = 0.0,
         costs: RecoveryCosts | None = None,
         clock: Callable[[], float] = time.monotonic,
+        state: StatePages | None = None,
     ):
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if on_oom not in ("pause", "restart"):
             raise ValueError(f"on_oom must be pause or restart, got {on_oom!r}")
+        if state is not None and host_pool is not None:
+            raise ValueError("the host KV tier does not hold linear-attention state: use it with dense models only")
         self.pool = pool
-        self.radix = RadixCache(pool)
+        self.state = state
+        self.radix = RadixCache(pool, state)
         self.kv = KVAccounting(pool, self.radix)
         self.max_running, self.pause_policy, self.on_oom = max_running, pause_policy, on_oom
         self.reserve_per_running = reserve_per_running
@@ -210,6 +216,10 @@ class DecodeScheduler:
         """(free, used by requests and in-flight orphans, held by the radix cache): sums to the pool size."""
         holders = list(self.reqs.values()) + list(self.orphans.values())
         return self.pool.num_free, self.kv.used_by_requests(holders), self.radix.cached_size
+
+    def state_accounting(self) -> tuple[int, int, int]:
+        """(free, live pages of requests and in-flight orphans, cache checkpoints): sums to the state pages."""
+        return state_accounting(self.radix, list(self.reqs.values()) + list(self.orphans.values()))
 
     def idle(self) -> bool:
         return not self.reqs and not self.orphans
@@ -558,6 +568,9 @@ class DecodeScheduler:
     def _transfer(self, req: InferReq, end: int, sample: bool, source: str = "prefill") -> TransferJob:
         start = req.cached_len
         job = TransferJob(req.rid, req.epoch, req.all_ids[:end], start, req.slots[start:end], sample, source)
+        if self.state is not None:  # prefill writes the state at `end` into the live page: no copy into it
+            job.state_page = req.state_page
+            self.state.written_elsewhere(req.state_page)
         self.inflight[(req.rid, req.epoch)] = job
         return job
 
@@ -592,6 +605,14 @@ class DecodeScheduler:
                 out.append(f"{r.rid}: {r.num_tokens} tokens, more than max_len {self.max_len}")
         if self.radix.protected_size and not any(r.last_node is not None for r in holders):
             out.append(f"radix: {self.radix.protected_size} slots locked with no request holding a prefix")
+        if self.state is not None:
+            sfree, live, ckpts = self.state_accounting()
+            if sfree + live + ckpts != self.state.num_pages:
+                out.append(f"state accounting: free {sfree} + live {live} + cached {ckpts} != {self.state.num_pages}")
+            for r in self.reqs.values():
+                holds = r.state_page != ZERO
+                if holds != (r.state in (ReqState.RUNNING, ReqState.WAITING_KV, ReqState.RECOVERING)):
+                    out.append(f"{r.rid}: {r.state.value} {'with' if holds else 'without'} a state page")
         if self.host_pool is not None:
             hfree, hheld = self.host_accounting()
             if hfree + hheld != self.host_pool.num_slots:

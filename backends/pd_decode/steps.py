@@ -101,7 +101,10 @@ class DecodeSteps:
 
     @staticmethod
     def _spans(reqs: list[InferReq]) -> list[Span]:
-        return [Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid) for r in reqs]
+        return [
+            Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid, r.state_page)
+            for r in reqs
+        ]
 
 
 def drop_after(req: InferReq, num_out: int) -> None:

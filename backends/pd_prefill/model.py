@@ -16,7 +16,7 @@ import time
 
 from backends.common import triton_io as tio
 from backends.common.engine import Engine
-from backends.common.kv_handoff import HandoffCache, copy_rows
+from backends.common.kv_handoff import HandoffCache, copy_rows, copy_state_page
 from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
@@ -57,6 +57,7 @@ class PrefillModel:
             chunk_size=int(p["chunk_size"]),
             max_batch_tokens=int(p["max_prefill_tokens"]),
             overlap=False,  # each step's first tokens are handed off as soon as they exist
+            state_pages=int(p.get("state_pages", "0")) or None,
         )
         self.key = open(p["internal_key_file"]).read().strip()
         self.mailbox = Mailbox(p["mailbox_dir"]) if p.get("mailbox_dir") else None
@@ -165,17 +166,32 @@ class PrefillModel:
         self.m_queue.set(0)
 
     def _hand_off(self, req, job: PrefillJob) -> None:
-        """Copy positions [start, end) from this instance's cache into decode's slots."""
+        """Copy positions [start, end) from this instance's cache into decode's slots; for a hybrid model also the
+        state after all of input_ids (the checkpoint the finished job left at its end) into decode's page."""
         try:
-            slots, node = self.engine.scheduler.radix.match_prefix(job.ids)
+            slots, node = self.engine.scheduler.radix.match_prefix(job.ids, kv_only=True)
             if len(slots) != len(job.ids):
                 raise RuntimeError(f"prefill cache lost positions ({len(slots)} of {len(job.ids)})")
             peer = self.peers.open(job.msg.kv_handle)
             copy_rows(self.engine.runner.kv.buffer, slots[job.start :], peer.buffer, job.msg.dst_slots)
+            if job.msg.state_handle:
+                self._hand_off_state(node, job)
             self.m_tokens.increment(len(job.ids) - job.start)
             job.first_token = req.output_ids[0] if job.sample else None
         except Exception as e:
             job.error = f"KV hand-off failed: {e}"
+
+    def _hand_off_state(self, node, job: PrefillJob) -> None:
+        engine = self.engine
+        if engine.state_pages is None:
+            raise RuntimeError("decode sent a state_handle, but this prefill's model has no linear-attention state")
+        page = node.state if node is not engine.scheduler.radix.root else -1
+        if page < 0:
+            raise RuntimeError(f"prefill cache lost the state at position {len(job.ids)}")
+        engine.runner.apply_state_ops(engine.state_pages.take_ops())  # the checkpoint may be a queued copy
+        copy_state_page(
+            engine.runner.state.buffer, page, self.peers.open(job.msg.state_handle).buffer, job.msg.dst_state_page
+        )
 
     def finalize(self):
         self.peers.close()
