@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's interpreter for the kernel tests that run on the CPU: it must be on before triton is first
+    # imported, or triton.language's own helpers stay compiled-only and every interpreted kernel fails
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 

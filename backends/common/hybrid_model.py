@@ -56,8 +56,15 @@ def stack_experts(w: dict[str, torch.Tensor], prefix: str, num_experts: int) -> 
 
 
 class HybridModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: bool = False):
+        """kernels: run the gated delta rule with the Triton kernels (kernels.delta_rule), in place in the state
+        pages; otherwise with the PyTorch reference, gathering and scattering the pages."""
         self.cfg, self.w = cfg, weights
+        self.kd = None
+        if kernels:
+            from kernels import delta_rule
+
+            self.kd = delta_rule
         emb = weights["model.embed_tokens.weight"]
         self.dtype, self.device = emb.dtype, emb.device
         self.lm_head = emb if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -161,17 +168,35 @@ class HybridModel:
             m = dr.conv_step(mixed[rows].float(), cs, conv_w.float())
             conv[pg] = cs
             q, k, v, g, beta = self._qkv_gates(m, b[rows], a[rows], p)
-            ss = ssm[pg]
-            core[rows] = dr.recurrent_step(q, k, v, g, beta, ss)
-            ssm[pg] = ss
-        for i, (start, n) in enumerate(zip(batch.starts, batch.new_lens)):
-            if n == 1:
-                continue
-            page = pages[i]
+            if self.kd is not None:
+                core[rows] = self.kd.recurrent_step(*(t.contiguous() for t in (q, k, v, g, beta)), ssm, pg)
+            else:
+                ss = ssm[pg]
+                core[rows] = dr.recurrent_step(q, k, v, g, beta, ss)
+                ssm[pg] = ss
+        multi = [i for i, n in enumerate(batch.new_lens) if n > 1]
+        parts = []
+        for i in multi:
+            start, n, page = batch.starts[i], batch.new_lens[i], pages[i]
             sl = slice(start, start + n)
             m = dr.conv_prefill(mixed[sl].float(), conv[page], conv_w.float())
             q, k, v, g, beta = self._qkv_gates(m, b[sl], a[sl], p)
-            core[sl] = dr.chunked(q, k, v, g, beta, ssm[page])
+            if self.kd is None:
+                core[sl] = dr.chunked(q, k, v, g, beta, ssm[page])
+            else:
+                parts.append((q, k, v, g, beta))
+        if parts:  # every prefill span of the batch in one varlen kernel launch
+            lens = [batch.new_lens[i] for i in multi]
+            starts = [sum(lens[:j]) for j in range(len(lens))]
+            dev = x.device
+
+            def ints(v):
+                return torch.tensor(v, dtype=torch.int64, device=dev)
+
+            q, k, v, g, beta = (torch.cat([part[j] for part in parts]).contiguous() for j in range(5))
+            o = self.kd.chunked(q, k, v, g, beta, ssm, ints([pages[i] for i in multi]), ints(starts), ints(lens))
+            for j, i in enumerate(multi):
+                core[batch.starts[i] : batch.starts[i] + lens[j]] = o[starts[j] : starts[j] + lens[j]]
         out = gated_rms_norm(core.to(x.dtype), z, self.w[p + "norm.weight"], cfg.rms_norm_eps)
         return self._linear(out.reshape(x.shape[0], -1), p + "out_proj")
 

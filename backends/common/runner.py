@@ -118,14 +118,14 @@ class ModelRunner:
 
     def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, state_pages, state_shm_name):
         """A hybrid model: K/V for its full-attention layers (and the MTP head's), a state page per running
-        request and per cache checkpoint. Plain PyTorch on any device for now: the GPU model and its CUDA graphs
-        cover the Llama family only."""
+        request and per cache checkpoint. PyTorch layers; the gated delta rule runs in the Triton kernels where
+        the backend would pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU).
+        The GPU model with its CUDA graphs covers the Llama family only, so `backend` reads "torch" here."""
         from .hybrid_model import HybridModel
 
-        if os.environ.get("TRITON_PD_BACKEND", backend) == "triton":
-            raise ValueError("backend 'triton' covers the Llama family only; hybrid models run with 'torch'")
+        kernels = pick_backend(backend, self.device) == "triton"
         self.backend = "torch"
-        self.model = HybridModel(self.cfg, weights)
+        self.model = HybridModel(self.cfg, weights, kernels=kernels)
         self.kv = KVStore.allocate(
             self.model.num_kv_layers, kv_tokens, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device,
             shm_name=kv_shm_name,

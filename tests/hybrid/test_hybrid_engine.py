@@ -3,6 +3,8 @@ preemption: the state restored with the K/V must be the state at the same positi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -117,3 +119,17 @@ def test_random_hybrid_shape_generates():
     eng = Engine("random:tiny-hybrid", dtype="float32", device="cpu", kv_tokens=1024)
     out = eng.generate([[5, 6, 7, 8]], greedy(6))[0]
     assert len(out.output_ids) == 6 and eng.cfg.is_hybrid
+
+
+def test_delta_rule_kernels_in_the_engine_give_the_same_tokens(hybrid_folder, engine):
+    """The engine with the Triton delta-rule kernels (the interpreter on a CPU) against the PyTorch reference:
+    mixed prefill spans (one varlen launch) and batched decode steps writing the pages in place."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    prompts = [prompt(80 + i, 30 + 45 * i) for i in range(3)]
+    fast = make_engine(hybrid_folder, backend="triton")
+    assert fast.runner.model.kd is not None
+    want = [o.output_ids for o in engine.generate(prompts, greedy(12))]
+    assert [o.output_ids for o in fast.generate(prompts, greedy(12))] == want
+    assert_idle(fast)

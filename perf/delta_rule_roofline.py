@@ -1,0 +1,158 @@
+"""The gated delta rule kernels on a GPU against the memory roofline of the state they read and write.
+
+Decode: one step of one linear-attention layer for B requests reads and writes each request's recurrent state
+(value heads x key dim x value dim float32) once; the bound is those bytes at the device's copy bandwidth, which
+this run measures itself (a device-to-device copy of the same bytes), next to the PyTorch path (gather the pages,
+step, scatter back). Prefill: the varlen chunked kernel against the PyTorch chunked form on the same tokens.
+
+    python -m perf.delta_rule_roofline --out perf/results/delta_rule_h200.md   (shapes: Qwen3-Next's, per layer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from perf.limits import wall_clock_limit
+
+
+def cuda_time(fn, reps: int) -> float:
+    """Median seconds of fn() over reps, with CUDA events, after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=32, help="value heads (Qwen3-Next: 32)")
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192], help="prefill tokens (4 sequences)")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--time-limit", type=float, default=300)
+    ap.add_argument("--out", default=None, help="markdown file for the results (also printed), plus .json beside it")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("delta_rule_roofline: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from backends.common import delta_rule as dr
+    from kernels import delta_rule as kd
+
+    rows: list[dict] = []
+    lines = [
+        f"# Gated delta rule kernels on {torch.cuda.get_device_name()}",
+        "",
+        f"Per linear-attention layer: {a.heads} value heads, state {a.dk} x {a.dv} float32 "
+        f"({a.heads * a.dk * a.dv * 4 / 2**20:.1f} MiB per request). Command: `python -m perf.delta_rule_roofline`.",
+        "",
+    ]
+
+    def write(note: str = "") -> None:
+        text = "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
+        print(text)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text)
+            with open(a.out.rsplit(".", 1)[0] + ".json", "w") as f:
+                json.dump(rows, f, indent=1)
+
+    timer = wall_clock_limit(a.time_limit, write, [])
+    dev = "cuda"
+    H, DK, DV = a.heads, a.dk, a.dv
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def qkv(T):
+        q = dr.l2norm(torch.randn(T, H, DK, device=dev, generator=gen)) * DK**-0.5
+        k = dr.l2norm(torch.randn(T, H, DK, device=dev, generator=gen))
+        v = torch.randn(T, H, DV, device=dev, generator=gen)
+        g = -torch.rand(T, H, device=dev, generator=gen) * 0.1
+        beta = torch.rand(T, H, device=dev, generator=gen)
+        return q, k, v, g, beta
+
+    lines += [
+        "## Decode step (one layer)",
+        "",
+        "| batch | state bytes r+w | copy of the same bytes (measured) | kernel | kernel GB/s | of copy bw | "
+        "PyTorch gather/step/scatter | speed-up |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for B in a.batches:
+        P = 2 * B + 8
+        state = torch.randn(P, H, DK, DV, device=dev, generator=gen) * 0.01
+        pages = torch.randperm(P, device=dev, generator=gen)[:B]
+        q, k, v, g, beta = qkv(B)
+        nbytes = 2 * B * H * DK * DV * 4
+        src = torch.empty(nbytes // 8, device=dev, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        t_copy = cuda_time(lambda: dst.copy_(src), a.reps)  # reads and writes nbytes / 2 each: nbytes in all
+        t_kernel = cuda_time(lambda: kd.recurrent_step(q, k, v, g, beta, state, pages), a.reps)
+
+        def torch_step():
+            s = state[pages]
+            dr.recurrent_step(q, k, v, g, beta, s)
+            state[pages] = s
+
+        t_torch = cuda_time(torch_step, a.reps)
+        gbs, copy_gbs = nbytes / t_kernel / 1e9, nbytes / t_copy / 1e9
+        rows.append(dict(kind="decode", batch=B, bytes=nbytes, copy_s=t_copy, kernel_s=t_kernel, torch_s=t_torch))
+        lines.append(
+            f"| {B} | {nbytes / 2**20:.1f} MiB | {t_copy * 1e6:.1f} us ({copy_gbs:.0f} GB/s) | {t_kernel * 1e6:.1f} us "
+            f"| {gbs:.0f} | {gbs / copy_gbs:.2f} | {t_torch * 1e6:.1f} us | {t_torch / t_kernel:.1f}x |"
+        )
+    lines += [
+        "",
+        "## Prefill (4 sequences, varlen, one layer)",
+        "",
+        "| tokens | kernel | tokens/s | PyTorch chunked (per sequence) | speed-up | max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for T in a.prefill:
+        lens = [T // 4] * 4
+        starts = [sum(lens[:i]) for i in range(4)]
+        q, k, v, g, beta = qkv(T)
+        state = torch.zeros(8, H, DK, DV, device=dev)
+        ints = lambda xs: torch.tensor(xs, device=dev)  # noqa: E731
+        pg, st, ln = ints([0, 1, 2, 3]), ints(starts), ints(lens)
+
+        def kernel():
+            state[:4].zero_()
+            return kd.chunked(q, k, v, g, beta, state, pg, st, ln)
+
+        def reference():
+            out = []
+            for i in range(4):
+                sl = slice(starts[i], starts[i] + lens[i])
+                s = torch.zeros(H, DK, DV, device=dev)
+                out.append(dr.chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], s))
+            return torch.cat(out)
+
+        t_kernel = cuda_time(kernel, max(5, a.reps // 5))
+        t_ref = cuda_time(reference, max(5, a.reps // 5))
+        diff = (kernel() - reference()).abs().max().item()
+        rows.append(dict(kind="prefill", tokens=T, kernel_s=t_kernel, torch_s=t_ref, max_abs_diff=diff))
+        lines.append(
+            f"| {T} | {t_kernel * 1e3:.2f} ms | {T / t_kernel:,.0f} | {t_ref * 1e3:.2f} ms | "
+            f"{t_ref / t_kernel:.1f}x | {diff:.1e} |"
+        )
+    timer.cancel()
+    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
