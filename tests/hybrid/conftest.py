@@ -49,7 +49,7 @@ def hybrid_hf(hybrid_folder):
 def make_engine(folder, **kw):
     from backends.common.engine import Engine
 
-    return Engine(str(folder), dtype="float32", device="cpu", **{"kv_tokens": 4096, "chunk_size": 64, **kw})
+    return Engine(str(folder), dtype="float32", **{"device": "cpu", "kv_tokens": 4096, "chunk_size": 64, **kw})
 
 
 def prompt(seed: int, n: int) -> list[int]:

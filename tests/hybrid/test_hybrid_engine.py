@@ -128,8 +128,10 @@ def test_delta_rule_kernels_in_the_engine_give_the_same_tokens(hybrid_folder, en
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     prompts = [prompt(80 + i, 30 + 45 * i) for i in range(3)]
-    fast = make_engine(hybrid_folder, backend="triton")
-    assert fast.runner.model.kd is not None
-    want = [o.output_ids for o in engine.generate(prompts, greedy(12))]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = engine if device == "cpu" else make_engine(hybrid_folder, device=device, backend="torch")
+    fast = make_engine(hybrid_folder, device=device, backend="triton")
+    assert fast.runner.model.kd is not None and ref.runner.model.kd is None
+    want = [o.output_ids for o in ref.generate(prompts, greedy(12))]
     assert [o.output_ids for o in fast.generate(prompts, greedy(12))] == want
     assert_idle(fast)
