@@ -4,11 +4,10 @@ request's recurrent state in place in its state page (the PyTorch reference: bac
 - `recurrent_step`: one decode token for B sequences. One program per (sequence, value head, block of value
   dims) loads its [key dim, block] slice of the state once, applies decay, delta update and read-out, and stores
   it once: the state is read and written exactly once per step, the bound the benchmark measures against.
-- `chunked`: prefill of several sequences of any lengths (varlen), chunk by chunk of 64 tokens. Within a chunk
-  the delta-rule updates are folded into (I + A)^-1 with A = strictly_lower(beta k k^T * decay); A is nilpotent,
-  so the inverse is the finite product (I - A)(I + A^2)(I + A^4)...(I + A^32): five squarings, all tensor-core
-  matmuls, no row-by-row substitution. One program per (sequence, value head, block of value dims) carries the
-  state across chunks in registers.
+- `chunked`: prefill of several sequences of any lengths (varlen) in chunks of 64 tokens. The chunk algebra that
+  does not depend on the state (the WY form of each chunk's delta-rule updates) runs for all chunks at once in
+  batched PyTorch ops; one kernel launch then carries each sequence's state across its chunks in registers, one
+  program per (sequence, value head, block of value dims), four matmuls per chunk.
 
 Inputs are float32: q, k already L2-normalised (q scaled by key_dim^-1/2), one row per value head."""
 
@@ -76,71 +75,78 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor, pages: torch.Tensor) -
 
 
 @triton.jit
-def _chunked_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, pages_ptr, starts_ptr, lens_ptr,
-    s_page, s_head, s_k,
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, LOG2C: tl.constexpr,
+def _chunk_scan_kernel(
+    u_ptr, w_ptr, qd_ptr, kd_ptr, attn_ptr, last_ptr, o_ptr, s_ptr, pages_ptr, first_ptr, count_ptr,
+    s_page, s_head, s_k, M,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
 ):  # fmt: skip
+    """Chunk tensors are [H, M, C, .] contiguous (chunk_prep's layout); sequence n owns chunks
+    [first[n], first[n] + count[n])."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     page = tl.load(pages_ptr + n).to(tl.int64)
-    start = tl.load(starts_ptr + n).to(tl.int64)
-    length = tl.load(lens_ptr + n)
+    first = tl.load(first_ptr + n).to(tl.int64)
+    count = tl.load(count_ptr + n)
     rk = tl.arange(0, BK)
     rv = vb * BV + tl.arange(0, BV)
     rc = tl.arange(0, C)
     mk, mv = rk < DK, rv < DV
     sp = s_ptr + page * s_page + h * s_head + rk[:, None] * s_k + rv[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
-    lower = rc[:, None] >= rc[None, :]
-    strict = rc[:, None] > rc[None, :]
-    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    for c0 in range(0, length, C):
-        m = (c0 + rc) < length
-        rows = start + c0 + rc
-        qk_off = (rows[:, None] * H + h) * DK + rk[None, :]
-        mq = m[:, None] & mk[None, :]
-        kc = tl.load(k_ptr + qk_off, mask=mq, other=0.0)
-        qc = tl.load(q_ptr + qk_off, mask=mq, other=0.0)
-        vc = tl.load(v_ptr + (rows[:, None] * H + h) * DV + rv[None, :], mask=m[:, None] & mv[None, :], other=0.0)
-        gc = tl.load(g_ptr + rows * H + h, mask=m, other=0.0)
-        bc = tl.load(beta_ptr + rows * H + h, mask=m, other=0.0)
-        cum = tl.cumsum(gc, axis=0)
-        decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
-        kb = kc * bc[:, None]
-        a = tl.where(strict, tl.dot(kb, tl.trans(kc), input_precision="ieee") * decay, 0.0)
-        # (I + a)^-1 = (I - a)(I + a^2)(I + a^4)...: a is strictly lower triangular, so a^C = 0
-        inv = eye - a
-        p = a
-        for _ in tl.static_range(LOG2C - 1):
-            p = tl.dot(p, p, input_precision="ieee")
-            inv = tl.dot(inv, eye + p, input_precision="ieee")
-        u = tl.dot(inv, vc * bc[:, None], input_precision="ieee")
-        w = tl.dot(inv, kb * tl.exp(cum)[:, None], input_precision="ieee")
+    for c in range(0, count):
+        chunk = h * M + first + c  # chunk index in [H, M]
+        ck = chunk * C * DK + rc[:, None] * DK + rk[None, :]
+        cv = chunk * C * DV + rc[:, None] * DV + rv[None, :]
+        w = tl.load(w_ptr + ck, mask=mk[None, :], other=0.0)
+        qd = tl.load(qd_ptr + ck, mask=mk[None, :], other=0.0)
+        kd = tl.load(kd_ptr + ck, mask=mk[None, :], other=0.0)
+        u = tl.load(u_ptr + cv, mask=mv[None, :], other=0.0)
+        attn = tl.load(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :])
+        last = tl.load(last_ptr + chunk)
         v_new = u - tl.dot(w, s, input_precision="ieee")
-        attn = tl.dot(qc, tl.trans(kc), input_precision="ieee") * decay
-        out = tl.dot(qc * tl.exp(cum)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
-        tl.store(o_ptr + (rows[:, None] * H + h) * DV + rv[None, :], out, mask=m[:, None] & mv[None, :])
-        last = tl.sum(tl.where(rc == C - 1, cum, 0.0), axis=0)  # padded rows have g = 0: cum stays put
-        kd = kc * tl.exp(last - cum)[:, None]
-        s = s * tl.exp(last) + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
+        out = tl.dot(qd, s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
+        tl.store(o_ptr + cv, out, mask=mv[None, :])
+        s = s * last + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
     tl.store(sp, s, mask=mk[:, None] & mv[None, :])
 
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens) -> torch.Tensor:
     """Sequences i = 0..N-1 own rows [starts[i], starts[i] + lens[i]) of q, k: [T, H, DK], v: [T, H, DV], g, beta:
-    [T, H] (float32, contiguous) and start from (and end in) state page pages[i] of state [pages, H, DK, DV].
-    pages, starts, lens: int tensors [N] on the device. Returns o [T, H, DV]."""
+    [T, H] (float32) and start from (and end in) state page pages[i] of state [pages, H, DK, DV]. pages: an int
+    tensor [N] on the device; starts, lens: lists (or tensors) of ints. Returns o [T, H, DV].
+
+    Two phases: the state-independent chunk algebra for every chunk of every sequence at once, in batched PyTorch
+    matmuls and triangular solves (backends.common.delta_rule.chunk_prep, each sequence padded to whole chunks),
+    then one kernel launch that carries each sequence's state across its chunks in registers."""
+    from backends.common.delta_rule import chunk_prep
+
     T, H, DK = q.shape
     DV = v.shape[-1]
-    o = torch.zeros_like(v)
     if T == 0 or pages.numel() == 0:
-        return o
+        return torch.zeros_like(v)
+    starts, lens = [int(x) for x in starts], [int(x) for x in lens]
+    counts = [triton.cdiv(n, CHUNK) for n in lens]
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    # rows of the padded layout: each sequence's rows, then -1 (a zero row) up to a whole chunk
+    idx = torch.full((sum(counts) * CHUNK,), T, dtype=torch.int64)
+    for s0, n, f in zip(starts, lens, firsts):
+        idx[f * CHUNK : f * CHUNK + n] = torch.arange(s0, s0 + n)
+    idx = idx.to(q.device)
+
+    def padded(x):
+        return torch.cat((x, x.new_zeros((1, *x.shape[1:]))))[idx]
+
+    u, w, qd, kd, attn, last = (t.contiguous() for t in chunk_prep(*(padded(x) for x in (q, k, v, g, beta)), CHUNK))
+    M = u.shape[1]
+    o = torch.empty_like(u)
     bk = max(16, triton.next_power_of_2(DK))
-    bv = max(16, min(triton.next_power_of_2(DV), 32 if bk > 64 else 64))
+    bv = max(16, min(triton.next_power_of_2(DV), 64 if bk > 64 else 128))
     sp, sh, sk = _state_strides(state)
-    _chunked_kernel[(pages.numel(), H, triton.cdiv(DV, bv))](
-        q, k, v, g, beta, o, state, pages, starts, lens, sp, sh, sk,
-        H=H, DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, LOG2C=6, num_warps=4,
+    dev = q.device
+    _chunk_scan_kernel[(len(lens), H, triton.cdiv(DV, bv))](
+        u, w, qd, kd, attn, last, o, state, pages,
+        torch.tensor(firsts, device=dev), torch.tensor(counts, device=dev), sp, sh, sk, M,
+        DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, num_warps=4,
     )  # fmt: skip
-    return o
+    out = torch.empty_like(v)
+    out[idx[idx < T]] = o.permute(1, 2, 0, 3).reshape(-1, H, DV)[idx < T]
+    return out

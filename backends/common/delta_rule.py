@@ -38,18 +38,18 @@ def recurrent(q, k, v, g, beta, state):
     return out
 
 
-def chunked(q, k, v, g, beta, state, chunk: int = 64):
-    """n tokens of one sequence in chunks: within a chunk the delta-rule updates are folded into one triangular
-    solve (the WY/UT form), across chunks the state is carried. Same arguments as `recurrent`."""
-    n, H, Dk = q.shape
-    Dv = v.shape[-1]
+def chunk_prep(q, k, v, g, beta, chunk: int = 64):
+    """The state-independent part of the chunked form for n tokens of one sequence (or of several, each padded to
+    whole chunks): within each chunk the delta-rule updates are folded into one triangular solve (the WY/UT form).
+    Returns [H, m, C, .] tensors (u, w, q_dec, k_dec, attn) and last [H, m], for `chunk_scan`. Positions past n are
+    padded with k = v = beta = 0 and g = 0, which leave the state as it is."""
+    n, H, _ = q.shape
     pad = (-n) % chunk
-    if pad:  # padded positions have k = v = beta = 0 and g = 0: they leave the state as it is
+    if pad:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     m = q.shape[0] // chunk
-    # [H, m, C, .]
-    q, k, v = (x.view(m, chunk, H, -1).permute(2, 0, 1, 3) for x in (q, k, v))
+    q, k, v = (x.view(m, chunk, H, -1).permute(2, 0, 1, 3) for x in (q, k, v))  # [H, m, C, .]
     g, beta = (x.view(m, chunk, H).permute(2, 0, 1) for x in (g, beta))
     cum = g.cumsum(-1)  # log of the decay from the chunk's start through position i
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
@@ -63,15 +63,28 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
     attn = (q @ k.transpose(-1, -2)) * decay  # causal within the chunk, diagonal included
     q_dec = q * cum.exp()[..., None]
     k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
-    last = cum[..., -1].exp()  # [H, m]
-    out = torch.empty(H, m, chunk, Dv, dtype=q.dtype, device=q.device)
+    return u, w, q_dec, k_dec, attn, cum[..., -1].exp()
+
+
+def chunk_scan(prep, state) -> torch.Tensor:
+    """Carry the state [H, Dk, Dv] (updated in place) across the chunks of `chunk_prep`; returns o [H, m, C, Dv]."""
+    u, w, q_dec, k_dec, attn, last = prep
+    out = torch.empty_like(u)
     s = state
-    for i in range(m):
+    for i in range(u.shape[1]):
         v_new = u[:, i] - w[:, i] @ s
         out[:, i] = q_dec[:, i] @ s + attn[:, i] @ v_new
         s = s * last[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
     state.copy_(s)
-    return out.permute(1, 2, 0, 3).reshape(m * chunk, H, Dv)[:n]
+    return out
+
+
+def chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """n tokens of one sequence in chunks: `chunk_prep`, then `chunk_scan` carrying the state. Same arguments as
+    `recurrent`."""
+    n, H, _ = q.shape
+    out = chunk_scan(chunk_prep(q, k, v, g, beta, chunk), state)
+    return out.permute(1, 2, 0, 3).reshape(-1, H, v.shape[-1])[:n]
 
 
 def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -194,7 +194,7 @@ class HybridModel:
                 return torch.tensor(v, dtype=torch.int64, device=dev)
 
             q, k, v, g, beta = (torch.cat([part[j] for part in parts]).contiguous() for j in range(5))
-            o = self.kd.chunked(q, k, v, g, beta, ssm, ints([pages[i] for i in multi]), ints(starts), ints(lens))
+            o = self.kd.chunked(q, k, v, g, beta, ssm, ints([pages[i] for i in multi]), starts, lens)
             for j, i in enumerate(multi):
                 core[batch.starts[i] : batch.starts[i] + lens[j]] = o[starts[j] : starts[j] + lens[j]]
         out = gated_rms_norm(core.to(x.dtype), z, self.w[p + "norm.weight"], cfg.rms_norm_eps)
