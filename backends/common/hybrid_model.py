@@ -114,7 +114,17 @@ class HybridModel:
         kv.v(kv_layer)[batch.out_slots] = v
         out = torch.empty_like(q)
         k_pool, v_pool = kv.k(kv_layer), kv.v(kv_layer)
+        decode = batch.decode_rows()
+        if decode is not None:  # every single-token sequence in one padded attention call
+            rows, slots, valid = decode
+            ks, vs = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[rows][:, :, None], ks, vs, attn_mask=valid, scale=self.scale, enable_gqa=True
+            )
+            out[rows] = o[:, :, 0]
         for start, n, slots in zip(batch.starts, batch.new_lens, batch.ctx_slots):
+            if n == 1 and decode is not None:
+                continue
             ctx = slots.numel()
             qs = q[start : start + n].transpose(0, 1)
             ks, vs = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)
