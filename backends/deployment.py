@@ -57,13 +57,21 @@ def gpu_count() -> int:
         return 0
 
 
+def _speculative(mode: str, cfg) -> str:
+    """--speculative checked against the model before any process starts (mtp needs an MTP head)."""
+    if mode == "mtp" and not cfg.mtp_layers:
+        raise ValueError("--speculative mtp: this model ships no MTP head; use --speculative ngram")
+    return mode
+
+
 def kv_bytes_per_token(cfg, dtype: str) -> int:
     import torch
 
     from .common.runner import parse_dtype
 
     itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-    return len(cfg.full_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize  # hybrid: full layers only
+    layers = len(cfg.full_layers) + (1 if cfg.is_hybrid and cfg.mtp_layers else 0)  # hybrid: full layers, MTP
+    return layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
@@ -120,6 +128,7 @@ class Deployment:
     rotation_quantum: float
     decode_overlap: str  # "on": step n+1 launched before step n's tokens are read (GPU graphs, greedy)
     state_pages: int = 0  # hybrid models: state pages per instance (0: the runner's default)
+    speculative: str = "off"  # decode's drafts: off, ngram (prompt lookup) or mtp (the model's MTP head)
 
     @classmethod
     def from_args(cls, a, n_gpus: int) -> Deployment:
@@ -175,6 +184,7 @@ class Deployment:
             rotation_quantum=a.rotation_quantum,
             decode_overlap=a.decode_overlap,
             state_pages=getattr(a, "state_pages", 0) or 0,
+            speculative=_speculative(getattr(a, "speculative", "off"), cfg),
         )
 
     def write_key(self) -> None:
@@ -209,6 +219,7 @@ class Deployment:
             "ROTATION_QUANTUM": str(self.rotation_quantum),
             "DECODE_OVERLAP": self.decode_overlap,
             "STATE_PAGES": str(self.state_pages),
+            "SPECULATIVE": self.speculative,
             "MASTER_INSTANCES": "1",
             "DECODE_GROUPS": self.decode_groups,
             "PREFILL_GROUPS": self.prefill_groups,

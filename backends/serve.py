@@ -126,6 +126,14 @@ def register(sub) -> None:
         "more greedy token for every running request (GPU decode graphs); off: every step is read before the next",
     )
     p.add_argument(
+        "--speculative",
+        choices=["off", "ngram", "mtp"],
+        default="off",
+        help="speculative decoding on decode, one draft token per step, verified exactly (the answers are token "
+        "for token the non-speculative ones): ngram drafts by prompt lookup for any model, mtp with the model's "
+        "multi-token-prediction head (Qwen3-Next). Turns --decode-overlap off",
+    )
+    p.add_argument(
         "--state-pages",
         type=int,
         default=0,

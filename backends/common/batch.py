@@ -18,6 +18,10 @@ class Span:
     slots: list[int]
     key: object = None  # the request's id: lets the GPU path keep its slot-table row between steps
     state_page: int = -1  # hybrid models: the request's linear-attention state page (state at `start` on entry)
+    # speculative verification (two tokens: the input and a draft): logits for every row, and for hybrid models
+    # a scratch page that receives the state after the first token, to roll back to when the draft is rejected
+    logits_all: bool = False
+    save_page: int = -1
 
 
 @dataclass(slots=True)
@@ -36,6 +40,7 @@ class ForwardBatch:
     ctx_slots: list[torch.Tensor]  # each [ctx_len] int64
     logits_rows: torch.Tensor  # [N] int64: rows of T to compute logits for (usually each sequence's last)
     state_pages: list[int] | None = None  # hybrid models: each sequence's state page
+    save_pages: list[int] | None = None  # hybrid models: a scratch page per sequence for speculative steps, or -1
     _decode: tuple | None = None
 
     def decode_rows(self):
@@ -68,9 +73,14 @@ def build_batch(spans: list[Span], device) -> ForwardBatch:
         pos.extend(range(s.start, end))
         out.extend(s.slots[s.start : end])
         ctx.append(torch.tensor(s.slots[:end], dtype=torch.int64, device=device))
-    rows = [st + n - 1 for st, n in zip(starts, new_lens)]
+    rows = []
+    for s, st, n in zip(spans, starts, new_lens):
+        rows.extend(range(st, st + n) if s.logits_all else [st + n - 1])
 
     def t(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    return ForwardBatch(t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows), [s.state_page for s in spans])
+    return ForwardBatch(
+        t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows), [s.state_page for s in spans],
+        [s.save_page for s in spans],
+    )  # fmt: skip

@@ -170,10 +170,13 @@ class HybridModel:
         conv, ssm = state.conv(j), state.ssm(j)
         core = torch.empty(x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim, device=x.device)
         pages = batch.state_pages
-        single = [i for i, n in enumerate(batch.new_lens) if n == 1]
-        if single:
-            rows = torch.tensor([batch.starts[i] for i in single], dtype=torch.int64, device=x.device)
-            pg = torch.tensor([pages[i] for i in single], dtype=torch.int64, device=x.device)
+        saves = batch.save_pages or [-1] * len(pages)
+        dev = x.device
+
+        def ints(v):
+            return torch.tensor(v, dtype=torch.int64, device=dev)
+
+        def step(rows, pg):  # one token for each of rows, in the recurrent form
             cs = conv[pg]
             m = dr.conv_step(mixed[rows].float(), cs, conv_w.float())
             conv[pg] = cs
@@ -184,7 +187,18 @@ class HybridModel:
                 ss = ssm[pg]
                 core[rows] = dr.recurrent_step(q, k, v, g, beta, ss)
                 ssm[pg] = ss
-        multi = [i for i, n in enumerate(batch.new_lens) if n > 1]
+
+        single = [i for i, n in enumerate(batch.new_lens) if n == 1]
+        if single:
+            step(ints([batch.starts[i] for i in single]), ints([pages[i] for i in single]))
+        spec = [i for i, n in enumerate(batch.new_lens) if n == 2 and saves[i] >= 0]
+        if spec:  # input token, snapshot of the state after it (the rollback point), then the draft token
+            pg, sv = ints([pages[i] for i in spec]), ints([saves[i] for i in spec])
+            first = ints([batch.starts[i] for i in spec])
+            step(first, pg)
+            conv[sv], ssm[sv] = conv[pg], ssm[pg]
+            step(first + 1, pg)
+        multi = [i for i, n in enumerate(batch.new_lens) if n > 1 and i not in spec]
         parts = []
         for i in multi:
             start, n, page = batch.starts[i], batch.new_lens[i], pages[i]
@@ -198,11 +212,6 @@ class HybridModel:
         if parts:  # every prefill span of the batch in one varlen kernel launch
             lens = [batch.new_lens[i] for i in multi]
             starts = [sum(lens[:j]) for j in range(len(lens))]
-            dev = x.device
-
-            def ints(v):
-                return torch.tensor(v, dtype=torch.int64, device=dev)
-
             q, k, v, g, beta = (torch.cat([part[j] for part in parts]).contiguous() for j in range(5))
             o = self.kd.chunked(q, k, v, g, beta, ssm, ints([pages[i] for i in multi]), starts, lens)
             for j, i in enumerate(multi):
@@ -259,5 +268,26 @@ class HybridModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVStore, state: StateStore) -> torch.Tensor:
         """float32 logits [len(batch.logits_rows), vocab]."""
-        h = self.hidden(batch, kv, state)
-        return F.linear(h[batch.logits_rows], self.lm_head).float()
+        return self.forward_hidden(batch, kv, state)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, kv: KVStore, state: StateStore):
+        """(float32 logits of batch.logits_rows, final-norm hidden states of those rows): what the MTP head reads."""
+        h = self.hidden(batch, kv, state)[batch.logits_rows]
+        return F.linear(h, self.lm_head).float(), h
+
+    @torch.inference_mode()
+    def mtp_logits(self, batch: ForwardBatch, hidden: torch.Tensor, kv: KVStore) -> torch.Tensor:
+        """The MTP head (Qwen3-Next's `mtp.*`): row t takes the main model's hidden state at position t and the
+        embedding of the token at t + 1 (batch.input_ids, at batch.positions = t) and predicts the token at t + 2.
+        Its one full-attention layer keeps K/V in the extra KV layer, at the slots of the main model's positions.
+        float32 logits [len(batch.logits_rows), vocab]."""
+        cfg, w = self.cfg, self.w
+        e = offset_rms_norm(w["model.embed_tokens.weight"][batch.input_ids], w["mtp.pre_fc_norm_embedding.weight"],
+                            cfg.rms_norm_eps)  # fmt: skip
+        h = offset_rms_norm(hidden.to(e.dtype), w["mtp.pre_fc_norm_hidden.weight"], cfg.rms_norm_eps)
+        h = F.linear(torch.cat((e, h), dim=-1), w["mtp.fc.weight"])
+        cos, sin = self.rope(batch.positions)
+        h = self.layer(h, None, "mtp.layers.0.", kv, None, batch, cos, sin, kv_layer=self.mtp_kv_layer, mlp_key="mtp")
+        h = offset_rms_norm(h[batch.logits_rows], w["mtp.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -25,10 +25,11 @@ class LaunchedStep:
     rows: list[tuple[InferReq, int]]
 
 
-def banned_ids(req: InferReq, eos_ids: list[int]) -> list[int]:
-    """Tokens that may not be drawn yet: EOS and stop ids until min_tokens outputs exist."""
+def banned_ids(req: InferReq, eos_ids: list[int], num_out: int | None = None) -> list[int]:
+    """Tokens that may not be drawn yet: EOS and stop ids until min_tokens outputs exist (num_out: as if the request
+    had that many outputs, default its own count)."""
     p = req.params
-    if len(req.output_ids) >= p.min_tokens:
+    if (len(req.output_ids) if num_out is None else num_out) >= p.min_tokens:
         return []
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
 
@@ -48,15 +49,19 @@ def finish_reason(
     return None
 
 
-def sample_requests(logits: torch.Tensor, reqs: list[InferReq], eos_ids: list[int]) -> list[int]:
+def sample_requests(
+    logits: torch.Tensor, reqs: list[InferReq], eos_ids: list[int], ahead: list[int] | None = None
+) -> list[int]:
+    """Row i's token for reqs[i]'s next output, or (ahead[i] = 1) for the output after it (speculation)."""
+    outs = [len(r.output_ids) + (ahead[i] if ahead else 0) for i, r in enumerate(reqs)]
     return sample(
         logits,
         [r.params.temperature for r in reqs],
         [r.params.top_p for r in reqs],
         [r.params.top_k for r in reqs],
         [r.seed for r in reqs],
-        [len(r.output_ids) for r in reqs],
-        [banned_ids(r, eos_ids) for r in reqs],
+        outs,
+        [banned_ids(r, eos_ids, n) for r, n in zip(reqs, outs)],
     ).tolist()
 
 

@@ -128,6 +128,7 @@ class InferReq:
         self.cached_len = 0
         self.last_node = None
         self.state_page = -1  # hybrid models: the live linear-attention state page (-1: none)
+        self.draft: int | None = None  # speculative decoding: the guess for the token after the next input
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.epoch = 0

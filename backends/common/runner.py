@@ -132,7 +132,26 @@ class ModelRunner:
         )  # fmt: skip
         self.num_slots = kv_tokens
         self.num_state_pages = state_pages or default_state_pages(max_batch)
-        self.state = StateStore.allocate(self.cfg, self.num_state_pages, self.device, shm_name=state_shm_name)
+        # the pages the scheduler hands out, then one scratch page per batch row for speculative steps' rollback
+        self.state = StateStore.allocate(
+            self.cfg, self.num_state_pages + max_batch, self.device, shm_name=state_shm_name
+        )
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.state is not None and self.model.has_mtp
+
+    def scratch_page(self, row: int) -> int:
+        """A hybrid model's scratch state page for batch row `row` (outside the scheduler's pages)."""
+        return self.num_state_pages + row
+
+    def forward_hidden(self, spans: list[Span]):
+        """(logits, final-norm hidden states) of the spans' logits rows: hybrid models only (the MTP head's input)."""
+        return self.model.forward_hidden(build_batch(spans, self.device), self.kv, self.state)
+
+    def mtp_logits(self, spans: list[Span], hidden) -> torch.Tensor:
+        """The MTP head over spans whose tokens are the main model's next tokens (see HybridModel.mtp_logits)."""
+        return self.model.mtp_logits(build_batch(spans, self.device), hidden, self.kv)
 
     def apply_state_ops(self, ops: list[tuple[int, int]]) -> None:
         """Run the state-page copies the scheduler queued (see StatePages), before anything reads the pages."""

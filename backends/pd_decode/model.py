@@ -20,6 +20,7 @@ from backends.common.metrics import Metrics
 from backends.common.postprocess import finish_reason
 from backends.common.request import InferReq, ParamError, ReqState
 from backends.common.runner import ModelRunner, set_cpu_threads
+from backends.common.speculative import check_mode
 from backends.common.state_pages import StatePages
 from backends.common.streaming import Item, Stream, StreamSender
 from backends.common.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
@@ -92,10 +93,12 @@ class DecodeModel:
             quantum=float(p.get("rotation_quantum", "0")),
             costs=default_costs(self.runner.cfg, self.runner.kv.bytes_per_slot, gpu),
             state=StatePages(self.runner.num_state_pages) if state is not None else None,
+            speculative=(spec := check_mode(p.get("speculative", "off"), self.runner.has_mtp)) != "off",
         )
         self.steps = DecodeSteps(
-            self.runner, self.sched, self.eos, self._after_token, overlap=p.get("decode_overlap", "on") == "on"
-        )
+            self.runner, self.sched, self.eos, self._after_token, overlap=p.get("decode_overlap", "on") == "on",
+            speculative=spec,
+        )  # fmt: skip
         self.watchdog = ProgressWatchdog(float(p.get("stall_seconds", "30")))
         self._last_invariant_check = 0.0
         self.key = open(p["internal_key_file"]).read().strip()
@@ -160,6 +163,11 @@ class DecodeModel:
             )
         }
         self._reported["overlapped"] = {"steps": 0}
+        self.c_spec = {
+            "drafts": m.counter("pd_decode_spec_draft_tokens_total", "Speculative draft tokens verified"),
+            "accepted": m.counter("pd_decode_spec_accepted_tokens_total", "Speculative draft tokens kept"),
+        }
+        self._reported["spec"] = {"drafts": 0, "accepted": 0}
         self.g["total"].set(self.sched.pool.num_slots)
         self.g["state_free"] = g("pd_state_pages_free", "Linear-attention state pages free (hybrid models)")
         self.g["state_used"] = g("pd_state_pages_used", "State pages held by requests (hybrid models)")
@@ -449,6 +457,8 @@ class DecodeModel:
         self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
         self._count_deltas("skips", s.host_skips, self.c_host_skips)
         self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
+        spec = {"drafts": self.steps.num_drafts, "accepted": self.steps.num_accepted}
+        self._count_deltas("spec", spec, self.c_spec)
         self.g["stalled"].set(round(self.watchdog.stalled_for(bool(s.reqs)), 1))
 
     def _count_deltas(self, name: str, totals: dict, counters: dict) -> None:

@@ -155,6 +155,7 @@ class DecodeScheduler:
         costs: RecoveryCosts | None = None,
         clock: Callable[[], float] = time.monotonic,
         state: StatePages | None = None,
+        speculative: bool = False,
     ):
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
@@ -164,6 +165,8 @@ class DecodeScheduler:
             raise ValueError("the host KV tier does not hold linear-attention state: use it with dense models only")
         self.pool = pool
         self.state = state
+        # speculative decoding: a running request with a draft also gets a slot for it, when one is free
+        self.speculative = speculative
         self.radix = RadixCache(pool, state)
         self.kv = KVAccounting(pool, self.radix)
         self.max_running, self.pause_policy, self.on_oom = max_running, pause_policy, on_oom
@@ -259,8 +262,9 @@ class DecodeScheduler:
         return req
 
     def _drop_reserved(self, req: InferReq) -> None:
-        """A slot reserved for the next token holds no K/V yet: give it back before caching the rest."""
-        if req.slots and len(req.slots) == req.num_tokens and len(req.slots) > req.cached_len:
+        """Slots reserved for the next token (and a draft) hold no K/V of the request's tokens: give them back
+        before caching the rest."""
+        while req.slots and len(req.slots) >= req.num_tokens and len(req.slots) > req.cached_len:
             self.pool.free([req.slots.pop()])
 
     def finish(self, req: InferReq, reason: str) -> None:
@@ -319,7 +323,7 @@ class DecodeScheduler:
         if not self.by_state(ReqState.PAUSED):  # paused requests take precedence over new admissions
             self._admit_waiting(plan)
         self._ensure_progress(plan)
-        plan.decode = [r for r in self.by_state(ReqState.RUNNING) if len(r.slots) == r.num_tokens]
+        plan.decode = [r for r in self.by_state(ReqState.RUNNING) if len(r.slots) >= r.num_tokens]
         return plan
 
     def _ensure_progress(self, plan: Plan) -> None:
@@ -356,11 +360,11 @@ class DecodeScheduler:
         """One slot per running request for its next token; pause victims until that fits. The cache gives up
         what the whole batch lacks in one eviction pass, not one pass per request."""
         running = self.by_state(ReqState.RUNNING)
-        short = sum(1 for r in running if len(r.slots) != r.num_tokens) - self.pool.num_free
+        short = sum(1 for r in running if len(r.slots) < r.num_tokens) - self.pool.num_free
         if short > 0:
             self.radix.evict(short)
         for req in running:
-            if req.state is not ReqState.RUNNING or len(req.slots) == req.num_tokens:
+            if req.state is not ReqState.RUNNING or len(req.slots) >= req.num_tokens:
                 continue
             while (slot := self._alloc(1)) is None:
                 victim = self._pick_victim()
@@ -369,6 +373,13 @@ class DecodeScheduler:
                     break
             if slot is not None:
                 req.slots += slot
+        if self.speculative:  # a draft's slot only from free ones: it never pauses or evicts anybody
+            for req in running:
+                if req.state is ReqState.RUNNING and req.draft is not None and len(req.slots) == req.num_tokens:
+                    slot = self.pool.alloc(1)
+                    if slot is None:
+                        break
+                    req.slots += slot
 
     def _pick_victim(self) -> InferReq:
         running = self.by_state(ReqState.RUNNING)
@@ -599,7 +610,8 @@ class DecodeScheduler:
         for r in self.reqs.values():
             if r.state in (ReqState.WAITING, ReqState.PAUSED) and (r.slots or r.last_node is not None):
                 out.append(f"{r.rid}: {r.state.value} but holds KV")
-            if r.state is ReqState.RUNNING and not r.num_tokens - 1 <= len(r.slots) <= r.num_tokens:
+            top = r.num_tokens + (1 if self.speculative else 0)
+            if r.state is ReqState.RUNNING and not r.num_tokens - 1 <= len(r.slots) <= top:
                 out.append(f"{r.rid}: running with {len(r.slots)} slots for {r.num_tokens} tokens")
             if r.num_tokens > self.max_len:
                 out.append(f"{r.rid}: {r.num_tokens} tokens, more than max_len {self.max_len}")

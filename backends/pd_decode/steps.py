@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from backends.common.batch import Span
-from backends.common.postprocess import PENDING, LaunchedStep, greedy_unbanned, next_tokens
+from backends.common.postprocess import PENDING, LaunchedStep, greedy_unbanned, next_tokens, sample_requests
 from backends.common.request import InferReq, ReqState
+from backends.common.speculative import ngram_draft
 
 from .scheduler import DecodeScheduler
 
@@ -35,13 +36,19 @@ class DecodeSteps:
         eos_ids: list[int],
         on_token: Callable[[InferReq, int, int], None],
         overlap: bool = True,
+        speculative: str = "off",
     ):
         """on_token(req, token, num_out): `token` is output number num_out of req (its output_ids[num_out - 1]);
-        the callback finishes the request if it stops there (dropping any later placeholder: `drop_after`)."""
-        self.runner, self.sched, self.eos, self.on_token, self.overlap = runner, sched, eos_ids, on_token, overlap
+        the callback finishes the request if it stops there (dropping any later placeholder: `drop_after`).
+        speculative: "off", "ngram" or "mtp" (backends.common.speculative); speculation turns overlap off."""
+        self.runner, self.sched, self.eos, self.on_token = runner, sched, eos_ids, on_token
+        self.speculative = speculative
+        self.overlap = overlap and speculative == "off"
         self._launched: LaunchedStep | None = None
         self.num_steps = 0
         self.num_overlapped = 0  # steps launched while the step before was still unread
+        self.num_drafts = 0  # speculative: draft tokens verified
+        self.num_accepted = 0  # of those, kept
 
     @property
     def pending(self) -> bool:
@@ -66,7 +73,12 @@ class DecodeSteps:
         )
 
     def step(self, reqs: list[InferReq]) -> None:
-        """One decode token for each of reqs (each holds a reserved slot for it)."""
+        """One decode token for each of reqs (each holds a reserved slot for it); speculating, a second one for
+        each whose draft is verified."""
+        if self.speculative != "off":
+            self.num_steps += 1
+            self._speculative_step(reqs)
+            return
         if self.overlap and greedy_unbanned(reqs, self.eos):
             handle = self.runner.launch_greedy(self._spans(reqs))
             if handle is not None:
@@ -94,6 +106,58 @@ class DecodeSteps:
                 continue  # ended at the step before (its row here was computed for nothing)
             req.output_ids[i] = token
             self.on_token(req, token, i + 1)
+
+    def _speculative_step(self, reqs: list[InferReq]) -> None:
+        """Verify each request's draft (when it has one and a slot for it) in one forward pass; see the module
+        doc of backends.common.speculative for why the tokens equal the non-speculative ones."""
+        runner, state = self.runner, self.sched.state
+        spans, drafts = [], []
+        for i, r in enumerate(reqs):
+            n = r.num_tokens
+            d = r.draft if r.draft is not None and len(r.slots) > n else None
+            save = runner.scratch_page(i) if d is not None and state is not None else -1
+            toks = r.token_slice(n - 1, n) + ([d] if d is not None else [])
+            spans.append(Span(toks, n - 1, r.slots, r.rid, r.state_page, logits_all=d is not None, save_page=save))
+            drafts.append(d)
+        mtp = self.speculative == "mtp"
+        logits, hidden = runner.forward_hidden(spans) if mtp else (runner.forward(spans), None)
+        firsts, row = [], 0
+        for d in drafts:
+            firsts.append(row)
+            row += 1 if d is None else 2
+        t1 = sample_requests(logits[firsts], reqs, self.eos)
+        acc = [i for i, (d, t) in enumerate(zip(drafts, t1)) if d is not None and d == t]
+        t2 = dict(zip(acc, sample_requests(logits[[firsts[i] + 1 for i in acc]], [reqs[i] for i in acc], self.eos,
+                                           ahead=[1] * len(acc)))) if acc else {}  # fmt: skip
+        mtp_rows = []  # (request, tokens after the input, hidden rows)
+        for i, (r, d) in enumerate(zip(reqs, drafts)):
+            if d is not None:
+                self.num_drafts += 1
+                if state is not None:  # roll back unless the draft survives: queued before anything caches it
+                    state.copy(r.state_page, spans[i].save_page)
+            self.sched.after_decode(r, t1[i])
+            self.on_token(r, t1[i], len(r.output_ids))
+            toks, rows = [t1[i]], [firsts[i]]
+            if i in t2 and r.state is ReqState.RUNNING:
+                self.num_accepted += 1
+                if state is not None:
+                    state.written_elsewhere(r.state_page)  # the draft was right: keep the state past it
+                self.sched.after_decode(r, t2[i])
+                self.on_token(r, t2[i], len(r.output_ids))
+                toks.append(t2[i])
+                rows.append(firsts[i] + 1)
+            r.draft = None
+            if r.state is ReqState.RUNNING:
+                if mtp:
+                    mtp_rows.append((r, toks, rows))
+                else:
+                    r.draft = ngram_draft(r.all_ids)
+        if mtp_rows:
+            mspans = [Span(toks, r.num_tokens - 1 - len(toks), r.slots, r.rid) for r, toks, _ in mtp_rows]
+            h = hidden[[x for _, _, rows in mtp_rows for x in rows]]
+            drafts = runner.mtp_logits(mspans, h).argmax(dim=-1).tolist()
+            for (r, _, _), d in zip(mtp_rows, drafts):
+                r.draft = int(d)
 
     def drop(self) -> None:
         """Forget the unread step (the loop failed its requests)."""
