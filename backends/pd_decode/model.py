@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from backends.common import triton_io as tio
+from backends.common.batch import Span
 from backends.common.kv_handoff import export_handle
 from backends.common.kv_pool import KVPool
 from backends.common.mailbox import Mailbox, prefill_notice
@@ -135,7 +136,7 @@ class DecodeModel:
         self.c_pauses = m.counter("pd_pauses_total", "Requests paused for lack of KV slots")
         self.c_recover = {
             k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k)
-            for k in ("local", "host", "prefill")
+            for k in ("local", "host", "prefill", "recompute")
         }
         self.c_rotations = m.counter("pd_rotations_total", "Running requests paused to give a paused one its turn")
         self.c_swapped = {
@@ -238,6 +239,7 @@ class DecodeModel:
                     self._emit(req, [], "restart")
                 if self.sched.state is not None:  # state copies the plan queued, before prefill or a step writes
                     self.runner.apply_state_ops(self.sched.state.take_ops())
+                self._recompute(plan)
                 self._swap(plan)
                 for job in plan.transfers:
                     self.transfers.submit(self._transfer, self._prefill_request(job))
@@ -256,6 +258,20 @@ class DecodeModel:
                     self._fail_all(f"decode loop error: {e!r}")
                 except Exception as e2:  # the loop must outlive even a failure to fail
                     self._log(f"decode loop error {e!r}, then {e2!r} while failing its requests")
+
+    def _recompute(self, plan) -> None:
+        """Hybrid models: recompute the short trimmed tails of recovering histories here, from the state
+        checkpoint the cache restored (one forward pass over all of them), and answer them like transfers."""
+        if not plan.recomputes:
+            return
+        spans = []
+        for job in plan.recomputes:
+            req = self.sched.reqs[job.rid]
+            spans.append(Span(job.ids[job.start :], job.start, req.slots, req.rid, req.state_page))
+        self.runner.forward(spans)
+        self.watchdog.progress()
+        for job in plan.recomputes:
+            self._handle(TransferDone(job.rid, job.epoch, True))
 
     def _swap(self, plan) -> None:
         """Start the plan's host copies: swap-outs first (FIFO on the copy stream), then swap-ins. Prefill writes

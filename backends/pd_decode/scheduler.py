@@ -68,7 +68,9 @@ class TransferJob:
     start: int
     dst_slots: list[int]
     sample: bool  # epoch 0: also sample the first output token; recovery: discard the sample
-    source: str = "prefill"  # "prefill": prefill computes the positions; "host": copied from host_slots
+    # "prefill": prefill computes the positions; "host": copied from host_slots; "recompute": decode computes them
+    # itself from its own cache's last state checkpoint (hybrid models, a short trimmed tail)
+    source: str = "prefill"
     host_slots: list[int] = field(default_factory=list)  # source "host": host slots of positions [start, end)
     state_page: int = ZERO  # hybrid models: the request's page, into which prefill writes the state at `end`
 
@@ -121,6 +123,7 @@ class Plan:
     transfers: list[TransferJob] = field(default_factory=list)  # prefill computes K/V into decode's slots
     swap_outs: list[SwapOut] = field(default_factory=list)
     swap_ins: list[TransferJob] = field(default_factory=list)  # source "host"; answered by on_transfer_done
+    recomputes: list[TransferJob] = field(default_factory=list)  # source "recompute": run by decode, then answered
     paused: list[InferReq] = field(default_factory=list)
     restarted: list[InferReq] = field(default_factory=list)  # on_oom="restart": segments ended
     resumed_local: list[InferReq] = field(default_factory=list)
@@ -156,6 +159,8 @@ class DecodeScheduler:
         clock: Callable[[], float] = time.monotonic,
         state: StatePages | None = None,
         speculative: bool = False,
+        checkpoint_every: int = 32,
+        recompute_max: int = 128,
     ):
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
@@ -167,6 +172,10 @@ class DecodeScheduler:
         self.state = state
         # speculative decoding: a running request with a draft also gets a slot for it, when one is free
         self.speculative = speculative
+        # hybrid models: a running request's K/V and a copy of its state go to the cache every `checkpoint_every`
+        # computed tokens, so that a paused history whose tail was trimmed still ends at a checkpoint; a tail of
+        # at most `recompute_max` positions past it is recomputed by decode itself instead of by prefill
+        self.checkpoint_every, self.recompute_max = checkpoint_every, recompute_max
         self.radix = RadixCache(pool, state)
         self.kv = KVAccounting(pool, self.radix)
         self.max_running, self.pause_policy, self.on_oom = max_running, pause_policy, on_oom
@@ -185,7 +194,8 @@ class DecodeScheduler:
         self.orphans: dict[tuple[str, int], InferReq] = {}  # cancelled while a transfer was in flight
         self._arrivals = 0
         self.num_pauses = 0
-        self.num_recoveries = {"local": 0, "host": 0, "prefill": 0}
+        self.num_recoveries = {"local": 0, "host": 0, "prefill": 0, "recompute": 0}
+        self.num_checkpoints = 0  # hybrid models: state checkpoints taken by running requests
         self.num_rotations = 0
         self.swapped_tokens = {"out": 0, "in": 0}
         # why a pause kept no host copy ("host_full") or a recovery skipped it ("host_partial": the copy lacks
@@ -317,6 +327,7 @@ class DecodeScheduler:
     def schedule(self) -> Plan:
         plan = Plan()
         self._end_at_capacity(plan)
+        self._checkpoint_running()
         self._reserve_decode_slots(plan)
         self._rotate(plan)
         self._recover_paused(plan)
@@ -380,6 +391,23 @@ class DecodeScheduler:
                     if slot is None:
                         break
                     req.slots += slot
+
+    def _checkpoint_running(self) -> None:
+        """Hybrid models: every `checkpoint_every` computed tokens a running request's K/V moves to the cache
+        (still locked by it) with a copy of its state at that position, when a state page is free."""
+        if self.state is None or self.checkpoint_every <= 0:
+            return
+        for req in self.reqs.values():
+            n = len(req.slots)
+            if (
+                req.state is ReqState.RUNNING
+                and n == req.num_tokens - 1
+                and n - req.cached_len >= self.checkpoint_every
+            ):
+                if self.state.num_free == 0:
+                    return
+                self.kv.cache_unfinished(req)
+                self.num_checkpoints += 1
 
     def _pick_victim(self) -> InferReq:
         running = self.by_state(ReqState.RUNNING)
@@ -451,6 +479,8 @@ class DecodeScheduler:
                 job.host_slots = host[job.start : need_kv]
                 self.swapped_tokens["in"] += len(job.host_slots)
                 plan.swap_ins.append(job)
+            elif self.state is not None and missing <= self.recompute_max:
+                plan.recomputes.append(self._transfer(req, need_kv, sample=False, source="recompute"))
             else:
                 plan.transfers.append(self._transfer(req, need_kv, sample=False))
 
@@ -579,7 +609,7 @@ class DecodeScheduler:
     def _transfer(self, req: InferReq, end: int, sample: bool, source: str = "prefill") -> TransferJob:
         start = req.cached_len
         job = TransferJob(req.rid, req.epoch, req.all_ids[:end], start, req.slots[start:end], sample, source)
-        if self.state is not None:  # prefill writes the state at `end` into the live page: no copy into it
+        if self.state is not None and source == "prefill":  # prefill writes the state at `end`: no copy into it
             job.state_page = req.state_page
             self.state.written_elsewhere(req.state_page)
         self.inflight[(req.rid, req.epoch)] = job

@@ -89,7 +89,7 @@ def test_a_pause_that_trims_the_paused_tail_loses_its_checkpoint():
 
 
 def test_prefill_recovery_after_the_checkpoint_is_gone_carries_the_state():
-    s = sched(slots=24)
+    s = sched(slots=24, recompute_max=0)
     a, b = mk(s, "a", 8), mk(s, "b", 8, base=100)
     run_to_running(s)
     while not any(r.state is ReqState.PAUSED for r in (a, b)):
@@ -108,6 +108,32 @@ def test_prefill_recovery_after_the_checkpoint_is_gone_carries_the_state():
     assert c.recovered and victim.state is ReqState.RUNNING
 
 
+def test_running_requests_checkpoint_and_a_trimmed_tail_is_recomputed_by_decode():
+    """Every 8 computed tokens (here) a running request's state is checkpointed; a pause that trims its tail
+    then recovers from the last checkpoint with decode recomputing the few positions after it."""
+    s = sched(slots=40, pages=12, checkpoint_every=8)
+    a, b = mk(s, "a", 8), mk(s, "b", 8, base=100)
+    run_to_running(s)
+    for _ in range(10):
+        step(s)
+    assert s.num_checkpoints >= 2 and len(s.radix.checkpoints) >= 2
+    while not any(r.state is ReqState.PAUSED for r in (a, b)):
+        step(s)
+    victim = a if a.state is ReqState.PAUSED else b
+    other = b if victim is a else a
+    s.cancel(other.rid)
+    s.state.take_ops()
+    plan = s.schedule()
+    (job,) = plan.recomputes
+    assert not plan.transfers and victim.state is ReqState.RECOVERING and job.source == "recompute"
+    assert 0 < job.num_positions <= 8 and job.start == victim.cached_len and job.start % 8 == 0
+    ckpt = victim.last_node.state
+    assert s.state.take_ops() == [(victim.state_page, ckpt)]  # decode restores the checkpoint, then computes on
+    c = s.on_transfer_done(victim.rid, job.epoch, True)
+    assert c.recovered and c.path == "recompute" and s.num_recoveries["recompute"] == 1
+    check(s)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_cancels_pauses_and_transfers_give_every_page_back(seed):
     rng = random.Random(seed)
@@ -116,7 +142,7 @@ def test_random_cancels_pauses_and_transfers_give_every_page_back(seed):
     pending = []
     for _ in range(300):
         plan = s.schedule()
-        pending += plan.transfers
+        pending += plan.transfers + plan.recomputes
         s.state.take_ops()
         for r in plan.decode:
             s.after_decode(r, rng.randrange(50))
