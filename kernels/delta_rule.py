@@ -139,13 +139,13 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens) -> torch
     M = u.shape[1]
     o = torch.empty_like(u)
     bk = max(16, triton.next_power_of_2(DK))
-    bv = max(16, min(triton.next_power_of_2(DV), 64 if bk > 64 else 128))
+    bv = max(16, min(triton.next_power_of_2(DV), 32 if bk > 64 else 64))
     sp, sh, sk = _state_strides(state)
     dev = q.device
     _chunk_scan_kernel[(len(lens), H, triton.cdiv(DV, bv))](
         u, w, qd, kd, attn, last, o, state, pages,
         torch.tensor(firsts, device=dev), torch.tensor(counts, device=dev), sp, sh, sk, M,
-        DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, num_warps=4,
+        DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, num_warps=4, num_stages=1,  # no pipelining: the tiles fill shared memory
     )  # fmt: skip
     out = torch.empty_like(v)
     out[idx[idx < T]] = o.permute(1, 2, 0, 3).reshape(-1, H, DV)[idx < T]
