@@ -58,8 +58,9 @@ def gpu_count() -> int:
 
 
 def _speculative(mode: str, cfg) -> str:
-    """--speculative checked against the model before any process starts (mtp needs an MTP head)."""
-    if mode == "mtp" and not cfg.mtp_layers:
+    """--speculative checked against the model before any process starts: mtp needs a hybrid model (decode then
+    checks that its weights have the MTP head and refuses to load otherwise, naming the option)."""
+    if mode == "mtp" and not cfg.is_hybrid:
         raise ValueError("--speculative mtp: this model ships no MTP head; use --speculative ngram")
     return mode
 

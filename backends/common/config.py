@@ -163,7 +163,7 @@ class ModelConfig:
             norm_topk_prob=cfg.get("norm_topk_prob", True),
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
             mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
-            mtp_layers=cfg.get("num_nextn_predict_layers", 0),
+            mtp_layers=cfg.get("num_nextn_predict_layers", cfg.get("mtp_num_hidden_layers", 0)),
         )
 
     @classmethod

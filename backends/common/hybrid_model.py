@@ -79,7 +79,7 @@ class HybridModel:
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
                 self.experts[i] = stack_experts(weights, f"model.layers.{i}.mlp.", cfg.num_experts)
-        self.has_mtp = cfg.mtp_layers > 0 and "mtp.fc.weight" in weights
+        self.has_mtp = "mtp.fc.weight" in weights  # whatever the config says: the weights decide
         if self.has_mtp:
             self.mtp_kv_layer = len(cfg.full_layers)  # the KV store has one more layer for the MTP head
             if cfg.is_moe_layer(0) or "mtp.layers.0.mlp.gate.weight" in weights:

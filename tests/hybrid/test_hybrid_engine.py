@@ -135,3 +135,26 @@ def test_delta_rule_kernels_in_the_engine_give_the_same_tokens(hybrid_folder, en
     want = [o.output_ids for o in ref.generate(prompts, greedy(12))]
     assert [o.output_ids for o in fast.generate(prompts, greedy(12))] == want
     assert_idle(fast)
+
+
+def test_a_saved_folder_with_an_mtp_head_loads_as_the_same_model(tmp_path):
+    """random:tiny-hybrid written as a Hugging Face folder (config.json from ModelConfig.to_hf, safetensors with
+    the checkpoint's names, mtp.* included) loads back with its MTP head and gives the same tokens."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from backends.common import loader
+    from backends.common.config import SHAPES, ModelConfig
+
+    cfg = SHAPES["tiny-hybrid"]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    weights = loader.random_hybrid_weights(cfg, torch.float32, "cpu")
+    assert any(k.startswith("mtp.") for k in weights)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    ids = prompt(90, 33)
+    a = make_engine(tmp_path)
+    b = make_engine("random:tiny-hybrid")
+    assert a.runner.has_mtp and b.runner.has_mtp and a.runner.kv.num_layers == 2  # one full layer + the MTP head's
+    assert a.generate([ids], greedy(8))[0].output_ids == b.generate([ids], greedy(8))[0].output_ids
