@@ -50,6 +50,7 @@ def run_streams(server) -> list:
     [
         # random weights: the MTP head's drafts are all wrong, so every step rolls K/V and state back
         ("random:tiny-hybrid", "mtp", ["--fault-injection", "stale"]),
+        ("random:tiny-hybrid", "mtp", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
         ("random:tiny-hybrid", "ngram", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
         # the tiny dense model's greedy answers fall into loops, which prompt lookup drafts right
         ("random:tiny-test", "ngram", ["--host-kv-tokens", "0"]),
@@ -70,6 +71,8 @@ def test_speculative_streams_through_pauses_equal_plain_decoding(model, mode, ex
         assert drafts >= 20 and s.metric("pd_pauses_total") > 0
         if model == "random:tiny-test":
             assert accepted > drafts / 4
+        if "stale,drop_paused_kv" in extra:  # recoveries through prefill, K/V and state under a new epoch
+            assert s.metric("pd_recoveries_total", path="prefill") > 0
         s.assert_released(timeout=10)
         if model.endswith("hybrid"):
             assert s.wait_metric("pd_state_pages_used", lambda v: v == 0) == 0
