@@ -75,6 +75,15 @@ def kv_bytes_per_token(cfg, dtype: str) -> int:
     return layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def state_bytes(cfg, state_pages: int, max_batch: int) -> int:
+    """Bytes of a hybrid model's state store on one decode instance: its pages and a scratch page per batch row."""
+    from .common.runner import default_state_pages
+
+    return (state_pages or default_state_pages(max_batch)) * 4 * cfg.state_floats_per_page() + max_batch * 4 * (
+        cfg.state_floats_per_page()
+    )
+
+
 def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
     import torch
 
@@ -146,6 +155,8 @@ class Deployment:
         kv_tokens = a.kv_tokens or (
             kv_tokens_for_gpu(per_token, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
         )
+        if gpu and cfg.is_hybrid and not a.kv_tokens:  # the state pages share the same fraction of the GPU
+            kv_tokens = max(1024, kv_tokens - state_bytes(cfg, getattr(a, "state_pages", 0), a.max_batch) // per_token)
         host_kv = a.host_kv_tokens
         if cfg.is_hybrid and host_kv:
             raise ValueError(
