@@ -1,5 +1,5 @@
 """Speculative decoding served end to end, through pauses and recoveries: with the MTP head of a hybrid model and
-with draft-free prompt lookup on a hybrid and a dense model, every stream equals the offline engine's
+with draft-free prompt lookup on a dense model, every stream equals the offline engine's
 non-speculative answer token for token (greedy and seeded), drafts are verified, and nothing is held afterwards.
 Kept drafts on a hybrid model (the state carried past the draft) are tested in tests/hybrid/test_speculative.py with
 drafts that are right by construction: random hybrid weights never repeat themselves, so no drafter guesses them."""
@@ -51,7 +51,6 @@ def run_streams(server) -> list:
         # random weights: the MTP head's drafts are all wrong, so every step rolls K/V and state back
         ("random:tiny-hybrid", "mtp", ["--fault-injection", "stale"]),
         ("random:tiny-hybrid", "mtp", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
-        ("random:tiny-hybrid", "ngram", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
         # the tiny dense model's greedy answers fall into loops, which prompt lookup drafts right
         ("random:tiny-test", "ngram", ["--host-kv-tokens", "0"]),
     ],
