@@ -11,13 +11,12 @@ step, scatter back). Prefill: the varlen chunked kernel against the PyTorch chun
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
-from perf.limits import wall_clock_limit
+from perf.limits import report_writer, wall_clock_limit
 
 
 def cuda_time(fn, reps: int) -> float:
@@ -61,14 +60,7 @@ def main(argv=None) -> int:
         "",
     ]
 
-    def write(note: str = "") -> None:
-        text = "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
-        print(text)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text)
-            with open(a.out.rsplit(".", 1)[0] + ".json", "w") as f:
-                json.dump(rows, f, indent=1)
+    write = report_writer(lines, a.out, rows)
 
     timer = wall_clock_limit(a.time_limit, write, [])
     dev = "cuda"

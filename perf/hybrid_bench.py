@@ -11,13 +11,12 @@ ops without CUDA graphs on this path, so the host's launch overhead shows at sma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
-from perf.limits import wall_clock_limit
+from perf.limits import report_writer, wall_clock_limit
 
 
 def copy_bandwidth() -> float:
@@ -52,14 +51,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     lines = [f"# Hybrid engine ({a.model}, bfloat16) on {torch.cuda.get_device_name()}", ""]
 
-    def write(note: str = "") -> None:
-        text = "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
-        print(text, flush=True)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text)
-            with open(a.out.rsplit(".", 1)[0] + ".json", "w") as f:
-                json.dump(rows, f, indent=1)
+    write = report_writer(lines, a.out, rows)
 
     timer = wall_clock_limit(a.time_limit, write, [])
     bw = copy_bandwidth()

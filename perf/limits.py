@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -21,3 +22,21 @@ def wall_clock_limit(seconds: float, write: Callable[[str], None], servers: list
     timer.daemon = True
     timer.start()
     return timer
+
+
+def report_writer(lines: list[str], out: str | None, rows: list | None = None) -> Callable[[str], None]:
+    """write(note=""): print the markdown report `lines` (plus a closing note), and, with `out`, write it there and
+    `rows` as JSON beside it (FILE.json). The lists are read at each call, so a report can be written whenever the
+    run stops: pass write to `wall_clock_limit`."""
+
+    def write(note: str = "") -> None:
+        text = "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
+        print(text, flush=True)
+        if out:
+            with open(out, "w") as f:
+                f.write(text)
+            if rows is not None:
+                with open(out.rsplit(".", 1)[0] + ".json", "w") as f:
+                    json.dump(rows, f, indent=1)
+
+    return write

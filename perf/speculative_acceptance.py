@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
-from perf.limits import wall_clock_limit
-from tests.server.client import grpc_generate
+from perf.limits import report_writer, wall_clock_limit
+from tests.server.client import grpc_generate_all
 from tests.server.conftest import Server
 
 SMOLLM2_PROMPTS = [
@@ -35,18 +34,9 @@ def prompts_for(model: str, engine_tokenizer) -> list[list[int]]:
 
 
 def run(server: Server, prompts, n_out: int) -> tuple[list, float]:
-    out = [None] * len(prompts)
-
-    def go(i):
-        out[i] = grpc_generate(server.grpc_url, ids=prompts[i], params={"max_tokens": n_out, "temperature": 0},
-                               timeout=600)  # fmt: skip
-
     t = time.perf_counter()
-    ts = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(prompts))]
-    for th in ts:
-        th.start()
-    for th in ts:
-        th.join()
+    params = [{"max_tokens": n_out, "temperature": 0}] * len(prompts)
+    out = grpc_generate_all(server.grpc_url, prompts, params, timeout=600)
     return out, time.perf_counter() - t
 
 
@@ -68,12 +58,7 @@ def main(argv=None) -> int:
              "wall (off) | answers equal off |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     servers: list[Server] = []
 
-    def write(note: str = "") -> None:
-        text = "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
-        print(text, flush=True)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text)
+    write = report_writer(lines, a.out)
 
     timer = wall_clock_limit(a.time_limit, write, servers)
     failed = False

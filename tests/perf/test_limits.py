@@ -37,3 +37,18 @@ def test_a_run_past_its_limit_writes_stops_and_exits_124():
 def test_a_run_within_its_limit_is_left_alone():
     p = run("quick")
     assert p.returncode == 0 and p.stdout.splitlines() == ["finished"]
+
+
+def test_report_writer_writes_what_the_lists_hold_when_called(tmp_path):
+    import json
+
+    from perf.limits import report_writer
+
+    lines, rows = ["# r"], []
+    out = tmp_path / "r.md"
+    write = report_writer(lines, str(out), rows)
+    lines.append("| a |")
+    rows.append({"a": 1})
+    write("TIME LIMIT")
+    assert out.read_text() == "# r\n| a |\n\nTIME LIMIT\n"
+    assert json.loads((tmp_path / "r.json").read_text()) == [{"a": 1}]

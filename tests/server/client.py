@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -105,6 +106,21 @@ def grpc_generate(url: str, timeout: float = 300, **kw) -> Result:
             c.close()
         else:
             c.cancel()
+
+
+def grpc_generate_all(url: str, ids: list[list[int]], params: list[dict], timeout: float = 300) -> list[Result]:
+    """One stream per prompt, all at once (a thread each); the results in prompt order."""
+    results: list[Result | None] = [None] * len(ids)
+
+    def go(i):
+        results[i] = grpc_generate(url, timeout=timeout, ids=ids[i], params=params[i])
+
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def http_post(url: str, path: str, body: dict) -> tuple[int, str]:

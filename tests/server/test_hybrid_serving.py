@@ -4,14 +4,13 @@ every state page; the metrics show the state pool."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from backends.common.request import SamplingParams
 from tests.hybrid.conftest import hybrid_folder, make_engine, prompt  # noqa: F401 (a fixture)
-from tests.server.client import StreamClient, grpc_generate
+from tests.server.client import StreamClient, grpc_generate, grpc_generate_all
 from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -42,18 +41,7 @@ def assert_state_released(server, timeout: float = 10.0) -> None:
 
 
 def run_streams(server, n_out: int = N_OUT) -> list:
-    ps = prompts()
-    results = [None] * len(ps)
-
-    def go(i):
-        results[i] = grpc_generate(server.grpc_url, ids=ps[i], params=params(i, n_out))
-
-    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(ps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return grpc_generate_all(server.grpc_url, prompts(), [params(i, n_out) for i in range(4)])
 
 
 @pytest.fixture(scope="module")

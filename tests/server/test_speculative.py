@@ -6,13 +6,11 @@ drafts that are right by construction: random hybrid weights never repeat themse
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from backends.common.engine import Engine
 from backends.common.request import SamplingParams
-from tests.server.client import grpc_generate
+from tests.server.client import grpc_generate_all
 from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -31,18 +29,7 @@ def prompts() -> list[list[int]]:
 
 
 def run_streams(server) -> list:
-    ps = prompts()
-    results = [None] * len(ps)
-
-    def go(i):
-        results[i] = grpc_generate(server.grpc_url, ids=ps[i], params=params(i))
-
-    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(ps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return grpc_generate_all(server.grpc_url, prompts(), [params(i) for i in range(4)])
 
 
 @pytest.mark.parametrize(
