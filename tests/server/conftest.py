@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,15 @@ class Server(ServerProcess):
         ):
             assert self.wait_metric(name, lambda v: v == 0, timeout=timeout) == 0, name
         assert self.metric("pd_kv_slots_free") + self.metric("pd_kv_slots_cached") == self.metric("pd_kv_slots_total")
+
+    def wait_paused(self, timeout: float = 120) -> None:
+        """Until decode has a request paused or recovering; the test fails after `timeout` seconds without one."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.metric("pd_decode_paused_requests") + self.metric("pd_decode_recovering_requests") > 0:
+                return
+            time.sleep(0.02)
+        pytest.fail("no request paused")
 
     def log_tail(self, chars: int = 4000) -> str:
         parts = []

@@ -4,8 +4,6 @@ every state page; the metrics show the state pool."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from backends.common.request import SamplingParams
@@ -70,13 +68,7 @@ def test_hybrid_streams_pause_and_recover_exactly(tight, expected):
 
 def test_hybrid_cancel_while_paused_frees_slots_and_state(tight):
     clients = [StreamClient(tight.grpc_url, ids=p, params=params(i, 2000)) for i, p in enumerate(prompts())]
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 120:
-        if tight.metric("pd_decode_paused_requests") + tight.metric("pd_decode_recovering_requests") > 0:
-            break
-        time.sleep(0.02)
-    else:
-        pytest.fail("no request paused")
+    tight.wait_paused()
     for c in clients:
         c.cancel()
     tight.assert_released(timeout=5.0)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 from backends.common.request import SamplingParams
-from tests.server.client import StreamClient, grpc_generate
+from tests.server.client import StreamClient, grpc_generate, grpc_generate_all
 from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -59,17 +56,7 @@ def expected(engine):
 
 
 def run_streams(server, prompts, n_out: int = N_OUT) -> list:
-    results = [None] * len(prompts)
-
-    def go(i):
-        results[i] = grpc_generate(server.grpc_url, ids=prompts[i], params=params(i, n_out))
-
-    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return grpc_generate_all(server.grpc_url, prompts, [params(i, n_out) for i in range(len(prompts))])
 
 
 def test_four_streams_on_1024_slots_pause_and_recover_exactly(tight, expected):
@@ -95,13 +82,7 @@ def test_four_streams_on_1024_slots_pause_and_recover_exactly(tight, expected):
 
 def test_closing_streams_while_paused_frees_everything(tight, engine):
     clients = [StreamClient(tight.grpc_url, ids=prompt_ids(engine, i), params=params(i)) for i in range(4)]
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 120:
-        if tight.metric("pd_decode_paused_requests") + tight.metric("pd_decode_recovering_requests") > 0:
-            break
-        time.sleep(0.02)
-    else:
-        pytest.fail("no request paused")
+    tight.wait_paused()
     for c in clients:
         c.cancel()
     tight.assert_released(timeout=2.0)
