@@ -1,4 +1,4 @@
-"""`triton-pd`: the project's command line (generate, serve, bench, bundle)."""
+"""`triton-pd`: the project's command line (generate, serve, key, bench, bundle)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for mod in (serve, bench, bundle):
         mod.register(sub)
+    serve.register_key(sub)
     return parser
 
 

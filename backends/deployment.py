@@ -6,10 +6,38 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+ROLE_MODELS = {
+    "all": ("pd_master", "pd_decode", "pd_prefill"),
+    "master": ("pd_master",),
+    "decode": ("pd_decode",),
+    "prefill": ("pd_prefill",),
+}
+
+
+def _role_urls(a) -> tuple[str, dict[str, list[str]]]:
+    """--role and the servers it reaches, checked together (a ValueError names the option)."""
+    from .common.remote import parse_urls
+
+    role = getattr(a, "role", "all")
+    urls = {"decode": [], "prefill": []}
+    for peer, needed_by in (("decode", "master"), ("prefill", "decode")):
+        given = getattr(a, f"{peer}_urls", None)
+        if role == needed_by and not given:
+            raise ValueError(f"--role {role} needs --{peer}-urls (the {peer} servers' gRPC host:port)")
+        if given and role != needed_by:
+            raise ValueError(f"--{peer}-urls is for --role {needed_by}")
+        if given:
+            urls[peer] = parse_urls(given, f"--{peer}-urls")
+    if role != "all" and not getattr(a, "internal_key_file", None):
+        raise ValueError(f"--role {role} needs --internal-key-file: every server of the deployment shares one key")
+    if getattr(a, "kv_transport", None) == "dist" and role not in ("all", "decode"):
+        raise ValueError("--kv-transport is decode's choice (prefill follows each request's handle)")
+    return role, urls
 
 
 def parse_gpus(gpus: str, available: int | None = None, flag: str = "--gpus") -> list[int]:
@@ -139,6 +167,17 @@ class Deployment:
     decode_overlap: str  # "on": step n+1 launched before step n's tokens are read (GPU graphs, greedy)
     state_pages: int = 0  # hybrid models: state pages per instance (0: the runner's default)
     speculative: str = "off"  # decode's drafts: off, ngram (prompt lookup) or mtp (the model's MTP head)
+    role: str = "all"  # which models this server runs: all three, or one role of a multi-server deployment
+    decode_urls: str = ""  # master role: decode servers' gRPC addresses
+    prefill_urls: str = ""  # decode role: prefill servers' gRPC addresses
+    kv_transport: str = "ipc"  # ipc (this host) or dist (torch.distributed: any host)
+    kv_backend: str = ""  # dist's backend: gloo or nccl ("": nccl on GPU, gloo on CPU)
+    kv_address: str = ""  # dist: the host name prefill servers reach this decode server's KV receiver at
+    shared_key: bool = False  # the internal key comes from a given file (shared by the deployment's servers)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return ROLE_MODELS[self.role]
 
     @classmethod
     def from_args(cls, a, n_gpus: int) -> Deployment:
@@ -164,6 +203,7 @@ class Deployment:
             )
         if host_kv is None:
             host_kv = 0 if cfg.is_hybrid else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
+        role, urls = _role_urls(a)
         timeout = a.request_timeout
         if timeout is None:
             timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
@@ -173,12 +213,18 @@ class Deployment:
             gpu=gpu,
             workdir=workdir,
             deployment_id=deployment_id,
-            key_file=workdir / "internal_key",
+            key_file=Path(key).resolve()
+            if (key := getattr(a, "internal_key_file", None))
+            else workdir / "internal_key",
             mailbox=Path("/dev/shm") / f"triton-pd-{deployment_id}",
             kv_tokens=kv_tokens,
             host_kv_tokens=host_kv,
             prefill_kv_tokens=a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings)),
-            cpu_threads=a.cpu_threads or cpu_threads_per_instance(a.prefill_instances + a.decode_instances),
+            cpu_threads=a.cpu_threads
+            or cpu_threads_per_instance(
+                (a.prefill_instances if role in ("all", "prefill") else 0)
+                + (a.decode_instances if role in ("all", "decode") else 0)
+            ),
             request_timeout=timeout,
             decode_groups=instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
             prefill_groups=instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),
@@ -188,7 +234,8 @@ class Deployment:
             chunk_size=a.chunk_size,
             max_prefill_tokens=a.max_prefill_tokens,
             max_inflight=a.max_inflight,
-            max_streams=a.max_streams or default_max_streams(a.decode_instances, a.max_batch),
+            max_streams=a.max_streams
+            or default_max_streams(a.decode_instances * max(1, len(urls["decode"])), a.max_batch),
             on_decode_oom=a.on_decode_oom,
             pause_policy=a.pause_policy,
             fault_injection=a.fault_injection,
@@ -197,11 +244,25 @@ class Deployment:
             decode_overlap=a.decode_overlap,
             state_pages=getattr(a, "state_pages", 0) or 0,
             speculative=_speculative(getattr(a, "speculative", "off"), cfg),
+            role=role,
+            decode_urls=",".join(urls["decode"]),
+            prefill_urls=",".join(urls["prefill"]),
+            kv_transport=getattr(a, "kv_transport", None) or ("dist" if role == "decode" else "ipc"),
+            kv_backend="" if getattr(a, "kv_backend", "auto") == "auto" else a.kv_backend,
+            kv_address=getattr(a, "kv_address", None) or (socket.gethostname() if role == "decode" else "127.0.0.1"),
+            shared_key=bool(key),
         )
 
     def write_key(self) -> None:
-        """The internal key, readable by this user only; a new one for every start."""
+        """The internal key, readable by this user only; a new one for every start (a shared one is only read:
+        every server of a multi-server deployment is started with the same file)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.shared_key:
+            if not self.key_file.is_file() or not self.key_file.read_text().strip():
+                raise ValueError(
+                    f"--internal-key-file: {self.key_file} is missing or empty (`triton-pd key FILE` makes one)"
+                )
+            return
         self.key_file.write_text(secrets.token_hex(24))
         self.key_file.chmod(0o600)
 
@@ -235,11 +296,27 @@ class Deployment:
             "MASTER_INSTANCES": "1",
             "DECODE_GROUPS": self.decode_groups,
             "PREFILL_GROUPS": self.prefill_groups,
+            "DECODE_URLS": self.decode_urls,
+            "PREFILL_URLS": self.prefill_urls,
+            "KV_TRANSPORT": self.kv_transport,
+            "KV_BACKEND": self.kv_backend,
+            "KV_ADDRESS": self.kv_address,
         }
 
     def summary(self) -> str:
+        if self.role == "master":
+            return f"role master: model {self.model} (its tokenizer), decode servers {self.decode_urls}"
+        if self.role == "prefill":
+            return f"role prefill: model {self.model} ({self.dtype}), {self.prefill_instances} prefill instance(s)"
+        if self.role == "decode":
+            instances = (
+                f"{self.decode_instances} decode instance(s), prefill servers {self.prefill_urls}, KV over "
+                f"{self.kv_transport}"
+            )
+        else:
+            instances = f"{self.prefill_instances} prefill + {self.decode_instances} decode instance(s)"
         return (
-            f"model {self.model} ({self.dtype}, {'GPU' if self.gpu else 'CPU'}), {self.prefill_instances} prefill + "
-            f"{self.decode_instances} decode instance(s), decode KV pool {self.kv_tokens} tokens, on_decode_oom="
-            f"{self.on_decode_oom}, {self.cpu_threads} CPU thread(s) per instance, {self.max_streams} decode streams"
+            f"model {self.model} ({self.dtype}, {'GPU' if self.gpu else 'CPU'}), {instances}, decode KV pool "
+            f"{self.kv_tokens} tokens, on_decode_oom={self.on_decode_oom}, {self.cpu_threads} CPU thread(s) per "
+            f"instance, {self.max_streams} decode streams"
         )

@@ -148,6 +148,44 @@ def register(sub) -> None:
         help="decode reports (log and pd_decode_stalls_total) when requests wait and nothing progresses this "
         "long; 0 disables",
     )
+    m = p.add_argument_group(
+        "multi-server deployments (master, prefill and decode in tritonservers of their own, on one host or several)"
+    )
+    m.add_argument(
+        "--role",
+        choices=["all", "master", "decode", "prefill"],
+        default="all",
+        help="the models this server runs: all three (one server), or one role; a role needs --internal-key-file",
+    )
+    m.add_argument("--decode-urls", default=None, help="--role master: decode servers' gRPC host:port, comma-separated")
+    m.add_argument(
+        "--prefill-urls",
+        default=None,
+        help="--role decode: prefill servers' gRPC host:port, comma-separated (jobs go round robin to live ones; "
+        "one that cannot be reached is skipped and its jobs retried on the next)",
+    )
+    m.add_argument(
+        "--internal-key-file",
+        default=None,
+        help="the deployment's internal key, the same file (copied) on every server of it; `triton-pd key FILE` "
+        "writes one. Default with --role all: a new key per start",
+    )
+    m.add_argument(
+        "--kv-transport",
+        choices=["ipc", "dist"],
+        default=None,
+        help="how prefill's KV reaches decode: ipc (this host: CUDA IPC or shared memory) or dist "
+        "(torch.distributed point-to-point: NCCL between GPUs, gloo on CPU; any host). Default: ipc for --role all, "
+        "dist for --role decode",
+    )
+    m.add_argument("--kv-backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="dist's backend (auto: nccl on GPU, gloo on CPU)")  # fmt: skip
+    m.add_argument(
+        "--kv-address",
+        default=None,
+        help="--role decode with dist: the host name or address prefill servers reach this server's KV receiver "
+        "at (default: this host's name); its port is picked free per decode instance and sent with each job",
+    )
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -171,21 +209,21 @@ def register(sub) -> None:
 def cmd_serve(a: argparse.Namespace) -> int:
     try:
         dep = Deployment.from_args(a, gpu_count())
+        dep.write_key()
     except ValueError as e:  # options that contradict each other or the model (the message names the option)
         print(f"triton-pd: error: {e}", file=sys.stderr)
         return 2
-    dep.write_key()
-    repo = render(dep.workdir, dep.template_values())
+    repo = render(dep.workdir, dep.template_values(), dep.models)
     layout = layout_for(dep.workdir, a.tritonserver, a.backend_dir)
     ports = Ports(a.http_port, a.grpc_port, a.metrics_port)
     log_path = dep.workdir / "tritonserver.log"
     print(f"[triton-pd] {dep.summary()}", flush=True)
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
     sup = Supervisor(command(layout, repo, ports, dep, a.shm_mb, a.log_verbose), environment(layout, dep), log_path,
-                     ports.http)  # fmt: skip
+                     ports.http, dep.models)  # fmt: skip
     try:
         if sup.wait_ready(a.ready_timeout):
-            print_ready(ports)
+            print_ready(ports, dep.role)
         rc = sup.watch()
     finally:
         sup.close(dep.deployment_id, dep.mailbox)
@@ -199,7 +237,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 1
 
 
-def print_ready(ports: Ports) -> None:
+def print_ready(ports: Ports, role: str = "all") -> None:
+    if role != "all":
+        print(f"[triton-pd] ready ({role}): HTTP :{ports.http}  gRPC :{ports.grpc}  metrics :{ports.metrics}/metrics",
+              flush=True)  # fmt: skip
+        return
     print(f"[triton-pd] ready: HTTP :{ports.http}  gRPC :{ports.grpc}  metrics :{ports.metrics}/metrics", flush=True)
     print(
         "[triton-pd] try:\n"
@@ -210,3 +252,21 @@ def print_ready(ports: Ports) -> None:
         '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
         flush=True,
     )
+
+
+def register_key(sub) -> None:
+    p = sub.add_parser("key", help="write a new internal key file for a multi-server deployment (--internal-key-file)")
+    p.add_argument("file", help="where to write it (readable by this user only); copy it to every server")
+    p.set_defaults(func=cmd_key)
+
+
+def cmd_key(a: argparse.Namespace) -> int:
+    import secrets
+
+    path = Path(a.file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(secrets.token_hex(24))
+    print(f"[triton-pd] internal key written to {path}", flush=True)
+    return 0

@@ -18,8 +18,8 @@ from .tritonserver import EXIT_TIMEOUT_S, MODELS
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int):
-        self.log_path, self.http_port = log_path, http_port
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int, models=MODELS):
+        self.log_path, self.http_port, self.models = log_path, http_port, tuple(models)
         self.stopping: list[int] = []
         self.stubs: dict[str, tuple[int, str]] = {}
         self.died: str | None = None
@@ -48,11 +48,11 @@ class Supervisor:
                     "triton-pd: error: tritonserver exited with status "
                     f"{self.proc.returncode} before it was ready; last log lines:\n" + "\n".join(tail)
                 )
-            for m in MODELS:
+            for m in self.models:
                 if m not in shown and _ok(f"{url}/v2/models/{m}/ready"):
                     shown.add(m)
                     print(f"[triton-pd] {m} ready ({time.monotonic() - t0:.0f} s)", flush=True)
-            if len(shown) == len(MODELS) and _ok(f"{url}/v2/health/ready"):
+            if len(shown) == len(self.models) and _ok(f"{url}/v2/health/ready"):
                 return True
             if time.monotonic() - t0 > timeout:
                 raise SystemExit(f"triton-pd: error: models not ready after {timeout:.0f} s (see {self.log_path})")

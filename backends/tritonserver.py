@@ -62,12 +62,12 @@ def layout_for(workdir: Path, tritonserver: str | None, backend_dir: str | None)
     return layout
 
 
-def render(workdir: Path, values: dict[str, str]) -> Path:
-    """model_repository/ with the deployment's values, as workdir/models."""
+def render(workdir: Path, values: dict[str, str], models: tuple[str, ...] = MODELS) -> Path:
+    """model_repository/ (the models this server runs) with the deployment's values, as workdir/models."""
     repo = workdir / "models"
     if repo.exists():
         shutil.rmtree(repo)
-    for name in MODELS:
+    for name in models:
         src = PROJECT_ROOT / "model_repository" / name
         (repo / name / "1").mkdir(parents=True)
         shutil.copy2(src / "1" / "model.py", repo / name / "1" / "model.py")

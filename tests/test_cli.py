@@ -84,3 +84,26 @@ def test_bad_input_one_line_error(args, needle):
     lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("[triton-pd]")]
     assert len(lines) == 1, r.stderr
     assert "Traceback" not in r.stderr and needle in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--role", "decode", "--internal-key-file", "KEY"], "--role decode needs --prefill-urls"),
+        (["--role", "master", "--internal-key-file", "KEY"], "--role master needs --decode-urls"),
+        (
+            ["--role", "prefill", "--prefill-urls", "h:1", "--internal-key-file", "KEY"],
+            "--prefill-urls is for --role decode",
+        ),  # fmt: skip
+        (["--role", "prefill"], "--role prefill needs --internal-key-file"),
+        (["--role", "decode", "--prefill-urls", "nohost", "--internal-key-file", "KEY"], "'nohost' is not host:port"),
+        (["--role", "prefill", "--internal-key-file", "/nonexistent/key"], "/nonexistent/key is missing or empty"),
+    ],
+)
+def test_serve_roles_refuse_incomplete_deployments(args, needle, tmp_path):
+    key = tmp_path / "key"
+    assert run_cli("key", str(key)).returncode == 0 and len(key.read_text()) == 48
+    assert key.stat().st_mode & 0o777 == 0o600
+    r = run_cli("serve", "--model", "random:tiny-test", "--workdir", str(tmp_path / "w"),
+                *[str(key) if a == "KEY" else a for a in args])  # fmt: skip
+    assert r.returncode == 2 and needle in r.stderr, r.stderr

@@ -96,6 +96,9 @@ class DecodeRequest:
     request_id: str
     input_ids: list[int]
     params: SamplingParams
+    # not empty: no new request, but the notice that cancels `request_id` with this reason (master reaching a
+    # decode server of its own over gRPC, where the host's mailbox does not reach)
+    cancel: str = ""
 
     def encode(self, key: str) -> Tensors:
         return {
@@ -103,12 +106,18 @@ class DecodeRequest:
             "sampling_parameters": _text(json.dumps(self.params.to_dict())),
             "request_id": _text(self.request_id),
             KEY_FIELD: _text(key),
+            **({"cancel": _text(self.cancel)} if self.cancel else {}),
         }
 
     @classmethod
     def decode(cls, get: Getter, key: str) -> DecodeRequest:
         check_key(get, key)
         rid = _get_text(get, "request_id", "")
+        cancel = _get_text(get, "cancel", "")
+        if cancel:
+            if not rid:
+                raise ParamError("request_id", "a cancel names the request it cancels")
+            return cls(rid, [], SamplingParams(), cancel)
         ids = _get_ints(get, "input_ids", required=False) or []
         if not rid or not ids:
             raise ParamError("input_ids", "request_id and input_ids are required")

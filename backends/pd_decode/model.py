@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 
 from backends.common import triton_io as tio
 from backends.common.batch import Span
-from backends.common.kv_handoff import export_handle
 from backends.common.kv_pool import KVPool
+from backends.common.kv_transport import DistSink, IpcSink, check_kind
 from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.postprocess import finish_reason
+from backends.common.remote import PrefillServers, Unreachable, parse_urls
 from backends.common.request import InferReq, ParamError, ReqState
 from backends.common.runner import ModelRunner, set_cpu_threads
 from backends.common.speculative import check_mode
@@ -30,6 +31,8 @@ from .host_tier import HostKV, default_costs
 from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
 from .steps import DecodeSteps, drop_after
+
+LAND_TIMEOUT_S = 60.0  # after prefill's answer, how long its rows may take to arrive over the network transport
 
 
 # ---- events for the scheduler loop (its only inputs from other threads) ------------------------------------------
@@ -77,9 +80,12 @@ class DecodeModel:
             state_pages=int(p.get("state_pages", "0")) or None, state_shm_name=shm and shm + "_state",
         )  # fmt: skip
         self.eos = self.runner.cfg.eos_token_ids
-        self.handle = export_handle(self.runner.kv, f"{p['deployment']}:{self.instance}")
         state = self.runner.state
-        self.state_handle = export_handle(state, f"{p['deployment']}:{self.instance}:state") if state else ""
+        self.sink = self._sink(p, f"{p['deployment']}:{self.instance}")
+        # prefill of this server (BLS) or prefill servers over gRPC, with failover between them
+        urls = p.get("prefill_urls", "")
+        self.prefills = PrefillServers(parse_urls(urls, "prefill_urls"), PrefillRequest.MODEL,
+                                       PrefillRequest.OUTPUTS) if urls else None  # fmt: skip
         host_tokens = int(p.get("host_kv_tokens", "0"))
         if state is not None and host_tokens > 0:
             raise ValueError("host_kv_tokens: the host KV tier holds no linear-attention state; hybrid models need 0")
@@ -119,6 +125,17 @@ class DecodeModel:
         self.loop = threading.Thread(target=self._run, name="pd-decode-loop", daemon=True)
         self.loop.start()
 
+    def _sink(self, p: dict, instance_id: str):
+        """Where prefill's rows land: `ipc` (this host: prefill writes into the exported pool) or `dist`
+        (torch.distributed; gloo on CPU, nccl on GPU unless `kv_backend` says otherwise)."""
+        kind = check_kind(p.get("kv_transport", "ipc") or "ipc")
+        if kind == "ipc":
+            return IpcSink(self.runner.kv, self.runner.state, instance_id)
+        on_gpu = self.runner.kv.buffer.is_cuda
+        backend = p.get("kv_backend", "") or ("nccl" if on_gpu else "gloo")
+        address = p.get("kv_address", "") or "127.0.0.1"
+        return DistSink(self.runner.kv, self.runner.state, instance_id, backend, address, log=self._log)
+
     def _metrics(self, args) -> None:
         m = self.metrics = Metrics({"model": "pd_decode", "instance": self.instance})
         g = m.gauge
@@ -152,6 +169,21 @@ class DecodeModel:
         self.g["host_total"] = g("pd_host_kv_slots_total", "Host-memory KV slots (0: no host tier)")
         self.g["host_total"].set(self.sched.host_pool.num_slots if self.sched.host_pool else 0)
         self.c_stale = m.counter("pd_stale_messages_total", "Transfer completions from a stale epoch, dropped")
+        self.c_kv = {
+            "landed": m.counter(
+                "pd_kv_transfers_total", "KV transfers written into this pool", transport=self.sink.kind
+            ),
+            "bytes": m.counter("pd_kv_transfer_bytes_total", "Bytes of KV (and state) received over the network"),
+            "stale": m.counter(
+                "pd_kv_transfers_dropped_total", "KV transfers that arrived for no current attempt", reason="stale"
+            ),
+            "unexpected": m.counter(
+                "pd_kv_transfers_dropped_total", "KV transfers that arrived for no current attempt", reason="unexpected"
+            ),
+            "failover": m.counter("pd_prefill_failovers_total", "Prefill jobs retried on another prefill server"),
+        }
+        self.failovers = 0
+        self._reported["kv"] = {k: 0 for k in self.c_kv}
         self.c_restarts = m.counter("pd_decode_restarts_total", "Segments ended for lack of KV (on_oom=restart)")
         self.h_recovery = m.histogram("pd_recovery_seconds", "Time from pause to resumed decoding")
         self.g["stalled"] = g("pd_decode_stalled_seconds", "Seconds without progress while requests wait")
@@ -190,6 +222,10 @@ class DecodeModel:
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
+            if msg.cancel:  # a notice from a master in another server: every instance here reads this mailbox
+                self.mailbox.post(msg.request_id, msg.cancel)
+                sender.send(flags=tio.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
             self.events.put(Arrival(InferReq(msg.request_id, msg.input_ids, msg.params), sender))
         return None
 
@@ -198,6 +234,9 @@ class DecodeModel:
         self.events.put(Wake())
         self.loop.join(timeout=10)
         self.transfers.shutdown(wait=False, cancel_futures=True)
+        self.sink.close()
+        if self.prefills is not None:
+            self.prefills.close()
         self.sender.close()
         if self.host_kv is not None:
             self.host_kv.close()
@@ -350,6 +389,7 @@ class DecodeModel:
             self.watchdog.progress()
             if (ev.rid, ev.epoch) in self.sched.orphans:  # cancelled meanwhile: prefill no longer needs the notice
                 self.mailbox.discard(prefill_notice(ev.rid, ev.epoch))
+                self.sink.discard_cancel(prefill_notice(ev.rid, ev.epoch))
             c = self.sched.on_transfer_done(ev.rid, ev.epoch, ev.ok, ev.first_token, ev.error)
             if c.stale:
                 self.c_stale.increment(1)
@@ -383,37 +423,70 @@ class DecodeModel:
         job = self.sched.inflight.get((rid, req.epoch))
         if (rid, req.epoch) in self.sched.orphans and job is not None and job.source == "prefill":
             self.mailbox.post(prefill_notice(rid, req.epoch), reason)  # prefill is computing for it: drop the job
+            self.sink.post_cancel(prefill_notice(rid, req.epoch), reason)  # prefill servers elsewhere
         self._emit(req, [], reason)
 
     def _transfer(self, msg: PrefillRequest) -> None:
-        """Runs on a transfer thread: one BLS call to pd_prefill; the answer goes back to the loop as an event."""
+        """Runs on a transfer thread: asks prefill (this server's over BLS, or a live prefill server over gRPC,
+        failing over to the next when one cannot be reached) and waits for the rows to land; the outcome goes back
+        to the loop as an event, only after the transport has stopped writing for this attempt."""
         rid, epoch = msg.request_id, msg.epoch
+        exp = self.sink.expect(rid, epoch, msg.dst_slots, msg.dst_state_page)
+        done = TransferDone(rid, epoch, False, error="prefill: no server answered")
         try:
-            resp = (
-                tio.pb()
-                .InferenceRequest(
-                    model_name=PrefillRequest.MODEL,
-                    inputs=tio.to_tensors(msg.encode(self.key)),
-                    requested_output_names=list(PrefillRequest.OUTPUTS),
-                )
-                .exec()
-            )
-            if resp.has_error():
-                self.events.put(TransferDone(rid, epoch, False, error=f"prefill: {resp.error().message()}"))
-                return
-            answer = PrefillResponse.decode(tio.response_getter(resp))
-            if answer.epoch != epoch or (msg.sample and answer.first_token is None):
-                raise ParamError("first_token", f"prefill answered epoch {answer.epoch} token {answer.first_token}")
-            self.events.put(TransferDone(rid, epoch, True, answer.first_token))
+            for server in self.prefills.order() if self.prefills is not None else [None]:
+                attempt = replace(msg, kv_handle=exp.kv_handle, state_handle=exp.state_handle)
+                try:
+                    get, err = self._ask_prefill(server, attempt)
+                except Unreachable as e:
+                    done.error = str(e)
+                    self.failovers += 1
+                    exp = self.sink.retry(exp)  # rows the lost server may still send are dropped
+                    continue
+                if err is not None:
+                    done = TransferDone(rid, epoch, False, error=f"prefill: {err}")
+                    break
+                answer = PrefillResponse.decode(get)
+                if answer.epoch != epoch or (msg.sample and answer.first_token is None):
+                    raise ParamError("first_token", f"prefill answered epoch {answer.epoch} token {answer.first_token}")
+                if not self.sink.landed(exp, LAND_TIMEOUT_S):
+                    done = TransferDone(rid, epoch, False, error=f"prefill answered, but its KV did not arrive in "
+                                        f"{LAND_TIMEOUT_S:g} s")  # fmt: skip
+                    break
+                done = TransferDone(rid, epoch, True, answer.first_token)
+                break
         except Exception as e:
-            self.events.put(TransferDone(rid, epoch, False, error=f"prefill call failed: {e}"))
+            done = TransferDone(rid, epoch, False, error=f"prefill call failed: {e}")
+        finally:
+            self.sink.forget(exp)  # nothing writes these slots for this attempt any more
+        self.events.put(done)
+
+    def _ask_prefill(self, server, msg: PrefillRequest):
+        """(getter, None) or (None, error message) from prefill; raises Unreachable for a server not there."""
+        tensors = msg.encode(self.key)
+        if server is not None:
+            get, err = self.prefills.call(server, tensors, f"{msg.request_id}:{msg.epoch}")
+            return get, (None if err is None else err[0])
+        resp = (
+            tio.pb()
+            .InferenceRequest(
+                model_name=PrefillRequest.MODEL,
+                inputs=tio.to_tensors(tensors),
+                requested_output_names=list(PrefillRequest.OUTPUTS),
+            )
+            .exec()
+        )
+        if resp.has_error():
+            return None, resp.error().message()
+        return tio.response_getter(resp), None
 
     def _prefill_request(self, job: TransferJob) -> PrefillRequest:
         req = self.sched.reqs[job.rid]
         params = replace(req.params, seed=req.seed)  # resolved once here: prefill samples with decode's seed
+        # the transport's handles are filled in per attempt (_transfer)
         return PrefillRequest(
-            job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, self.handle,
-            self.state_handle, job.state_page,
+            job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, "",
+            "", job.state_page,
         )  # fmt: skip
 
     def _after_token(self, req: InferReq, token: int, num_out: int | None = None) -> None:
@@ -475,6 +548,7 @@ class DecodeModel:
         self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
         spec = {"drafts": self.steps.num_drafts, "accepted": self.steps.num_accepted}
         self._count_deltas("spec", spec, self.c_spec)
+        self._count_deltas("kv", {**self.sink.counts, "failover": self.failovers}, self.c_kv)
         self.g["stalled"].set(round(self.watchdog.stalled_for(bool(s.reqs)), 1))
 
     def _count_deltas(self, name: str, totals: dict, counters: dict) -> None:

@@ -16,6 +16,7 @@ from backends.common import triton_io as tio
 from backends.common.loader import load_config, load_tokenizer, resolve
 from backends.common.mailbox import Mailbox
 from backends.common.metrics import Metrics
+from backends.common.remote import DecodeServers, parse_urls
 from backends.common.request import ParamError, SamplingParams
 from backends.common.wire import DecodeRequest, DecodeResponse
 
@@ -50,6 +51,7 @@ class ClientRequest:
     current_rid: str = ""  # the decode request of the current segment (restart mode adds segments)
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # relay and watchdog both send
     seen_cancelled: bool = False  # is_cancelled() answered True (the stub caches it)
+    remote: object = None  # the current segment's stream to a decode server of its own (remote.RemoteStream)
 
 
 class DrainedStreams:
@@ -109,6 +111,9 @@ class MasterModel:
         self.max_context, self.vocab_size = cfg.max_position_embeddings, cfg.vocab_size
         self.key = open(p["internal_key_file"]).read().strip()
         self.mailbox = Mailbox(p["mailbox_dir"])
+        urls = p.get("decode_urls", "")  # decode servers of their own, over gRPC; none: this server's pd_decode
+        self.decoders = DecodeServers(parse_urls(urls, "decode_urls"), DecodeRequest.MODEL,
+                                      DecodeResponse.OUTPUTS) if urls else None  # fmt: skip
         self.max_inflight = int(p.get("max_inflight", "1024"))
         # decode streams open at once; requests beyond wait here (their wait counts in TTFT and in the deadline)
         self.streams = threading.BoundedSemaphore(int(p.get("max_streams", "64")))
@@ -211,8 +216,8 @@ class MasterModel:
 
     def finalize(self):
         self.stop_event.set()
-        for rid in list(self.active):
-            self.mailbox.post(rid, "shutdown")
+        for req in list(self.active.values()):
+            self._cancel_everywhere(req, "shutdown")
 
     # ---- one request -------------------------------------------------------------------------------------
     def _serve(self, req: ClientRequest) -> None:
@@ -232,7 +237,15 @@ class MasterModel:
                 self.m_inflight.set(len(self.active))
             self.mailbox.discard(req.current_rid or req.rid)
 
-    def _decode_stream(self, msg: DecodeRequest):
+    def _decode_stream(self, req: ClientRequest, msg: DecodeRequest):
+        """Decode's responses for msg: a BLS decoupled stream of this server's pd_decode, or a gRPC stream to a
+        decode server (kept on req, for cancels)."""
+        if self.decoders is not None:
+            req.remote = self.decoders.open(
+                msg.request_id, msg.encode(self.key),
+                lambda reason: DecodeRequest(msg.request_id, [], msg.params, reason).encode(self.key),
+            )  # fmt: skip
+            return req.remote
         bls = tio.pb().InferenceRequest(
             model_name=DecodeRequest.MODEL,
             inputs=tio.to_tensors(msg.encode(self.key)),
@@ -253,17 +266,17 @@ class MasterModel:
             # every stream is read to its end, whatever happens: a response iterator dropped before its end (master
             # used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died
             restarted, failure, code = False, None, "INTERNAL"
-            stream = self._decode_stream(DecodeRequest(seg_rid, prompt_ids, params))
+            stream = self._decode_stream(req, DecodeRequest(seg_rid, prompt_ids, params))
             # final_part: the client's last response of a streamed answer, sent once decode's stream has ended
             drained, final_part = False, None
             try:
-                for resp in stream:
+                for error, get in self._responses(stream):
                     if req.abort_reason or restarted or failure is not None:
                         continue  # drain what decode still sends after a cancel, a restart or an error
-                    if resp.has_error():
-                        failure = resp.error().message()
+                    if error is not None:
+                        failure = error
                         continue
-                    part = DecodeResponse.decode(tio.response_getter(resp))
+                    part = DecodeResponse.decode(get)
                     if part is None:
                         continue  # the empty closing response of the stream
                     if part.error is not None:
@@ -276,7 +289,7 @@ class MasterModel:
                     delta = stops.feed(detok.add(new_ids))
                     if stops.stopped:
                         reason = "stop"
-                        self.mailbox.post(seg_rid, "stop")
+                        self._cancel_everywhere(req, "stop")
                     elif reason and reason != "restart":
                         delta += stops.feed(detok.flush()) + stops.flush()
                     now = time.monotonic()
@@ -334,6 +347,14 @@ class MasterModel:
                 text, ids = prompt_text + text, req.prompt_ids + all_ids
             self._send(req, text, ids, finish, len(all_ids), True)
         self.m_requests.increment(1)
+
+    def _responses(self, stream):
+        """(error message or None, output getter) per response, from either kind of decode stream."""
+        if self.decoders is not None:
+            yield from stream
+            return
+        for resp in stream:
+            yield (resp.error().message(), None) if resp.has_error() else (None, tio.response_getter(resp))
 
     def _stream_ended(self, req: ClientRequest, stream, drained: bool) -> bool:
         """After a decode stream's end (or a failure while reading it): True when the stub has surely erased its
@@ -435,5 +456,9 @@ class MasterModel:
             return True
 
     def _cancel_everywhere(self, req: ClientRequest, reason: str) -> None:
-        """Decode drops the request, releases its KV and tells prefill; the notice reaches every instance."""
+        """Decode drops the request, releases its KV and tells prefill; the notice reaches every instance (of a
+        decode server elsewhere: sent on the request's own gRPC call)."""
         self.mailbox.post(req.current_rid, reason)
+        remote = req.remote
+        if remote is not None:
+            remote.cancel(reason)

@@ -11,12 +11,13 @@ that answer arrives."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from backends.common import triton_io as tio
 from backends.common.engine import Engine
-from backends.common.kv_handoff import HandoffCache, copy_rows, copy_state_page
+from backends.common.kv_transport import KVSource
 from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
@@ -63,11 +64,13 @@ class PrefillModel:
         self.mailbox = Mailbox(p["mailbox_dir"]) if p.get("mailbox_dir") else None
         # test hook: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations)
         self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
-        self.peers = HandoffCache()
+        instance = args.get("model_instance_name", "pd_prefill")
+        self.source = KVSource(f"{p.get('deployment', '?')}:{instance}:{os.getpid()}", device)
         self.lock = threading.Lock()
-        m = self.metrics = Metrics({"model": "pd_prefill", "instance": args.get("model_instance_name", "pd_prefill")})
+        m = self.metrics = Metrics({"model": "pd_prefill", "instance": instance})
         self.m_jobs = {
-            k: m.counter("pd_prefill_jobs_total", "Prefill jobs by kind", kind=k) for k in ("prompt", "recovery")
+            k: m.counter("pd_prefill_jobs_total", "Prefill jobs received, by kind", kind=k)
+            for k in ("prompt", "recovery")
         }
         self.m_tokens = m.counter("pd_prefill_computed_tokens_total", "Positions computed by prefill")
         self.m_cached = m.counter("pd_prefill_cached_tokens_total", "Positions served by prefill's radix cache")
@@ -103,11 +106,16 @@ class PrefillModel:
     def _take_cancelled(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
         """Jobs with a cancel notice from decode, marked failed ("cancelled") and counted."""
         live = {j.notice: j for j in jobs if j.error is None}
-        if self.mailbox is None or not live:
+        if not live:
             return []
         out = []
-        for name, reason in self.mailbox.take(live):
-            job = live[name]
+        notices = self.mailbox.take(live) if self.mailbox is not None else []
+        # decode in another server posts its notices in the network transport's rendezvous store
+        notices += list(self.source.cancelled({n: j.msg.kv_handle for n, j in live.items()}).items())
+        for name, reason in notices:
+            job = live.get(name)
+            if job is None or job.error is not None:
+                continue
             job.error = f"cancelled ({reason})"
             out.append(job)
         if out:
@@ -122,6 +130,12 @@ class PrefillModel:
 
     def _run(self, jobs: list[PrefillJob]) -> None:
         self.m_queue.set(len(jobs))
+        for job in jobs:  # counted as they arrive (before the slow_prefill hook's wait)
+            (self.m_jobs["recovery" if not job.sample else "prompt"]).increment(1)
+            try:
+                self.source.prepare(job.msg.kv_handle)
+            except Exception as e:
+                job.error = f"KV transport: cannot reach decode ({e})"
         self._take_cancelled(jobs)  # cancelled while it waited in Triton's queue
         if "slow_prefill" in self.faults:
             self._slow_fault(jobs)
@@ -145,7 +159,6 @@ class PrefillModel:
                 job.error = str(e)
                 continue
             by_req[id(req)] = (req, job)
-            (self.m_jobs["recovery" if not job.sample else "prompt"]).increment(1)
         cached_before = sched.num_cached_tokens
         try:
             while sched.has_work():
@@ -172,16 +185,19 @@ class PrefillModel:
             slots, node = self.engine.scheduler.radix.match_prefix(job.ids, kv_only=True)
             if len(slots) != len(job.ids):
                 raise RuntimeError(f"prefill cache lost positions ({len(slots)} of {len(job.ids)})")
-            peer = self.peers.open(job.msg.kv_handle)
-            copy_rows(self.engine.runner.kv.buffer, slots[job.start :], peer.buffer, job.msg.dst_slots)
-            if job.msg.state_handle:
-                self._hand_off_state(node, job)
+            msg = job.msg
+            state_row = self._state_row(node, job) if msg.state_handle else None
+            self.source.send(
+                job.rid, job.epoch, msg.kv_handle, self.engine.runner.kv.buffer, slots[job.start :], msg.dst_slots,
+                msg.state_handle, state_row, msg.dst_state_page,
+            )  # fmt: skip
             self.m_tokens.increment(len(job.ids) - job.start)
             job.first_token = req.output_ids[0] if job.sample else None
         except Exception as e:
             job.error = f"KV hand-off failed: {e}"
 
-    def _hand_off_state(self, node, job: PrefillJob) -> None:
+    def _state_row(self, node, job: PrefillJob):
+        """The state after all of input_ids: the checkpoint the finished job left at its end."""
         engine = self.engine
         if engine.state_pages is None:
             raise RuntimeError("decode sent a state_handle, but this prefill's model has no linear-attention state")
@@ -189,9 +205,7 @@ class PrefillModel:
         if page < 0:
             raise RuntimeError(f"prefill cache lost the state at position {len(job.ids)}")
         engine.runner.apply_state_ops(engine.state_pages.take_ops())  # the checkpoint may be a queued copy
-        copy_state_page(
-            engine.runner.state.buffer, page, self.peers.open(job.msg.state_handle).buffer, job.msg.dst_state_page
-        )
+        return engine.runner.state.buffer[page]
 
     def finalize(self):
-        self.peers.close()
+        self.source.close()

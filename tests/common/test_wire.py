@@ -40,6 +40,19 @@ def test_decode_request_round_trip_keeps_int64_ids_and_params():
     assert DecodeRequest.decode(getter(enc), KEY) == msg
 
 
+def test_decode_cancel_notice_round_trip_needs_the_key_and_a_request_id():
+    """A master in another server cancels through decode's own model: the notice names the request."""
+    enc = DecodeRequest("abc", [], SamplingParams(), cancel="timeout").encode(KEY)
+    assert "cancel" in enc and "cancel" not in DecodeRequest("abc", [1], SamplingParams()).encode(KEY)
+    got = DecodeRequest.decode(getter(enc), KEY)
+    assert (got.request_id, got.cancel, got.input_ids) == ("abc", "timeout", [])
+    with pytest.raises(ParamError) as e:
+        DecodeRequest.decode(getter({**enc, "request_id": np.array([b""], dtype=np.object_)}), KEY)
+    assert e.value.field == "request_id"
+    with pytest.raises(ParamError, match="does not match"):
+        DecodeRequest.decode(getter(enc), "another deployment")
+
+
 @pytest.mark.parametrize("cls", [DecodeRequest, PrefillRequest])
 def test_internal_requests_refuse_a_missing_or_wrong_key_before_anything_else(cls):
     enc = (DecodeRequest("a", [1], SamplingParams()) if cls is DecodeRequest else prefill_msg()).encode(KEY)
