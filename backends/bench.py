@@ -6,7 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .server_process import ServerError, ServerProcess
+from .server_process import ServerError, start_deployment
 
 
 def _trace_args(p) -> None:
@@ -66,6 +66,10 @@ def register(sub) -> None:
     _run_args(c)
     c.add_argument("--modes", nargs="+", default=["pause", "restart"], choices=["pause", "restart"])
     c.add_argument("--serve-args", default="", help="extra `triton-pd serve` arguments for both servers (quoted)")
+    c.add_argument("--layout", choices=["one", "split"], default="one",
+                   help="one tritonserver per mode, or prefill, decode and master in servers of their own")  # fmt: skip
+    c.add_argument("--prefill-serve-args", default="", help="split: options of the prefill server only")
+    c.add_argument("--decode-serve-args", default="", help="split: options of the decode server only")
     c.set_defaults(func=cmd_compare)
     pa = b.add_parser("to-perf-analyzer", help="write perf_analyzer --input-data and --request-intervals files")
     _trace_args(pa)
@@ -168,9 +172,11 @@ def cmd_compare(a) -> int:
     for mode in a.modes:
         print(f"triton-pd bench: starting a server with --on-decode-oom {mode}", flush=True)
         try:
-            server = ServerProcess(
-                ["--model", a.model, "--on-decode-oom", mode, *shlex.split(a.serve_args)], out / f"server-{mode}.log"
-            )
+            server = start_deployment(
+                a.layout, ["--model", a.model, "--on-decode-oom", mode, *shlex.split(a.serve_args)],
+                out / (f"server-{mode}.log" if a.layout == "one" else f"servers-{mode}"),
+                a.prefill_serve_args, a.decode_serve_args,
+            )  # fmt: skip
         except ServerError as e:
             raise SystemExit(f"triton-pd bench: {e}") from None
         try:

@@ -178,8 +178,13 @@ def register(sub) -> None:
         "(torch.distributed point-to-point: NCCL between GPUs, gloo on CPU; any host). Default: ipc for --role all, "
         "dist for --role decode",
     )
-    m.add_argument("--kv-backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="dist's backend (auto: nccl on GPU, gloo on CPU)")  # fmt: skip
+    m.add_argument(
+        "--kv-backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="dist's backend (auto: NCCL between two GPUs; gloo on CPU, or when prefill and decode share a GPU, "
+        "where NCCL refuses the pair)",
+    )
     m.add_argument(
         "--kv-address",
         default=None,

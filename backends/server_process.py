@@ -125,3 +125,75 @@ class ServerProcess:
         subprocess.run(["pkill", "-KILL", "-f", f"{self.workdir}/"], capture_output=True)
         if not self.log.closed:
             self.log.close()
+
+
+class SplitDeployment:
+    """A multi-server deployment as child processes: `prefills` prefill servers, one decode server reaching them
+    over gRPC (KV over the network transport), one master reaching decode; one internal key shared by all.
+
+    `args` go to every server (model, pools, policies: each role reads what is its own); `prefill_args[i]` and
+    `decode_args` add placement and the like per server. `grpc_url` is master's, `metrics_url` decode's (where the
+    pool and request-state metrics are); `servers` lists every ServerProcess, prefill first."""
+
+    def __init__(self, args: list[str], log_dir: Path, prefills: int = 1, prefill_args: list[list[str]] | None = None,
+                 decode_args: list[str] = (), ready_timeout: float = 900):  # fmt: skip
+        import secrets
+
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        key = log_dir / "internal_key"
+        key.write_text(secrets.token_hex(24))
+        key.chmod(0o600)
+        common = [*args, "--internal-key-file", str(key)]
+        self.servers: list[ServerProcess] = []
+        try:
+            for i in range(prefills):
+                extra = (prefill_args or [[]] * prefills)[i]
+                self.servers.append(ServerProcess([*common, "--role", "prefill", *extra], log_dir / f"prefill{i}.log",
+                                                  ready_timeout=ready_timeout))  # fmt: skip
+            urls = ",".join(s.grpc_url for s in self.servers)
+            self.decode = ServerProcess([*common, "--role", "decode", "--prefill-urls", urls, "--kv-address",
+                                         "127.0.0.1", *decode_args], log_dir / "decode.log",
+                                        ready_timeout=ready_timeout)  # fmt: skip
+            self.servers.append(self.decode)
+            self.master = ServerProcess([*common, "--role", "master", "--decode-urls", self.decode.grpc_url],
+                                        log_dir / "master.log", ready_timeout=ready_timeout)  # fmt: skip
+            self.servers.append(self.master)
+        except Exception:
+            self.stop()
+            raise
+
+    @property
+    def grpc_url(self) -> str:
+        return self.master.grpc_url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.decode.metrics_url
+
+    @property
+    def grpc(self) -> int:
+        return self.master.grpc
+
+    @property
+    def metrics(self) -> int:
+        return self.decode.metrics
+
+    def metric(self, name: str, **labels) -> float:
+        return self.decode.metric(name, **labels)
+
+    def stop(self) -> None:
+        for s in reversed(self.servers):
+            s.stop()
+
+
+def start_deployment(layout: str, args: list[str], log: Path, prefill_args: str = "", decode_args: str = ""):
+    """`one`: one tritonserver with all three models (ServerProcess, log is its file); `split`: SplitDeployment
+    with one prefill server (log is its folder), `prefill_args` and `decode_args` as shell words."""
+    import shlex
+
+    if layout == "one":
+        return ServerProcess(args, log)
+    if layout != "split":
+        raise ValueError(f"layout {layout!r} is not one or split")
+    return SplitDeployment(args, Path(log), 1, [shlex.split(prefill_args)], shlex.split(decode_args))

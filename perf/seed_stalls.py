@@ -229,16 +229,26 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the pool and every length")
     ap.add_argument("--serve-args", default="", help="more `triton-pd serve` options, e.g. GPU placement")
+    ap.add_argument("--layout", choices=["one", "split"], default="one",
+                    help="one tritonserver, or prefill, decode and master in servers of their own (KV over the network "
+                    "transport)")  # fmt: skip
+    ap.add_argument("--prefill-serve-args", default="", help="split: options of the prefill server only")
+    ap.add_argument("--decode-serve-args", default="", help="split: options of the decode server only")
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
     a = ap.parse_args(argv)
-    from backends.server_process import ServerError, ServerProcess
+    from backends.server_process import ServerError, start_deployment
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     sc = lambda n: max(1, int(round(n * a.scale)))  # noqa: E731
     pool, prompt = sc(a.kv_tokens), sc(200)
     summary = {
-        "setup": f"{a.model}, decode pool {pool} tokens, prompts {prompt}, {a.serve_args or 'default placement'}",
+        "setup": f"{a.model}, decode pool {pool} tokens, prompts {prompt}, {a.serve_args or 'default placement'}"
+        + (
+            f"; split servers: prefill `{a.prefill_serve_args}`, decode `{a.decode_serve_args}`, KV over dist"
+            if a.layout == "split"
+            else ""
+        ),  # fmt: skip
         "command": "python perf/seed_stalls.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "policies": {},
     }
@@ -247,7 +257,8 @@ def main(argv=None) -> int:
         print(f"[seed] {pol}: starting a server", flush=True)
         args = ["--model", a.model, "--kv-tokens", str(pool), *POLICIES[pol], *shlex.split(a.serve_args)]
         try:
-            server = ServerProcess(args, out / f"server-{pol}.log")
+            log = out / (f"server-{pol}.log" if a.layout == "one" else f"servers-{pol}")
+            server = start_deployment(a.layout, args, log, a.prefill_serve_args, a.decode_serve_args)
         except ServerError as e:
             res["error"] = str(e)
             continue

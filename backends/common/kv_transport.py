@@ -8,7 +8,8 @@ PrefillRequest's `kv_handle`, so prefill follows whatever decode chose:
 - `dist`: any host. torch.distributed point-to-point over one two-rank process group per (prefill, decode) pair:
   NCCL between GPUs, gloo over TCP on CPU (and as the tests' loopback). Decode hosts a TCPStore for the
   rendezvous; a prefill joins it the first time a handle names that decode instance, and from then on sends each
-  transfer as a header and one payload. Decode's receiver thread for that peer writes the rows into the
+  transfer as a header and one payload. `auto` (the default) uses NCCL between two GPUs and gloo otherwise: NCCL
+  refuses two ranks on one GPU. Decode's receiver thread for that peer writes the rows into the
   slots of the transfer the header names, or drops them (counted) when that transfer is no longer expected: a
   stale epoch, a cancelled request, a retried attempt. Headers travel through the store (JSON under a numbered
   key per pair), so no receive is ever posted on the group while it is idle: an idle NCCL receive would trip
@@ -115,6 +116,26 @@ class IpcSink(KVSink):
         return self.kv_handle, self.state_handle if with_state else ""
 
 
+def gpu_id(device: torch.device) -> str:
+    """The GPU's UUID ("" on CPU): two ranks of one NCCL group may not share a GPU."""
+    if device.type != "cuda":
+        return ""
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError):  # an older torch: this host's name and the device's index
+        import socket
+
+        return f"{socket.gethostname()}:{torch.device(device).index or 0}"
+
+
+def pair_backend(backend: str, decode_gpu: str, prefill_gpu: str) -> str:
+    """The backend of one (prefill, decode) pair, decided the same way on both sides: `auto` is NCCL between two
+    different GPUs and gloo otherwise (CPU, or both on one GPU, where NCCL refuses the pair)."""
+    if backend != "auto":
+        return backend
+    return "nccl" if decode_gpu and prefill_gpu and decode_gpu != prefill_gpu else "gloo"
+
+
 def _process_group(backend: str, store, rank: int, device: torch.device | None):
     """A two-rank group of its own (no default group: each pair joins and fails alone)."""
     import torch.distributed as dist
@@ -131,7 +152,8 @@ def _process_group(backend: str, store, rank: int, device: torch.device | None):
 class DistSink(KVSink):
     """Decode's receiver over torch.distributed: a TCPStore for the rendezvous and one receiver thread per peer.
 
-    `backend` gloo or nccl (nccl needs the pool on a GPU); `address` is the host name prefill servers reach this
+    `backend` auto, gloo or nccl (nccl needs the pool on a GPU; auto picks per pair, `pair_backend`); `address`
+    is the host name prefill servers reach this
     decode instance at; `port` 0 takes a free one (it travels in the handle)."""
 
     kind = "dist"
@@ -144,6 +166,7 @@ class DistSink(KVSink):
             raise ValueError("kv_transport dist with nccl needs decode on a GPU; use gloo on CPU")
         self.kv, self.state, self.backend = kv, state, backend
         self.device = kv.buffer.device
+        self.gpu = gpu_id(self.device)
         self.log = log or (lambda m: print(f"[triton-pd] kv transport: {m}", file=sys.stderr, flush=True))
         self.store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=CONNECT_TIMEOUT)
         self.address, self.port = address, self.store.port
@@ -157,7 +180,7 @@ class DistSink(KVSink):
 
     def _handles(self, ticket: int, with_state: bool) -> tuple[str, str]:
         desc = {
-            "kind": "dist", "backend": self.backend, "addr": self.address, "port": self.port,
+            "kind": "dist", "backend": self.backend, "gpu": self.gpu, "addr": self.address, "port": self.port,
             "instance": self.instance, "generation": self.generation, "ticket": ticket,
             "dtype": str(self.kv.buffer.dtype), "row_shape": self.row_shape,
             "state_floats": int(self.state.buffer.shape[1]) if self.state is not None else 0,
@@ -225,18 +248,20 @@ class DistSink(KVSink):
             self._threads.append(t)
             t.start()
 
-    def _receive_loop(self, k: int, peer: str) -> None:
+    def _receive_loop(self, k: int, join: str) -> None:
         import torch.distributed as dist
 
+        who = json.loads(join)
+        peer, backend = who["id"], pair_backend(self.backend, self.gpu, who["gpu"])
         try:
-            pg = _process_group(self.backend, dist.PrefixStore(f"pair/{k}", self._client()), 1, self.device)
+            pg = _process_group(backend, dist.PrefixStore(f"pair/{k}", self._client()), 1, self.device)
             waits = self._client()
         except Exception as e:
             self.log(f"peer {peer} could not connect: {e}")
             return
         self.peers[k] = pg
-        self.log(f"peer {peer} connected ({self.backend})")
-        buf_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        self.log(f"peer {peer} connected ({backend})")
+        buf_device = self.device if backend == "nccl" else torch.device("cpu")
         n = 0
         try:
             while (raw := self._wait(waits, k, f"hdr/{k}/{n + 1}")) is not None:
@@ -298,11 +323,12 @@ class _Peer:
         import torch.distributed as dist
 
         self.key = (desc["instance"], desc["generation"])
-        self.backend = desc["backend"]
+        mine = gpu_id(device)
+        self.backend = pair_backend(desc["backend"], desc.get("gpu", ""), mine)
         self.device = device
         self.store = dist.TCPStore(desc["addr"], desc["port"], is_master=False, timeout=CONNECT_TIMEOUT)
         self.k = self.store.add("joins", 1)
-        self.store.set(f"join/{self.k}", me)
+        self.store.set(f"join/{self.k}", json.dumps({"id": me, "gpu": mine}))
         self.pg = _process_group(self.backend, dist.PrefixStore(f"pair/{self.k}", self.store), 0, device)
         self.sent = 0
         self.lock = threading.Lock()

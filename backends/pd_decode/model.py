@@ -127,12 +127,11 @@ class DecodeModel:
 
     def _sink(self, p: dict, instance_id: str):
         """Where prefill's rows land: `ipc` (this host: prefill writes into the exported pool) or `dist`
-        (torch.distributed; gloo on CPU, nccl on GPU unless `kv_backend` says otherwise)."""
+        (torch.distributed; `kv_backend` auto: NCCL between two GPUs, gloo otherwise)."""
         kind = check_kind(p.get("kv_transport", "ipc") or "ipc")
         if kind == "ipc":
             return IpcSink(self.runner.kv, self.runner.state, instance_id)
-        on_gpu = self.runner.kv.buffer.is_cuda
-        backend = p.get("kv_backend", "") or ("nccl" if on_gpu else "gloo")
+        backend = p.get("kv_backend", "") or "auto"
         address = p.get("kv_address", "") or "127.0.0.1"
         return DistSink(self.runner.kv, self.runner.state, instance_id, backend, address, log=self._log)
 
