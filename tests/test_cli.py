@@ -100,10 +100,15 @@ def test_bad_input_one_line_error(args, needle):
         (["--role", "prefill", "--internal-key-file", "/nonexistent/key"], "/nonexistent/key is missing or empty"),
     ],
 )
-def test_serve_roles_refuse_incomplete_deployments(args, needle, tmp_path):
+def test_serve_roles_refuse_incomplete_deployments(args, needle, tmp_path, capsys):
+    """In this process (the checks run before any server starts): exit status 2 and one line naming the option."""
+    from backends.cli import main
+
     key = tmp_path / "key"
-    assert run_cli("key", str(key)).returncode == 0 and len(key.read_text()) == 48
+    assert main(["key", str(key)]) == 0 and len(key.read_text()) == 48
     assert key.stat().st_mode & 0o777 == 0o600
-    r = run_cli("serve", "--model", "random:tiny-test", "--workdir", str(tmp_path / "w"),
-                *[str(key) if a == "KEY" else a for a in args])  # fmt: skip
-    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    capsys.readouterr()
+    rc = main(["serve", "--model", "random:tiny-test", "--workdir", str(tmp_path / "w"),
+               *[str(key) if a == "KEY" else a for a in args]])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err

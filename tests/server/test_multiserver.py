@@ -18,7 +18,7 @@ from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-N_OUT = 200
+N_OUT = 160
 
 
 def _start(servers: dict, name: str, *args: str) -> None:
@@ -40,7 +40,7 @@ def cluster(tmp_path_factory):
         for t in prefills:
             t.join()
         _start(up, "decode", "--role", "decode", *common, "--prefill-urls", f"{up['pa'].grpc_url},{up['pb'].grpc_url}",
-               "--kv-address", "127.0.0.1", "--kv-tokens", "700", "--rotation-quantum", "0",
+               "--kv-address", "127.0.0.1", "--kv-tokens", "600", "--rotation-quantum", "0",
                "--fault-injection", "stale,drop_paused_kv")  # fmt: skip
         _start(up, "master", "--role", "master", *common, "--decode-urls", up["decode"].grpc_url)
         yield up
