@@ -115,7 +115,10 @@ class RemoteStream:
     def __init__(self, server: Server, model: str, request_id: str, tensors, outputs, cancel_tensors):
         self.server, self.rid, self.cancel_tensors, self.model = server, request_id, cancel_tensors, model
         self.requests: queue.Queue = queue.Queue()
-        self.requests.put(infer_request(model, tensors, request_id, outputs))
+        first = infer_request(model, tensors, request_id, outputs)
+        # a FINAL flag sent without a response still reaches us, as an empty response marked final
+        first.parameters["triton_enable_empty_final_response"].bool_param = True
+        self.requests.put(first)
         self.ended = False
         server.streams(+1)
         self.call = server.stub.ModelStreamInfer(iter(self.requests.get, _END))
