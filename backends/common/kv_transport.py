@@ -172,7 +172,6 @@ class DistSink(KVSink):
         self.address, self.port = address, self.store.port
         self.instance, self.generation = instance_id, secrets.token_hex(4)
         self.row_shape = [kv.num_layers, 2, kv.num_kv_heads, kv.head_dim]
-        self.peers: dict[int, object] = {}
         self.stop = threading.Event()
         self._waiting: dict[int, str] = {}  # thread number (0: the joiner) -> the store key it waits for
         self._threads = [threading.Thread(target=self._join_loop, name="pd-kv-join", daemon=True)]
@@ -211,7 +210,6 @@ class DistSink(KVSink):
                 pass
         for t in self._threads:
             t.join(timeout=5)
-        self.peers.clear()
 
     # ---- threads ------------------------------------------------------------------------------------------
     def _client(self):
@@ -259,7 +257,6 @@ class DistSink(KVSink):
         except Exception as e:
             self.log(f"peer {peer} could not connect: {e}")
             return
-        self.peers[k] = pg
         self.log(f"peer {peer} connected ({backend})")
         buf_device = self.device if backend == "nccl" else torch.device("cpu")
         n = 0
@@ -276,7 +273,6 @@ class DistSink(KVSink):
             if not self.stop.is_set():
                 self.log(f"peer {peer} lost: {e}")
         finally:
-            self.peers.pop(k, None)
             _abort(pg)
 
     def _row_bytes(self) -> int:
@@ -364,7 +360,6 @@ class KVSource:
         self.ipc = HandoffCache()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
-        self.sent_bytes = 0
 
     def _peer(self, desc: dict) -> _Peer:
         with self._lock:
@@ -420,7 +415,6 @@ class KVSource:
                 self._drop_peer(desc)
                 if attempt == 2:
                     raise
-        self.sent_bytes += payload.numel()
 
     def cancelled(self, handles: dict[str, str]) -> dict[str, str]:
         """Of the notices (rid:epoch) whose job's handle is a dist one, those decode has cancelled: notice ->
