@@ -103,14 +103,24 @@ class KVSink:
 
 
 class IpcSink(KVSink):
-    """Prefill writes into decode's exported pool itself: by the time it answers, the rows are there."""
+    """Prefill writes into decode's exported pool itself: by the time it answers, the rows are there. Cancel
+    notices go through this host's mailbox (`mailbox.Mailbox`), which the server's prefill instances read."""
 
     kind = "ipc"
 
-    def __init__(self, kv, state, instance_id: str):
+    def __init__(self, kv, state, instance_id: str, mailbox=None):
         super().__init__()
         self.kv_handle = export_handle(kv, instance_id)
         self.state_handle = export_handle(state, instance_id + ":state") if state is not None else ""
+        self.mailbox = mailbox
+
+    def post_cancel(self, notice: str, reason: str) -> None:
+        if self.mailbox is not None:
+            self.mailbox.post(notice, reason)
+
+    def discard_cancel(self, notice: str) -> None:
+        if self.mailbox is not None:
+            self.mailbox.discard(notice)
 
     def _handles(self, ticket: int, with_state: bool) -> tuple[str, str]:
         return self.kv_handle, self.state_handle if with_state else ""

@@ -81,6 +81,7 @@ class DecodeModel:
         )  # fmt: skip
         self.eos = self.runner.cfg.eos_token_ids
         state = self.runner.state
+        self.mailbox = Mailbox(p["mailbox_dir"])
         self.sink = self._sink(p, f"{p['deployment']}:{self.instance}")
         # prefill of this server (BLS) or prefill servers over gRPC, with failover between them
         urls = p.get("prefill_urls", "")
@@ -113,7 +114,6 @@ class DecodeModel:
         # (it must be dropped); "drop_paused_kv" keeps no paused KV (cache or host), forcing prefill recovery
         self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
         self.sched.keep_paused_kv = "drop_paused_kv" not in self.faults
-        self.mailbox = Mailbox(p["mailbox_dir"])
         self.events: queue.Queue = queue.Queue()
         self.streams: dict[str, Stream] = {}
         self.sender = StreamSender(self._send)
@@ -130,7 +130,7 @@ class DecodeModel:
         (torch.distributed; `kv_backend` auto: NCCL between two GPUs, gloo otherwise)."""
         kind = check_kind(p.get("kv_transport", "ipc") or "ipc")
         if kind == "ipc":
-            return IpcSink(self.runner.kv, self.runner.state, instance_id)
+            return IpcSink(self.runner.kv, self.runner.state, instance_id, self.mailbox)
         backend = p.get("kv_backend", "") or "auto"
         address = p.get("kv_address", "") or "127.0.0.1"
         return DistSink(self.runner.kv, self.runner.state, instance_id, backend, address, log=self._log)
@@ -387,7 +387,6 @@ class DecodeModel:
         elif isinstance(ev, TransferDone):
             self.watchdog.progress()
             if (ev.rid, ev.epoch) in self.sched.orphans:  # cancelled meanwhile: prefill no longer needs the notice
-                self.mailbox.discard(prefill_notice(ev.rid, ev.epoch))
                 self.sink.discard_cancel(prefill_notice(ev.rid, ev.epoch))
             c = self.sched.on_transfer_done(ev.rid, ev.epoch, ev.ok, ev.first_token, ev.error)
             if c.stale:
@@ -421,8 +420,8 @@ class DecodeModel:
             return
         job = self.sched.inflight.get((rid, req.epoch))
         if (rid, req.epoch) in self.sched.orphans and job is not None and job.source == "prefill":
-            self.mailbox.post(prefill_notice(rid, req.epoch), reason)  # prefill is computing for it: drop the job
-            self.sink.post_cancel(prefill_notice(rid, req.epoch), reason)  # prefill servers elsewhere
+            # prefill is computing for it: drop the job (this host's mailbox, or the network transport's store)
+            self.sink.post_cancel(prefill_notice(rid, req.epoch), reason)
         self._emit(req, [], reason)
 
     def _transfer(self, msg: PrefillRequest) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from backends.common.kv_store import KVStore
 from backends.common.kv_transport import DistSink, IpcSink, KVSource, check_kind
+from backends.common.mailbox import Mailbox
 
 LAYERS, HEADS, DIM = 2, 2, 4
 
@@ -147,10 +148,16 @@ def test_a_lost_peer_is_replaced_and_cancel_notices_reach_prefill(sink):
         source.close()
 
 
-def test_ipc_transport_through_the_same_interface():
+def test_ipc_transport_through_the_same_interface(tmp_path):
     dst = KVStore.allocate(LAYERS, 8, HEADS, DIM, torch.float32, "cpu", shm_name=f"tpd_test_{time.time_ns()}")
     try:
-        s = IpcSink(dst, None, "ipc-test")
+        mailbox = Mailbox(tmp_path / "mailbox")
+        s = IpcSink(dst, None, "ipc-test", mailbox)
+        s.post_cancel("r:0", "timeout")  # on this host, cancel notices go through the mailbox prefill reads
+        assert mailbox.take({"r:0"}) == [("r:0", "timeout")]
+        s.post_cancel("r:1", "cancelled")
+        s.discard_cancel("r:1")
+        assert mailbox.take({"r:1"}) == []
         exp = s.expect("r", 0, [6, 1], -1)
         assert json.loads(exp.kv_handle)["kind"] == "shm" and exp.state_handle == ""
         src = _src_pool()
