@@ -11,7 +11,7 @@ from tests.server.conftest import Server
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 TOPICS = ["the history of astronomy", "how bridges are built", "the life cycle of stars", "ocean currents"]
-N_OUT = 400
+N_OUT = 300  # with prompts of ~200 tokens, four answers need twice the 1024-slot pool
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +95,10 @@ def test_closing_streams_while_paused_frees_everything(tight, engine):
 def test_prefill_recovery_epoch_3_still_exact(forced, expected):
     """Every pause recovers through prefill; some request reaches epoch >= 3; all tokens still exact."""
     prompts, want = expected
-    n = 300  # greedy and per-position seeded sampling: the first 300 tokens equal the 400-token answers' prefix
-    results = run_streams(forced, prompts, n)
+    results = run_streams(forced, prompts)
     for i, (res, exp) in enumerate(zip(results, want)):
         assert res.error is None, res.error
-        assert res.finish_reason == "length" and res.ids == exp[:n], f"stream {i}"
+        assert res.finish_reason == "length" and res.ids == exp, f"stream {i}"
     assert forced.metric("pd_recoveries_total", path="local") == 0
     assert forced.metric("pd_recoveries_total", path="host") == 0
     assert forced.metric("pd_recoveries_total", path="prefill") >= 3
@@ -114,16 +113,15 @@ def test_restart_baseline_resubmits_ids_and_loses_nothing(expected):
     prompt + generated ids. Answers stay whole; greedy ones equal the offline engine's (ids are never re-tokenised,
     so the recomputed context is exactly the one decode lost)."""
     prompts, want = expected
-    n = 300  # as in the epoch test: the greedy answers' first 300 tokens are the 400-token answers' prefix
     s = Server("--kv-tokens", "1024", "--on-decode-oom", "restart", name="restart")
     try:
-        results = run_streams(s, prompts, n)
+        results = run_streams(s, prompts)
         for i, (res, exp) in enumerate(zip(results, want)):
             assert res.error is None, res.error
             assert res.finish_reason == "length"
-            assert len(res.ids) == n
+            assert len(res.ids) == N_OUT
             if params(i)["temperature"] == 0:
-                assert res.ids == exp[:n], f"greedy stream {i} differs from the offline engine after restarts"
+                assert res.ids == exp, f"greedy stream {i} differs from the offline engine after restarts"
         assert s.metric("pd_restarts_total") > 0
         assert s.metric("pd_pauses_total") == 0
         s.assert_released(timeout=10)
