@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 
 from .kv_handoff import HandoffCache, copy_rows, copy_state_page, export_handle
+from .mailbox import Mailbox
 
 KINDS = ("ipc", "dist")
 CONNECT_TIMEOUT = timedelta(seconds=30)  # rendezvous, and a payload's arrival once its header is posted
@@ -104,13 +105,15 @@ class KVSink:
 
 class IpcSink(KVSink):
     """Prefill writes into decode's exported pool itself: by the time it answers, the rows are there. Cancel
-    notices go through this host's mailbox (`mailbox.Mailbox`), which the server's prefill instances read."""
+    notices go through decode's mailbox (`mailbox.Mailbox`); the handle names it, so a prefill server of another
+    deployment on this host (the split layouts) reads it too."""
 
     kind = "ipc"
 
     def __init__(self, kv, state, instance_id: str, mailbox=None):
         super().__init__()
-        self.kv_handle = export_handle(kv, instance_id)
+        extra = {"mailbox": str(mailbox.root)} if mailbox is not None else {}
+        self.kv_handle = json.dumps({**json.loads(export_handle(kv, instance_id)), **extra})
         self.state_handle = export_handle(state, instance_id + ":state") if state is not None else ""
         self.mailbox = mailbox
 
@@ -427,16 +430,24 @@ class KVSource:
                     raise
 
     def cancelled(self, handles: dict[str, str]) -> dict[str, str]:
-        """Of the notices (rid:epoch) whose job's handle is a dist one, those decode has cancelled: notice ->
-        reason. Jobs on the ipc transport are cancelled through the host's mailbox instead."""
+        """Of the notices (rid:epoch), those decode has cancelled: notice -> reason. A dist handle's notices are
+        read from its decode's rendezvous store; an ipc handle's from the mailbox it names (taken: read once)."""
         by_peer: dict[str, list[str]] = {}
+        by_mailbox: dict[str, set[str]] = {}
         descs = {}
         for notice, handle in handles.items():
             desc = json.loads(handle)
             if desc.get("kind") == "dist":
                 by_peer.setdefault(desc["instance"], []).append(notice)
                 descs[desc["instance"]] = desc
+            elif desc.get("mailbox"):
+                by_mailbox.setdefault(desc["mailbox"], set()).add(notice)
         out = {}
+        for path, notices in by_mailbox.items():
+            try:
+                out.update(Mailbox.named(path).take(notices))
+            except ValueError:
+                pass  # not a mailbox (a handle from something else): nothing to read
         for inst, notices in by_peer.items():
             with self._lock:  # only peers already connected: a poll never waits for a connection
                 peer = self._peers.get(inst)

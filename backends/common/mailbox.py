@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_DIR = re.compile(r"^triton-pd-[A-Za-z0-9_.-]{1,64}$")  # a deployment's mailbox: /dev/shm/triton-pd-<id>
 
 
 def prefill_notice(rid: str, epoch: int) -> str:
@@ -18,9 +19,19 @@ def prefill_notice(rid: str, epoch: int) -> str:
 
 
 class Mailbox:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, create: bool = True):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def named(cls, path: str) -> Mailbox:
+        """Another deployment's mailbox on this host, named in a request: only an existing directory called like
+        one (triton-pd-<id>) is opened, and never created."""
+        root = Path(path)
+        if not (root.is_absolute() and _DIR.match(root.name) and root.is_dir()):
+            raise ValueError(f"not a triton-pd mailbox: {path!r}")
+        return cls(root, create=False)
 
     def post(self, rid: str, reason: str = "cancelled") -> None:
         if not _SAFE.match(rid):

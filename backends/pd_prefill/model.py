@@ -5,7 +5,8 @@ the KV hand-off and answers with the first sampled token (recovery samples are d
 Triton hands each execute() call a list of requests; all of them run as one continuous batch, recovery jobs
 first. Recovery jobs are never refused for queue limits: they carry work that is already streaming.
 
-A job whose request decode cancelled (decode posts a notice in the deployment's mailbox) ends at the next step
+A job whose request decode cancelled (decode posts a notice in its mailbox, or in the network transport's store,
+whichever its job's kv_handle names) ends at the next step
 boundary, or at once if it has not started, with the error "cancelled": its slots on decode are released when
 that answer arrives."""
 
@@ -110,7 +111,8 @@ class PrefillModel:
             return []
         out = []
         notices = self.mailbox.take(live) if self.mailbox is not None else []
-        # decode in another server posts its notices in the network transport's rendezvous store
+        # decode in another server: its notices are in the network transport's rendezvous store, or (ipc, on this
+        # host) in the mailbox its handle names
         notices += list(self.source.cancelled({n: j.msg.kv_handle for n, j in live.items()}).items())
         for name, reason in notices:
             job = live.get(name)

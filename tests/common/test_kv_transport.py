@@ -160,7 +160,7 @@ def test_a_lost_peer_is_replaced_and_cancel_notices_reach_prefill(sink):
 def test_ipc_transport_through_the_same_interface(tmp_path):
     dst = KVStore.allocate(LAYERS, 8, HEADS, DIM, torch.float32, "cpu", shm_name=f"tpd_test_{time.time_ns()}")
     try:
-        mailbox = Mailbox(tmp_path / "mailbox")
+        mailbox = Mailbox(tmp_path / "triton-pd-ipctest")
         s = IpcSink(dst, None, "ipc-test", mailbox)
         s.post_cancel("r:0", "timeout")  # on this host, cancel notices go through the mailbox prefill reads
         assert mailbox.take({"r:0"}) == [("r:0", "timeout")]
@@ -171,6 +171,18 @@ def test_ipc_transport_through_the_same_interface(tmp_path):
         assert json.loads(exp.kv_handle)["kind"] == "shm" and exp.state_handle == ""
         src = _src_pool()
         source = KVSource("ipc-prefill")
+        # a prefill server of another deployment reads decode's mailbox through the handle: once, then it is gone
+        other = s.expect("o", 2, [0], -1).kv_handle
+        s.post_cancel("o:2", "deadline")
+        assert source.cancelled({"o:2": other, "r:0": exp.kv_handle}) == {"o:2": "deadline"}
+        assert source.cancelled({"o:2": other}) == {}
+        # a handle naming something that is not a mailbox is never read, listed or created
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "o:2").write_text("x")
+        for path in (tmp_path / "elsewhere", tmp_path / "triton-pd-missing", "triton-pd-relative"):
+            forged = json.dumps({**json.loads(other), "mailbox": str(path)})
+            assert source.cancelled({"o:2": forged}) == {}
+        assert (tmp_path / "elsewhere" / "o:2").exists() and not (tmp_path / "triton-pd-missing").exists()
         source.send("r", 0, exp.kv_handle, src.buffer, [3, 4], exp.dst_slots)
         assert s.landed(exp, 0)
         assert torch.equal(dst.buffer[:, :, [6, 1]], src.buffer[:, :, [3, 4]])
