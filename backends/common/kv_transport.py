@@ -250,13 +250,17 @@ class DistSink(KVSink):
         finally:
             self._waiting.pop(me, None)
 
+    def live_peers(self) -> int:
+        """Receiver threads running: one per prefill process connected to this instance."""
+        return sum(t.is_alive() for t in self._threads[1:])
+
     def _join_loop(self) -> None:
         k, client = 0, self._client()
         while (peer := self._wait(client, 0, f"join/{k + 1}")) is not None:
             k += 1
             t = threading.Thread(target=self._receive_loop, args=(k, peer.decode()), name=f"pd-kv-recv-{k}",
                                  daemon=True)  # fmt: skip
-            self._threads.append(t)
+            self._threads = [self._threads[0], *(t for t in self._threads[1:] if t.is_alive()), t]
             t.start()
 
     def _receive_loop(self, k: int, join: str) -> None:
@@ -277,6 +281,9 @@ class DistSink(KVSink):
             while (raw := self._wait(waits, k, f"hdr/{k}/{n + 1}")) is not None:
                 n += 1
                 h = json.loads(raw)
+                if h.get("bye"):  # the peer closed its side (prefill shutting down): this thread ends
+                    self.log(f"peer {peer} left")
+                    break
                 rows, floats = int(h["rows"]), int(h["state_floats"])
                 payload = torch.empty(rows * self._row_bytes() + floats * 4, dtype=torch.uint8, device=buf_device)
                 if payload.numel():
@@ -361,7 +368,16 @@ class _Peer:
                 out[n] = self.store.get(key).decode() or "cancelled"
         return out
 
-    def close(self) -> None:
+    def close(self, bye: bool = False) -> None:
+        """Drops the group; with `bye` first tells decode's receiver for this pair that nothing more comes, so its
+        thread ends (not for a peer being replaced or one whose link broke: that store may be gone or reused)."""
+        if bye:
+            with self.lock:
+                try:
+                    self.sent += 1
+                    self.store.set(f"hdr/{self.k}/{self.sent}", json.dumps({"bye": True}))
+                except Exception:
+                    pass  # decode is gone already
         _abort(self.pg)
 
 
@@ -462,5 +478,5 @@ class KVSource:
     def close(self) -> None:
         self.ipc.close()
         for p in self._peers.values():
-            p.close()
+            p.close(bye=True)
         self._peers.clear()

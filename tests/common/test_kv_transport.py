@@ -88,6 +88,8 @@ def test_rows_land_in_the_reserved_slots(sink):
     assert sink.counts["landed"] == 1 and sink.counts["bytes"] == 3 * LAYERS * 2 * HEADS * DIM * 4
     p.join(30)
     assert p.exitcode == 0
+    # prefill closed its side on the way out: decode's receiver for it ended instead of waiting forever
+    assert _poll(sink.live_peers, 0) == 0
 
 
 def test_stale_epoch_superseded_attempt_and_cancelled_transfer_are_dropped(sink):
