@@ -22,6 +22,7 @@ are written only while the slots are still reserved for that very attempt. Handl
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 import threading
@@ -156,6 +157,10 @@ def _process_group(backend: str, store, rank: int, device: torch.device | None):
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, CONNECT_TIMEOUT)
     if backend == "nccl":
+        # torch's default (3) tears the whole process down when a transfer times out: a prefill that dies in the
+        # middle of a payload would take decode with it. 2 aborts only this pair's communicator; the pending
+        # receive then fails and the receiver drops the peer. Read when the group is made; an operator's value wins.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = CONNECT_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, 2, opts)
