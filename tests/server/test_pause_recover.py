@@ -113,15 +113,16 @@ def test_restart_baseline_resubmits_ids_and_loses_nothing(expected):
     prompt + generated ids. Answers stay whole; greedy ones equal the offline engine's (ids are never re-tokenised,
     so the recomputed context is exactly the one decode lost)."""
     prompts, want = expected
+    n = 200  # four ~400-token contexts on 1024 slots still restart; greedy answers are prefixes of the longer ones
     s = Server("--kv-tokens", "1024", "--on-decode-oom", "restart", name="restart")
     try:
-        results = run_streams(s, prompts)
+        results = run_streams(s, prompts, n)
         for i, (res, exp) in enumerate(zip(results, want)):
             assert res.error is None, res.error
             assert res.finish_reason == "length"
-            assert len(res.ids) == N_OUT
+            assert len(res.ids) == n
             if params(i)["temperature"] == 0:
-                assert res.ids == exp, f"greedy stream {i} differs from the offline engine after restarts"
+                assert res.ids == exp[:n], f"greedy stream {i} differs from the offline engine after restarts"
         assert s.metric("pd_restarts_total") > 0
         assert s.metric("pd_pauses_total") == 0
         s.assert_released(timeout=10)
