@@ -106,6 +106,17 @@ class Stream:
             pass
 
 
+def _transport(decode_args: str) -> str:
+    """The KV transport a split decode server runs with (its role's default is dist)."""
+    words = shlex.split(decode_args)
+    for i, w in enumerate(words):
+        if w == "--kv-transport" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--kv-transport="):
+            return w.split("=", 1)[1]
+    return "dist"
+
+
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(1000, 30000, size=length).tolist() for _ in range(n)]
@@ -245,7 +256,8 @@ def main(argv=None) -> int:
     summary = {
         "setup": f"{a.model}, decode pool {pool} tokens, prompts {prompt}, {a.serve_args or 'default placement'}"
         + (
-            f"; split servers: prefill `{a.prefill_serve_args}`, decode `{a.decode_serve_args}`, KV over dist"
+            f"; split servers: prefill `{a.prefill_serve_args}`, decode `{a.decode_serve_args}`, KV over "
+            f"{_transport(a.decode_serve_args)}"
             if a.layout == "split"
             else ""
         ),  # fmt: skip
