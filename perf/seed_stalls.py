@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-args", default="", help="more `triton-pd serve` options, e.g. GPU placement")
     ap.add_argument("--layout", choices=["one", "split"], default="one",
                     help="one tritonserver, or prefill, decode and master in servers of their own (KV over the network "
-                    "transport)")  # fmt: skip
+                    "transport, or ipc with --decode-serve-args '--kv-transport ipc')")  # fmt: skip
     ap.add_argument("--prefill-serve-args", default="", help="split: options of the prefill server only")
     ap.add_argument("--decode-serve-args", default="", help="split: options of the decode server only")
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
