@@ -83,6 +83,13 @@ def register(sub) -> None:
         "$PD_REQUEST_TIMEOUT_SECONDS or 1800)",
     )
     p.add_argument(
+        "--exit-timeout",
+        type=int,
+        default=20,
+        help="seconds tritonserver's shutdown waits for requests in flight (--exit-timeout-secs; after a master or "
+        "decode stub died, the launcher kills it 10 s after this). Default 20",
+    )
+    p.add_argument(
         "--on-decode-oom",
         choices=["pause", "restart"],
         default="pause",
@@ -225,7 +232,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"[triton-pd] {dep.summary()}", flush=True)
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
     sup = Supervisor(command(layout, repo, ports, dep, a.shm_mb, a.log_verbose), environment(layout, dep), log_path,
-                     ports.http, dep.models)  # fmt: skip
+                     ports.http, dep.models, dep.exit_timeout)  # fmt: skip
     try:
         if sup.wait_ready(a.ready_timeout):
             print_ready(ports, dep.role)

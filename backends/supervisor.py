@@ -14,12 +14,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .tritonserver import EXIT_TIMEOUT_S, MODELS
+from .tritonserver import MODELS
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int, models=MODELS):
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int, models=MODELS,
+                 exit_timeout: float = 20):  # fmt: skip
         self.log_path, self.http_port, self.models = log_path, http_port, tuple(models)
+        self.exit_timeout = exit_timeout
         self.stopping: list[int] = []
         self.stubs: dict[str, tuple[int, str]] = {}
         self.died: str | None = None
@@ -82,7 +84,7 @@ class Supervisor:
                         flush=True,
                     )
                     signal_group(self.proc, signal.SIGTERM, group=False)
-                    kill_at = time.monotonic() + EXIT_TIMEOUT_S + 10
+                    kill_at = time.monotonic() + self.exit_timeout + 10
 
     def close(self, deployment_id: str, mailbox: Path) -> None:
         """Kill what is left (stubs left behind by a crash too) and remove the deployment's shared memory."""

@@ -15,7 +15,6 @@ from pathlib import Path
 from .deployment import PROJECT_ROOT, Deployment
 
 MODELS = ("pd_master", "pd_decode", "pd_prefill")
-EXIT_TIMEOUT_S = 20  # tritonserver --exit-timeout-secs: how long its shutdown waits for requests in flight
 
 
 @dataclass
@@ -94,7 +93,7 @@ def command(layout: Layout, repo: Path, ports: Ports, dep: Deployment, shm_mb: i
         "--allow-metrics=true",
         "--exit-on-error=true",
         "--strict-readiness=true",
-        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+        f"--exit-timeout-secs={dep.exit_timeout}",
         f"--log-verbose={log_verbose}",
         # a pool large enough not to grow under load (growth of the Python backend's pool under concurrent BLS
         # traffic is where 2.51 has crashed for us); tensors are small, so this is address space, not RAM

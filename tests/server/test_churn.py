@@ -17,7 +17,7 @@ from .conftest import Server
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 CLIENTS = 16
-REQUESTS_EACH = 64  # 1,024 requests: the stub failed after 95 to about 1,200 of them
+REQUESTS_EACH = 48  # 768 requests: the stub failed after 95 to about 1,200 of them
 
 
 @pytest.fixture(scope="module")
