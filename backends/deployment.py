@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+EXIT_TIMEOUT_S = 20  # tritonserver --exit-timeout-secs: how long its shutdown waits for requests in flight
 ROLE_MODELS = {
     "all": ("pd_master", "pd_decode", "pd_prefill"),
     "master": ("pd_master",),
@@ -174,7 +175,7 @@ class Deployment:
     kv_backend: str = ""  # dist's backend: gloo or nccl ("": nccl on GPU, gloo on CPU)
     kv_address: str = ""  # dist: the host name prefill servers reach this decode server's KV receiver at
     shared_key: bool = False  # the internal key comes from a given file (shared by the deployment's servers)
-    exit_timeout: int = 20  # tritonserver --exit-timeout-secs: how long its shutdown waits for requests in flight
+    exit_timeout: int = EXIT_TIMEOUT_S  # tritonserver --exit-timeout-secs
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -197,7 +198,7 @@ class Deployment:
         )
         if gpu and cfg.is_hybrid and not a.kv_tokens:  # the state pages share the same fraction of the GPU
             kv_tokens = max(1024, kv_tokens - state_bytes(cfg, getattr(a, "state_pages", 0), a.max_batch) // per_token)
-        if getattr(a, "exit_timeout", 20) < 0:
+        if getattr(a, "exit_timeout", EXIT_TIMEOUT_S) < 0:
             raise ValueError("--exit-timeout: must be >= 0 seconds")
         host_kv = a.host_kv_tokens
         if cfg.is_hybrid and host_kv:
@@ -228,7 +229,7 @@ class Deployment:
                 (a.prefill_instances if role in ("all", "prefill") else 0)
                 + (a.decode_instances if role in ("all", "decode") else 0)
             ),
-            exit_timeout=getattr(a, "exit_timeout", 20),
+            exit_timeout=getattr(a, "exit_timeout", EXIT_TIMEOUT_S),
             request_timeout=timeout,
             decode_groups=instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
             prefill_groups=instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),

@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .deployment import Deployment, gpu_count
+from .deployment import EXIT_TIMEOUT_S, Deployment, gpu_count
 from .supervisor import Supervisor
 from .tritonserver import Ports, command, environment, layout_for, render
 
@@ -85,9 +85,9 @@ def register(sub) -> None:
     p.add_argument(
         "--exit-timeout",
         type=int,
-        default=20,
+        default=EXIT_TIMEOUT_S,
         help="seconds tritonserver's shutdown waits for requests in flight (--exit-timeout-secs; after a master or "
-        "decode stub died, the launcher kills it 10 s after this). Default 20",
+        "decode stub died, the launcher kills it 10 s after this)",
     )
     p.add_argument(
         "--on-decode-oom",
@@ -232,7 +232,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"[triton-pd] {dep.summary()}", flush=True)
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
     sup = Supervisor(command(layout, repo, ports, dep, a.shm_mb, a.log_verbose), environment(layout, dep), log_path,
-                     ports.http, dep.models, dep.exit_timeout)  # fmt: skip
+                     ports.http, dep.models, exit_timeout=dep.exit_timeout)  # fmt: skip
     try:
         if sup.wait_ready(a.ready_timeout):
             print_ready(ports, dep.role)

@@ -18,8 +18,8 @@ from .tritonserver import MODELS
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int, models=MODELS,
-                 exit_timeout: float = 20):  # fmt: skip
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int, models=MODELS, *,
+                 exit_timeout: float):  # fmt: skip
         self.log_path, self.http_port, self.models = log_path, http_port, tuple(models)
         self.exit_timeout = exit_timeout
         self.stopping: list[int] = []
