@@ -19,7 +19,7 @@ import time
 from backends.common import triton_io as tio
 from backends.common.engine import Engine
 from backends.common.kv_transport import KVSource
-from backends.common.mailbox import Mailbox, prefill_notice
+from backends.common.mailbox import prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
 from backends.common.runner import set_cpu_threads
@@ -62,7 +62,6 @@ class PrefillModel:
             state_pages=int(p.get("state_pages", "0")) or None,
         )
         self.key = open(p["internal_key_file"]).read().strip()
-        self.mailbox = Mailbox(p["mailbox_dir"]) if p.get("mailbox_dir") else None
         # test hook: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations)
         self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
         instance = args.get("model_instance_name", "pd_prefill")
@@ -110,10 +109,9 @@ class PrefillModel:
         if not live:
             return []
         out = []
-        notices = self.mailbox.take(live) if self.mailbox is not None else []
-        # decode in another server: its notices are in the network transport's rendezvous store, or (ipc, on this
-        # host) in the mailbox its handle names
-        notices += list(self.source.cancelled({n: j.msg.kv_handle for n, j in live.items()}).items())
+        # where each job's kv_handle says: decode's mailbox (ipc: this server's or another's on this host) or the
+        # network transport's rendezvous store (dist)
+        notices = list(self.source.cancelled({n: j.msg.kv_handle for n, j in live.items()}).items())
         for name, reason in notices:
             job = live.get(name)
             if job is None or job.error is not None:
