@@ -2,7 +2,9 @@
 
 `add_rms_norm(x, residual, w, eps)` does `residual += x` (rounded to the activation dtype, as the PyTorch model does)
 and returns `rms_norm(residual) * w`; with `residual=None` it only normalises. Rounding follows the PyTorch
-reference step for step: the sum is rounded, normalised in float32, rounded, then multiplied by the weight."""
+reference step for step: the sum is rounded, normalised in float32, rounded, then multiplied by the weight.
+With `offset=True` the weight is applied as (1 + w) in float32 before a single rounding, as Qwen3-Next's RMSNorm
+(`hybrid_model.offset_rms_norm`) does."""
 
 from __future__ import annotations
 
@@ -13,7 +15,18 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(
-    X, R, W, Out, stride_x, stride_r, stride_o, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    X,
+    R,
+    W,
+    Out,
+    stride_x,
+    stride_r,
+    stride_o,
+    N,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -25,13 +38,21 @@ def _add_rms_norm_kernel(
         tl.store(R + row * stride_r + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
-    w = tl.load(W + offs, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(Out.dtype.element_ty), mask=mask)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        y = xf * tl.rsqrt(var + eps) * (1.0 + w)
+    else:
+        y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32) * w
+    tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> torch.Tensor:
     """x, residual: [T, N] (residual updated in place to residual + x). Returns the normalised rows [T, N]."""
     T, N = x.shape
@@ -42,6 +63,7 @@ def add_rms_norm(
     res = residual if residual is not None else x
     _add_rms_norm_kernel[(T,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=8 if N >= 2048 else 4,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), OFFSET=offset,
+        num_warps=8 if N >= 2048 else 4,
     )  # fmt: skip
     return out

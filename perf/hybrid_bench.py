@@ -1,12 +1,20 @@
-"""The hybrid (Qwen3-Next layout) engine on a GPU: decode step time with the Triton delta-rule kernels and with
-the PyTorch reference path, against the step's memory roofline measured in the same run, and prefill throughput.
+"""The hybrid (Qwen3-Next / Qwen3.5 layout) model on a GPU: the decode step in CUDA graphs against its memory
+roofline, the eager path on the same batch, and the prefill of one long prompt against a bf16 matmul's rate, all
+measured in the same run.
 
-    python -m perf.hybrid_bench [--model random:qwen3-next-layout] [--batches 1 32 128] [--out FILE.md]
+    python -m perf.hybrid_bench [--models random:qwen3-next-layout random:qwen3.5-9b] [--batches 1 32 128]
+                                [--context 1024] [--prefill 8192] [--out FILE.md]
 
-The roofline of one decode step: weight bytes + the full-attention layers' K/V bytes + the linear-attention
-state bytes (read and written), over the device-to-device copy bandwidth measured here. Every linear-attention
-layer other than the gated delta rule (projections, conv, norms) and the full-attention layers run in PyTorch
-ops without CUDA graphs on this path, so the host's launch overhead shows at small batches."""
+Decode roofline of a batch of B sequences of `context` tokens: the weight bytes one step reads (every layer, the
+final norm and the LM head; not the embedding table, of which it reads B rows, nor the MTP head) + the
+full-attention layers' K/V of every context token + each sequence's state page read and written, over the
+device-to-device copy bandwidth measured here. `graph` is the GPU time of one replay (CUDA events over repeated
+replays); `loop` is the wall time per step of overlapped greedy steps as the engine and decode run them (step n+1
+launched before step n's tokens are read, ids of -1), host work included. K/V and state are random, not zeros.
+
+Prefill: one prompt in one forward pass (eager path: the projections in cuBLAS, the chunked delta rule in Triton,
+full attention in PyTorch's SDPA), after a warm-up prompt; model FLOPs = 2 x matmul parameters x tokens + causal
+attention (4 x T^2 / 2 x heads x head dim per full layer), against an 8192^3 bf16 matmul timed here."""
 
 from __future__ import annotations
 
@@ -20,88 +28,173 @@ from perf.limits import report_writer, wall_clock_limit
 
 
 def copy_bandwidth() -> float:
-    n = 2**29  # 2 GiB of float32
-    src = torch.empty(n // 4, device="cuda")
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    n = 2**29  # float32 elements: 2 GiB
+    src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
+    return 2 * 4 * n / cuda_time(lambda: dst.copy_(src), 10)
+
+
+def matmul_rate(n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a @ b
+    return 2 * n**3 / cuda_time(lambda: a @ b, 10)
+
+
+def cuda_time(fn, reps: int) -> float:
+    """Seconds per call of fn, by CUDA events around `reps` calls (after one untimed call)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def weights_read_per_step(runner) -> tuple[int, int]:
+    """(bytes a decode step reads of the weights, matmul parameters of the main model)."""
+    w = runner.hybrid.w
+    skip = {"model.embed_tokens.weight"} if not runner.cfg.tie_word_embeddings else set()
+    names = [n for n in w if n not in skip and not n.startswith("mtp.")]
+    nbytes = sum(w[n].numel() * w[n].element_size() for n in names)
+    if "lm_head.weight" not in w:
+        names.append("model.embed_tokens.weight")  # tied: the LM head reads the embedding table
+    params = sum(w[n].numel() for n in names if w[n].dim() == 2)
+    return nbytes, params
+
+
+def randomise(runner) -> None:
+    """K/V and state pages filled with small random values (never time on zeros)."""
+    runner.kv.buffer.normal_(0, 0.5)
+    runner.state.buffer.normal_(0, 0.05)
+
+
+def decode_rows(runner, B: int, context: int, steps: int, gen) -> list[tuple[list[int], int, object]]:
+    """B sequences of `context` tokens with room for `steps` more: (slots, state page, key) each."""
+    n = context + steps + 2
+    perm = torch.randperm(runner.num_slots, generator=gen)[: B * n].tolist()
+    return [(perm[i * n : (i + 1) * n], i, f"b{B}-{i}") for i in range(B)]
+
+
+def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
+    """(graph replay, overlapped loop step, eager step or None) seconds for a batch of B sequences."""
+    from backends.common.batch import Span
+
+    model = runner.model
+    seqs = decode_rows(runner, B, a.context, a.reps, gen)
+
+    def spans(k, ids=None):
+        return [Span([ids if ids is not None else 7 + i], a.context + k, sl, key, pg)
+                for i, (sl, pg, key) in enumerate(seqs)]  # fmt: skip
+
+    runner.forward(spans(0))  # fills the slot table rows, one replay
+    t_graph = cuda_time(model.graphs[model.graph_size(B)].replay, a.reps)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * (n) * 10 / (time.perf_counter() - t)  # bytes read + written per second
+    handle = runner.launch_greedy(spans(0))
+    for k in range(1, a.reps + 1):
+        nxt = runner.launch_greedy(spans(k, -1))
+        runner.collect(handle)
+        handle = nxt
+    runner.collect(handle)
+    t_loop = (time.perf_counter() - t) / (a.reps + 1)
+    t_eager = cuda_time(lambda: model._eager(spans(a.reps + 1)), 3) if B in a.eager_batches else None
+    for _, _, key in seqs:
+        runner.forget(key)
+    return t_graph, t_loop, t_eager
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="random:qwen3-next-layout")
+    ap.add_argument("--models", nargs="+", default=["random:qwen3-next-layout", "random:qwen3.5-9b"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--paths", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
-    ap.add_argument("--time-limit", type=float, default=420)
+    ap.add_argument("--reps", type=int, default=30, help="graph replays and loop steps timed per batch")
+    ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 32], help="also time the eager path")
+    ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement (0: none)")
+    ap.add_argument("--time-limit", type=float, default=540)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("hybrid_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from backends.common.engine import Engine
-    from backends.common.request import SamplingParams
+    from backends.common.batch import Span
+    from backends.common.runner import ModelRunner
 
     rows: list[dict] = []
-    lines = [f"# Hybrid engine ({a.model}, bfloat16) on {torch.cuda.get_device_name()}", ""]
-
+    lines = [f"# Hybrid models on {torch.cuda.get_device_name()} (bfloat16, random weights)", ""]
     write = report_writer(lines, a.out, rows)
-
     timer = wall_clock_limit(a.time_limit, write, [])
-    bw = copy_bandwidth()
-    lines += [f"Copy bandwidth measured here: {bw / 1e9:.0f} GB/s. Command: `python -m perf.hybrid_bench`.", ""]
+    bw, mm = copy_bandwidth(), matmul_rate()
     lines += [
-        "| path | batch | step | roofline | of roofline | decode tok/s | prefill tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"Measured here: copy bandwidth {bw / 1e9:,.0f} GB/s (read + written), bf16 8192^3 matmul "
+        f"{mm / 1e12:,.0f} TFLOP/s. Command: `python -m perf.hybrid_bench {' '.join(argv or sys.argv[1:])}`.",
+        "",
+        "| model | batch | graph step | loop step | roofline | graph / roofline | loop / roofline | eager step "
+        "| tokens/s (loop) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    prefill_lines = []
     gen = torch.Generator().manual_seed(0)
-    for path in a.paths:
-        eng = Engine(a.model, dtype="bfloat16", device="cuda", kv_tokens=max(a.batches) * (a.context + 64) + 64,
-                     max_batch=max(a.batches), chunk_size=2048, max_batch_tokens=8192, backend=path,
-                     state_pages=2 * max(a.batches) + 8)  # fmt: skip
-        cfg = eng.cfg
-        weight_bytes = sum(t.numel() * t.element_size() for t in eng.runner.model.w.values())
-        state_bytes = eng.runner.state.bytes_per_page
-        kv_per_token = eng.runner.kv.bytes_per_slot
+    for spec in a.models:
+        t0 = time.perf_counter()
+        kv_tokens = max(a.batches) * (a.context + a.reps + 2) + a.prefill + 64
+        runner = ModelRunner(spec, "bfloat16", "cuda", kv_tokens, max_batch=max(a.batches),
+                             state_pages=max(a.batches) + 2)  # fmt: skip
+        t_load = time.perf_counter() - t0
+        cfg = runner.cfg
+        if runner.backend != "triton":
+            raise SystemExit(f"hybrid_bench: {spec} does not run the graph path (backend {runner.backend})")
+        randomise(runner)
+        w_bytes, params = weights_read_per_step(runner)
+        kv_token = len(cfg.full_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv.buffer.element_size()
+        state_page = runner.state.bytes_per_page
+        name = spec.removeprefix("random:")
         for B in a.batches:
-            prompts = [torch.randint(0, cfg.vocab_size, (a.context,), generator=gen).tolist() for _ in range(B)]
-            reqs = [eng.add_request(p, SamplingParams(max_tokens=a.steps + 4, temperature=0, ignore_eos=True))
-                    for p in prompts]  # fmt: skip
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            while any(len(r.output_ids) == 0 for r in reqs):
-                eng.step()
-            torch.cuda.synchronize()
-            t_prefill = time.perf_counter() - t
-            eng.step()  # warm-up decode step
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(a.steps):
-                eng.step()
-            torch.cuda.synchronize()
-            step = (time.perf_counter() - t) / a.steps
-            while eng.has_work():
-                eng.step()
-            eng.scheduler.radix.clear()
-            bound = (weight_bytes + B * (a.context * kv_per_token + 2 * state_bytes)) / bw
-            rows.append(dict(path=path, batch=B, step_s=step, roofline_s=bound, prefill_s=t_prefill,
-                             prefill_tokens=B * a.context))  # fmt: skip
+            t_graph, t_loop, t_eager = time_decode(runner, B, a, gen)
+            roof = (w_bytes + B * (a.context * kv_token + 2 * state_page)) / bw
+            rows.append(dict(model=name, batch=B, graph_s=t_graph, loop_s=t_loop, eager_s=t_eager, roofline_s=roof,
+                             weight_bytes=w_bytes, state_bytes=state_page, kv_bytes_per_token=kv_token))  # fmt: skip
+            eager = f"{t_eager * 1e3:.1f} ms" if t_eager is not None else "-"
             lines.append(
-                f"| {path} | {B} | {step * 1e3:.2f} ms | {bound * 1e3:.2f} ms | {bound / step:.2f} | "
-                f"{B / step:,.0f} | {B * a.context / t_prefill:,.0f} |"
+                f"| {name} | {B} | {t_graph * 1e3:.2f} ms | {t_loop * 1e3:.2f} ms | {roof * 1e3:.2f} ms | "
+                f"{t_graph / roof:.2f}x | {t_loop / roof:.2f}x | {eager} | {B / t_loop:,.0f} |"
             )
             write()
-        del eng
+        if a.prefill:
+            page = max(a.batches)
+            slots = list(range(a.prefill))
+            warm = a.prefill // 8
+            runner.forward([Span([5] * warm, 0, slots[:warm], None, page)])
+            ids = torch.randint(3, cfg.vocab_size, (a.prefill,), generator=gen).tolist()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            runner.forward([Span(ids, 0, slots, None, page)])
+            torch.cuda.synchronize()
+            t_pre = time.perf_counter() - t
+            T = a.prefill
+            flops = 2 * params * T + len(cfg.full_layers) * 4 * (T * T / 2) * cfg.num_heads * cfg.head_dim
+            rows.append(dict(model=name, prefill_tokens=T, prefill_s=t_pre, flops=flops, matmul_flops=mm))
+            prefill_lines.append(
+                f"| {name} | {T:,} | {t_pre:.2f} s | {T / t_pre:,.0f} | {flops / t_pre / 1e12:,.0f} TFLOP/s | "
+                f"{flops / t_pre / mm:.2f} |"
+            )
+        lines.append(
+            f"| ({name}: weights read per step {w_bytes / 1e9:.2f} GB, state page {state_page / 2**20:.1f} MiB, "
+            f"K/V {kv_token // 1024} KiB per token; load + capture {t_load:.0f} s) | | | | | | | | |"
+        )
+        write()
+        del runner
         torch.cuda.empty_cache()
+    if prefill_lines:
+        lines += ["", "| model | prompt | prefill | tokens/s | model FLOP rate | of matmul rate |",
+                  "|---|---:|---:|---:|---:|---:|", *prefill_lines]  # fmt: skip
     timer.cancel()
-    lines += ["", f"Weights {weight_bytes / 1e9:.2f} GB; state {state_bytes / 2**20:.1f} MiB per request.",
-              f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]  # fmt: skip
+    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
     write()
     return 0
 

@@ -351,3 +351,14 @@ SHAPES["tiny-hybrid"] = ModelConfig(
     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2, mtp_layers=1,
 )  # fmt: skip
+# Qwen3.5-9B's language model: transformers' Qwen3_5TextConfig defaults (5.17) are that model's layout (32 layers,
+# 3:1 linear/full, hidden 4,096, dense MLP of 12,288, gated attention 16 x 256 over 4 KV heads, 32 value heads of
+# 128 over 16 key heads, vocabulary 248,320, rope on a quarter of each head) with its one MTP layer. The text
+# positions of Qwen3.5's interleaved mRoPE are plain rope (all three sections see the same position), so the
+# Qwen3-Next layers compute it. For benchmarks; weights random, about 9.7 B parameters.
+SHAPES["qwen3.5-9b"] = ModelConfig(
+    vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32, num_heads=16, num_kv_heads=4,
+    head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, qk_norm=True,
+    arch="qwen3_next", layer_types=_every_fourth_full(32), partial_rotary_factor=0.25, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, mtp_layers=1,
+)  # fmt: skip

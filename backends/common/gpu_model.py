@@ -9,31 +9,19 @@ slot. The only host-device synchronisation in a decode step is the caller readin
 
 from __future__ import annotations
 
-import bisect
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .batch import Span
 from .config import ModelConfig
+from .decode_graphs import DecodeGraphs
 from .kv_store import KVStore
 from .model import rms_norm, rope_inv_freq
-from .slot_table import SlotTable, Uploader
-
-RING = 3  # pinned host buffers of each kind for graph steps: one is written again three steps later
 
 
-class _EagerGraph:
-    def __init__(self, body, bs: int):
-        self.body, self.bs = body, bs
-
-    def replay(self) -> None:
-        self.body(self.bs)
-
-
-class GpuLlama:
+class GpuLlama(DecodeGraphs):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -78,23 +66,12 @@ class GpuLlama:
             )
         self.weights = weights
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.max_ctx = max_ctx or min(cfg.max_position_embeddings, kv.num_slots)
+        self._init_graphs(max_batch, max_ctx or min(cfg.max_position_embeddings, kv.num_slots), scratch_slot,
+                          linear_choice)  # fmt: skip
         self.cos, self.sin = rope.rope_cache(rope_inv_freq(cfg), self.max_ctx, self.device)
-        self.table = SlotTable(2 * max_batch + 1, self.max_ctx, scratch_slot, self.device)
-        self.scratch_slot = scratch_slot
-        self.max_batch = max_batch
         # decode attention's per-(sequence, kv head) split counters; the kernel leaves them zeroed
         # (graphs are captured for batches up to max_batch; a larger eager batch gets fresh counters)
         self.attn_counters = torch.zeros(max_batch * cfg.num_kv_heads, dtype=torch.int32, device=self.device)
-        self.uploader = Uploader()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pad_column = np.array([0, 0, scratch_slot, 0, 1], dtype=np.int32)  # ids, pos, out slot, row, length
-        self.stats = {"graph_steps": 0, "eager_steps": 0}
-        self.graph_sizes: list[int] = []
-        # (projection, graph batch size) -> skinny_linear settings where they beat cuBLAS (`_tune_linear`)
-        self.linear_fixed = linear_choice is not None
-        self.linear_choice: dict[tuple[str, int], dict] = dict(linear_choice or {})
-        self.linear_times: dict[tuple[str, int], dict] = {}
         if graph_sizes:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
 
@@ -131,50 +108,7 @@ class GpuLlama:
         return F.linear(x, self.lm_head).float()
 
     # ----- eager: any mix of prefill chunks and decode tokens -----
-    def fits_graph(self, batch: int) -> bool:
-        """Whether a decode batch of `batch` sequences replays a captured graph."""
-        return bool(self.graphs) and batch <= self.graph_sizes[-1]
-
-    def _graphable(self, spans) -> bool:
-        return self.fits_graph(len(spans)) and all(len(s.token_ids) == 1 for s in spans)
-
-    @torch.inference_mode()
-    def greedy(self, spans) -> list[int] | None:
-        """The argmax token after each span, computed inside the decode graph (no separate argmax launch); None when
-        the batch is not a graph batch (the caller then uses `forward`)."""
-        handle = self.launch_greedy(spans)
-        return None if handle is None else self.collect(handle)
-
-    @torch.inference_mode()
-    def launch_greedy(self, spans) -> tuple[int, int] | None:
-        """Replay the decode graph for a graph batch without waiting for it; `collect` returns its argmax tokens.
-        A token id of -1 stands for the token this sequence's previous graph step sampled, still on the device, so
-        the caller may schedule and launch step n+1 before it has read step n's tokens. None when the batch is not
-        a graph batch."""
-        if not self._graphable(spans):
-            return None
-        bs = self._decode_graph(spans)
-        i = self._tok_i = (self._tok_i + 1) % RING
-        ev = self.tok_events[i]
-        if ev is not None:
-            ev.synchronize()  # this buffer's tokens were read RING steps ago: returns at once
-        self.host_tok[i][:bs].copy_(self.dev_tokens[:bs], non_blocking=True)
-        if ev is not None:
-            ev.record()
-        return i, len(spans)
-
-    def collect(self, handle: tuple[int, int]) -> list[int]:
-        """The tokens of a `launch_greedy`: waits for that step only (a step launched after it may still run)."""
-        i, n = handle
-        if self.tok_events[i] is not None:
-            self.tok_events[i].synchronize()
-        return self.host_tok[i][:n].tolist()
-
-    @torch.inference_mode()
-    def forward(self, spans) -> torch.Tensor:
-        if self._graphable(spans):
-            self._decode_graph(spans)
-            return self.graph_logits[: len(spans)]
+    def _eager(self, spans) -> torch.Tensor:
         rows, wr, wc, ws = self.table.prepare(spans)
         ids, pos, out, q_start, q_len, ctx = [], [], [], [], [], []
         for s in spans:
@@ -210,18 +144,12 @@ class GpuLlama:
                 )
 
         x = self._layers(ids_t, attend)
-        self.stats["eager_steps"] += 1
         return self._logits(x.index_select(0, last_t))
-
-    def _apply_writes(self, wr, wc, ws) -> None:
-        if wr.numel():
-            self.table.table.index_put_((wr, wc), ws)
 
     # ----- CUDA graphs for decode -----
     def _decode_body(self, bs: int):
         inp = self.graph_inputs[bs]  # [5, bs] int32: ids, positions, out slots, table rows, sequence lengths
-        # an id of -1: the token this row's sequence sampled in its previous graph step (`launch_greedy`)
-        ids = torch.where(inp[0] >= 0, inp[0], self.next_tok.index_select(0, inp[3]))
+        ids = self._graph_ids(inp)
         launch = self.k_attn.decode_settings(bs, self.cfg.num_kv_heads)
         table, qidx = self.table.table, self.qidx[:bs]
         table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot (padding rewrites the scratch entry)
@@ -234,80 +162,15 @@ class GpuLlama:
 
         x = self._layers(ids, attend, bs)
         self.graph_logits[:bs].copy_(self._logits(x))
-        tokens = self._argmax(bs)
-        self.dev_tokens[:bs].copy_(tokens)
-        self.next_tok.index_put_((inp[3],), tokens)  # padding rows all write row 0, which no sequence owns
+        self._store_tokens(bs, inp)
 
-    def _argmax(self, bs: int) -> torch.Tensor:
-        """int32 argmax of each of the first bs logits rows, the first index among equal maxima (as torch.argmax)."""
-        vals, idx = self._logits_padded[:bs].view(bs, 128, self.argmax_chunk).max(-1)
-        best = vals.argmax(-1, keepdim=True)  # the first chunk holding the maximum
-        return (best * self.argmax_chunk + idx.gather(1, best)).view(bs).to(torch.int32)
-
-    @torch.inference_mode()
-    def capture(self, sizes: list[int]) -> None:
-        """One CUDA graph per batch size. Off CUDA (Triton's interpreter in tests) each "graph" runs the same body
-        eagerly on the same input buffers, so the replay path is testable without a GPU."""
-        n = max(sizes)
-        dev = self.device
-        self.qidx = torch.arange(n, dtype=torch.int32, device=dev)
-        # logits rows padded with -inf to whole chunks for a two-stage argmax: torch's one-row argmax over the
-        # vocabulary runs in a single block (27 µs at batch 1 on an H200)
-        V = self.cfg.vocab_size
-        self.argmax_chunk = -(-V // 128)
-        padded = torch.full((n, 128 * self.argmax_chunk), float("-inf"), dtype=torch.float32, device=dev)
-        self.graph_logits = padded[:, :V]
-        self._logits_padded = padded
-        pin = dev.type == "cuda"
-        # per size, a ring of pinned input buffers (`_decode_graph` copies one up before each replay; an event per
-        # buffer says when that copy has run), so that step n+1 can be prepared while step n still runs
-        self.graph_inputs, self.host_inputs, self.host_view, self.input_events = {}, {}, {}, {}
-        for bs in sizes:
-            host = torch.zeros(5, bs, dtype=torch.int32)
-            host[2] = self.scratch_slot
-            host[4] = 1
-            self.graph_inputs[bs] = host.to(dev)
-            self.host_inputs[bs] = [host.clone().pin_memory() if pin else host.clone() for _ in range(RING)]
-            self.host_view[bs] = [h.numpy() for h in self.host_inputs[bs]]  # written in place before a replay
-            self.input_events[bs] = [torch.cuda.Event() if pin else None for _ in range(RING)]
-        self._in_i = 0
-        self.dev_tokens = torch.zeros(n, dtype=torch.int32, device=dev)  # the last graph's argmax, per batch row
-        self.next_tok = torch.zeros(self.table.table.shape[0], dtype=torch.int32, device=dev)  # per table row
-        self.host_tok = [torch.zeros(n, dtype=torch.int32, pin_memory=pin) for _ in range(RING)]
-        self.tok_events = [torch.cuda.Event() if pin else None for _ in range(RING)]
-        self._tok_i = 0
-        if dev.type != "cuda":
-            self.graphs = {bs: _EagerGraph(self._decode_body, bs) for bs in sizes}
-            self.graph_sizes = sorted(self.graphs)
-            return
-        if not self.linear_fixed:
-            self._tune_linear([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in sorted(sizes, reverse=True):
-                self._decode_body(bs)  # compiles the kernels for this size outside the capture
-                self._warm_eager_decode(bs)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    self._decode_body(bs)
-                self.graphs[bs] = g
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        self.graph_sizes = sorted(self.graphs)
+    def _after_capture(self) -> None:
         self._warm_eager_prefill()
 
-    def _tune_linear(self, sizes: list[int]) -> None:
-        """For each small graph batch size and projection, cuBLAS or skinny_linear, whichever runs the layers'
-        weights faster here (kernels.linear.tune); a bias on q|k|v keeps cuBLAS for it."""
+    def _tune_groups(self) -> dict[str, list[torch.Tensor]]:
+        """Every projection but q|k|v with a bias (that one keeps cuBLAS)."""
         mats = ["o", "gate_up", "down"] + (["qkv"] if self.layers[0]["qkv_bias"] is None else [])
-        for bs in sizes:
-            for name in mats:
-                ws = [L[name] for L in self.layers]
-                self.linear_choice[(name, bs)], self.linear_times[(name, bs)] = self.k_lin.tune(ws, bs)
-        self.linear_choice = {k: v for k, v in self.linear_choice.items() if v is not None}
+        return {name: [L[name] for L in self.layers] for name in mats}
 
     def _warm_eager_prefill(self) -> None:
         """Run the eager path on the kinds of batch serving meets (prefill chunks from position 0 and over a cached
@@ -328,7 +191,7 @@ class GpuLlama:
         torch.cuda.synchronize()
         self.stats["eager_steps"] = 0
 
-    def _warm_eager_decode(self, bs: int) -> None:
+    def _warm(self, bs: int) -> None:
         """Compile the attention variant that eager steps use for decode rows (no fused rotary embedding) at this
         size's split count, so that the first mixed prefill + decode step does not stall on Triton's compiler."""
         cfg = self.cfg
@@ -339,38 +202,3 @@ class GpuLlama:
             q, self.kv.k(0), self.kv.v(0), self.table.table, inp[3], inp[4], self.scale, q_idx=self.qidx[:bs],
             num_splits=split, counters=self.attn_counters,
         )  # fmt: skip
-
-    def graph_size(self, batch: int) -> int:
-        """The captured batch size a decode batch of `batch` sequences replays: the smallest one >= batch."""
-        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, batch)]
-
-    def _decode_graph(self, spans) -> int:
-        """Replays the graph of `graph_size(len(spans))`; returns that size. The inputs go into the next pinned buffer
-        of that size's ring, then up to the graph's input buffer (a copy on the stream: it waits for the graph
-        launched before); padding rows read and write the scratch slot through table row 0."""
-        B = len(spans)
-        bs = self.graph_size(B)
-        rows, wr, wc, ws = self.table.prepare(spans, skip_last=True)
-        i = self._in_i = (self._in_i + 1) % RING
-        ev = self.input_events[bs][i]
-        if ev is not None:
-            ev.synchronize()  # the copy that last read this buffer has run (it normally has, RING steps ago)
-        h = self.host_view[bs][i]
-        h[0, :B] = [s.token_ids[0] for s in spans]
-        h[1, :B] = [s.start for s in spans]
-        h[2, :B] = [s.slots[s.start] for s in spans]
-        h[3, :B] = rows
-        h[4, :B] = [s.start + 1 for s in spans]
-        if B < bs:
-            h[:, B:] = self._pad_column[:, None]
-        self.graph_inputs[bs].copy_(self.host_inputs[bs][i], non_blocking=True)
-        if ev is not None:
-            ev.record()
-        if wr:  # rows new to the table, or whose slot lists changed
-            self._apply_writes(*self.uploader.upload([wr, wc, ws], self.device))
-        self.graphs[bs].replay()
-        self.stats["graph_steps"] += 1
-        return bs
-
-    def forget(self, key) -> None:
-        self.table.forget(key)

@@ -40,6 +40,52 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rows_of(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return w.pop(name + ".weight")
+
+
+def fuse_weights(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
+    """Rewrite the checkpoint's projections, in place, into one matrix per layer input, in the order the kernels
+    read their outputs (the eager path and the CUDA-graph decode path use the same tensors, so nothing is held
+    twice):
+
+    - linear attention: `in_proj` = [q | k | v | z | b | a] with q, k, v in the conv's channel order (every head's
+      q, then k, then v: Qwen3.5's `in_proj_qkv`), z [value heads x value dim], b and a [value heads]; from
+      Qwen3-Next's per-key-head groups (`in_proj_qkvz`, `in_proj_ba`);
+    - full attention: `qkv_proj` = [q | gate | k | v] (Qwen3-Next's q_proj interleaves q and gate per head);
+    - dense MLPs and shared experts: `gate_up_proj` = [gate | up]."""
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    hv, D = cfg.linear_num_value_heads, cfg.head_dim
+    prefixes = [f"model.layers.{i}." for i in range(cfg.num_layers)]
+    if "mtp.fc.weight" in w:
+        prefixes.append("mtp.layers.0.")
+    for p in prefixes:
+        a = p + "linear_attn."
+        if a + "in_proj_qkvz.weight" in w:
+            r = hv // hk
+            qkvz = _rows_of(w, a + "in_proj_qkvz").view(hk, 2 * dk + 2 * r * dv, -1)
+            ba = _rows_of(w, a + "in_proj_ba").view(hk, 2 * r, -1)
+            q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
+            b, a_ = torch.split(ba, [r, r], dim=1)
+            parts = [x.reshape(-1, x.shape[-1]) for x in (q, k, v, z, b, a_)]
+            w[a + "in_proj.weight"] = torch.cat(parts).contiguous()
+            del qkvz, ba, q, k, v, z, b, a_, parts
+        t = p + "self_attn."
+        if t + "q_proj.weight" in w:
+            qg = _rows_of(w, t + "q_proj").view(cfg.num_heads, 2, D, -1)
+            parts = [qg[:, 0].reshape(-1, qg.shape[-1]), qg[:, 1].reshape(-1, qg.shape[-1])]
+            w[t + "qkv_proj.weight"] = torch.cat(parts + [_rows_of(w, t + "k_proj"), _rows_of(w, t + "v_proj")])
+            if t + "q_proj.bias" in w:
+                qb = w.pop(t + "q_proj.bias").view(cfg.num_heads, 2, D)
+                w[t + "qkv_proj.bias"] = torch.cat(
+                    (qb[:, 0].reshape(-1), qb[:, 1].reshape(-1), w.pop(t + "k_proj.bias"), w.pop(t + "v_proj.bias"))
+                )
+            del qg, parts
+        for m in (p + "mlp.", p + "mlp.shared_expert."):
+            if m + "gate_proj.weight" in w:
+                w[m + "gate_up_proj.weight"] = torch.cat((_rows_of(w, m + "gate_proj"), _rows_of(w, m + "up_proj")))
+
+
 def stack_experts(w: dict[str, torch.Tensor], prefix: str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up [E, 2I, H], down [E, H, I]) from either the per-expert checkpoint names or the fused ones."""
     fused = w.get(prefix + "experts.gate_up_proj")
@@ -59,6 +105,7 @@ class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: bool = False):
         """kernels: run the gated delta rule with the Triton kernels (kernels.delta_rule), in place in the state
         pages; otherwise with the PyTorch reference, gathering and scattering the pages."""
+        fuse_weights(cfg, weights)
         self.cfg, self.w = cfg, weights
         self.kd = None
         if kernels:
@@ -100,10 +147,9 @@ class HybridModel:
     # ---- token mixers ----------------------------------------------------------------------------------------
     def full_attention(self, x, p, kv: KVStore, kv_layer: int, batch: ForwardBatch, cos, sin):
         cfg, T, D = self.cfg, x.shape[0], self.cfg.head_dim
-        qg = self._linear(x, p + "q_proj").view(T, cfg.num_heads, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
-        k = self._linear(x, p + "k_proj").view(T, cfg.num_kv_heads, D)
-        v = self._linear(x, p + "v_proj").view(T, cfg.num_kv_heads, D)
+        qd, kd = cfg.num_heads * D, cfg.num_kv_heads * D
+        q, gate, k, v = torch.split(self._linear(x, p + "qkv_proj"), [qd, qd, kd, kd], dim=-1)
+        q, k, v = q.view(T, cfg.num_heads, D), k.view(T, cfg.num_kv_heads, D), v.view(T, cfg.num_kv_heads, D)
         q = offset_rms_norm(q, self.w[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = offset_rms_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps)
         r = self.rot_dim
@@ -134,18 +180,13 @@ class HybridModel:
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self._linear(out, p + "o_proj")
 
-    def _split_qkvz(self, x, p):
-        """in_proj outputs, grouped per key head as Qwen3-Next lays them out, as (mixed_qkv [T, conv_dim],
-        z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+    def _split_proj(self, x, p):
+        """The fused in_proj's outputs (`fuse_weights`) as (mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv],
+        a [T, Hv])."""
         cfg, T = self.cfg, x.shape[0]
-        hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        r = cfg.linear_num_value_heads // hk
-        qkvz = self._linear(x, p + "in_proj_qkvz").view(T, hk, 2 * dk + 2 * r * dv)
-        ba = self._linear(x, p + "in_proj_ba").view(T, hk, 2 * r)
-        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-        b, a = torch.split(ba, [r, r], dim=-1)
-        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
-        return mixed, z.reshape(T, -1, dv), b.reshape(T, -1), a.reshape(T, -1)
+        hv, vd = cfg.linear_num_value_heads, cfg.linear_value_dim
+        mixed, z, b, a = torch.split(self._linear(x, p + "in_proj"), [cfg.conv_dim, vd, hv, hv], dim=-1)
+        return mixed, z.reshape(T, hv, -1), b, a
 
     def _qkv_gates(self, mixed, b, a, p):
         cfg, T = self.cfg, mixed.shape[0]
@@ -165,7 +206,7 @@ class HybridModel:
 
     def linear_attention(self, x, p, state: StateStore, j: int, batch: ForwardBatch):
         cfg = self.cfg
-        mixed, z, b, a = self._split_qkvz(x, p)
+        mixed, z, b, a = self._split_proj(x, p)
         conv_w = self.w[p + "conv1d.weight"].view(cfg.conv_dim, -1)
         conv, ssm = state.conv(j), state.ssm(j)
         core = torch.empty(x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim, device=x.device)
@@ -220,11 +261,13 @@ class HybridModel:
         return self._linear(out.reshape(x.shape[0], -1), p + "out_proj")
 
     # ---- MLPs --------------------------------------------------------------------------------------------------
+    def _gated_mlp(self, x, p):
+        g, u = self._linear(x, p + "gate_up_proj").chunk(2, dim=-1)
+        return self._linear(F.silu(g) * u, p + "down_proj")
+
     def mlp(self, x, p, key):
         if key not in self.experts:
-            return self._linear(
-                F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj"
-            )
+            return self._gated_mlp(x, p)
         cfg = self.cfg
         gate_up, down = self.experts[key]
         logits = F.linear(x, self.w[p + "gate.weight"])
@@ -238,10 +281,7 @@ class HybridModel:
             tok, slot = torch.where(top_i == e)
             g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
             out.index_add_(0, tok, F.linear(F.silu(g) * u, down[e]) * top_w[tok, slot, None])
-        shared = self._linear(
-            F.silu(self._linear(x, p + "shared_expert.gate_proj")) * self._linear(x, p + "shared_expert.up_proj"),
-            p + "shared_expert.down_proj",
-        )
+        shared = self._gated_mlp(x, p + "shared_expert.")
         return out + torch.sigmoid(self._linear(x, p + "shared_expert_gate")) * shared
 
     # ---- forward -----------------------------------------------------------------------------------------------

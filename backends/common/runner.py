@@ -95,8 +95,11 @@ class ModelRunner:
         cfg = self.cfg
         self.state: StateStore | None = None
         self.num_state_pages = 0
+        self.hybrid = None  # hybrid models: the eager HybridModel (also inside GpuHybrid)
         if cfg.is_hybrid:
-            self._init_hybrid(weights, kv_tokens, kv_shm_name, backend, max_batch, state_pages, state_shm_name)
+            self._init_hybrid(
+                weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages, state_shm_name
+            )
             return
         self.backend = pick_backend(backend, self.device)
         # the GPU path keeps one extra slot that padded graph rows read and write
@@ -116,30 +119,44 @@ class ModelRunner:
         else:
             self.model = LlamaModel(cfg, weights)
 
-    def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, state_pages, state_shm_name):
+    def _init_hybrid(
+        self, weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages, state_shm_name
+    ):
         """A hybrid model: K/V for its full-attention layers (and the MTP head's), a state page per running
-        request and per cache checkpoint. PyTorch layers; the gated delta rule runs in the Triton kernels where
-        the backend would pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU).
-        The GPU model with its CUDA graphs covers the Llama family only, so `backend` reads "torch" here."""
+        request and per cache checkpoint. The gated delta rule runs in the Triton kernels where the backend would
+        pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU); there decode
+        batches also replay CUDA graphs (`gpu_hybrid.GpuHybrid`) unless the model has MoE layers, and `backend`
+        reads "triton". Otherwise plain PyTorch layers, and `backend` reads "torch"."""
+        from . import gpu_hybrid
         from .hybrid_model import HybridModel
 
         kernels = pick_backend(backend, self.device) == "triton"
-        self.backend = "torch"
-        self.model = HybridModel(self.cfg, weights, kernels=kernels)
+        self.hybrid = HybridModel(self.cfg, weights, kernels=kernels)
+        graphs = kernels and cuda_graphs and gpu_hybrid.supports(self.cfg)
+        # the graph path keeps one extra KV slot and one extra state page that padded graph rows write
         self.kv = KVStore.allocate(
-            self.model.num_kv_layers, kv_tokens, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device,
-            shm_name=kv_shm_name,
+            self.hybrid.num_kv_layers, kv_tokens + graphs, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+            self.device, shm_name=kv_shm_name,
         )  # fmt: skip
         self.num_slots = kv_tokens
         self.num_state_pages = state_pages or default_state_pages(max_batch)
         # the pages the scheduler hands out, then one scratch page per batch row for speculative steps' rollback
-        self.state = StateStore.allocate(
-            self.cfg, self.num_state_pages + max_batch, self.device, shm_name=state_shm_name
-        )
+        # (and the graph rows' padding page)
+        scratch = self.num_state_pages + max_batch
+        self.state = StateStore.allocate(self.cfg, scratch + graphs, self.device, shm_name=state_shm_name)
+        if graphs:
+            self.backend = "triton"
+            self.model = gpu_hybrid.GpuHybrid(
+                self.hybrid, self.kv, self.state, scratch_slot=kv_tokens, pad_page=scratch, max_batch=max_batch,
+                graph_sizes=GRAPH_SIZES,
+            )  # fmt: skip
+        else:
+            self.backend = "torch"
+            self.model = self.hybrid
 
     @property
     def has_mtp(self) -> bool:
-        return self.state is not None and self.model.has_mtp
+        return self.hybrid is not None and self.hybrid.has_mtp
 
     def scratch_page(self, row: int) -> int:
         """A hybrid model's scratch state page for batch row `row` (outside the scheduler's pages)."""
@@ -147,11 +164,11 @@ class ModelRunner:
 
     def forward_hidden(self, spans: list[Span]):
         """(logits, final-norm hidden states) of the spans' logits rows: hybrid models only (the MTP head's input)."""
-        return self.model.forward_hidden(build_batch(spans, self.device), self.kv, self.state)
+        return self.hybrid.forward_hidden(build_batch(spans, self.device), self.kv, self.state)
 
     def mtp_logits(self, spans: list[Span], hidden) -> torch.Tensor:
         """The MTP head over spans whose tokens are the main model's next tokens (see HybridModel.mtp_logits)."""
-        return self.model.mtp_logits(build_batch(spans, self.device), hidden, self.kv)
+        return self.hybrid.mtp_logits(build_batch(spans, self.device), hidden, self.kv)
 
     def apply_state_ops(self, ops: list[tuple[int, int]]) -> None:
         """Run the state-page copies the scheduler queued (see StatePages), before anything reads the pages."""
@@ -160,10 +177,10 @@ class ModelRunner:
 
     def forward(self, spans: list[Span]) -> torch.Tensor:
         """float32 logits [len(spans), vocab]: the next-token logits after each span's last token."""
-        if self.state is not None:
-            return self.model.forward(build_batch(spans, self.device), self.kv, self.state)
         if self.backend == "triton":
             return self.model.forward(spans)
+        if self.state is not None:
+            return self.model.forward(build_batch(spans, self.device), self.kv, self.state)
         return self.model.forward(build_batch(spans, self.device), self.kv)
 
     def greedy(self, spans: list[Span]) -> list[int] | None:

@@ -1,0 +1,234 @@
+"""The hybrid model's CUDA-graph decode step (backends.common.gpu_hybrid) and its fused kernels against the PyTorch
+path on the same weights, KV pool and state pages. On a CUDA GPU in bfloat16; without one on the CPU through
+Triton's interpreter in float32 (the "graphs" then run their bodies eagerly on the same input buffers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+from backends.common import delta_rule as dr  # noqa: E402
+from backends.common import loader  # noqa: E402
+from backends.common.batch import Span, build_batch  # noqa: E402
+from backends.common.config import SHAPES  # noqa: E402
+from backends.common.gpu_hybrid import GpuHybrid, supports  # noqa: E402
+from backends.common.hybrid_model import HybridModel, gated_rms_norm, offset_rms_norm, rotate_half  # noqa: E402
+from backends.common.kv_store import KVStore, StateStore  # noqa: E402
+from kernels import delta_rule as kd  # noqa: E402
+from kernels import norm, rope  # noqa: E402
+
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = dict(atol=3e-2, rtol=3e-2) if DTYPE == torch.bfloat16 else dict(atol=2e-4, rtol=2e-4)
+# the CPU test shape: random:tiny-hybrid with dense MLPs; the GPU adds Qwen3-Next's head shapes
+DENSE_TINY = dataclasses.replace(SHAPES["tiny-hybrid"], num_experts=0)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rnd(*shape, g, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+
+@pytest.mark.parametrize("B,C,K", [(3, 40, 4), (2, 1100, 4)])
+def test_conv_step_equals_reference(B, C, K):
+    g = gen(0)
+    x, w = rnd(B, C + 7, g=g).to(DTYPE), rnd(C, K, g=g).to(DTYPE)
+    buf = rnd(5, 3 + C * (K - 1) + 2, g=g)
+    conv = buf[:, 3 : 3 + C * (K - 1)].view(5, C, K - 1)
+    pages = torch.tensor([4, 0, 2][:B], dtype=torch.int32, device=DEVICE)
+    ref_state = conv[pages.long()].clone()
+    ref = dr.conv_step(x[:, :C].float(), ref_state, w.float())
+    before = buf.clone()
+    out = kd.conv_step(x, w, conv, pages)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv[pages.long()], ref_state)
+    untouched = [p for p in range(5) if p not in pages.tolist()]
+    assert torch.equal(buf[untouched], before[untouched]) and torch.equal(buf[:, :3], before[:, :3])
+
+
+@pytest.mark.parametrize("HK,HV,DK,DV", [(2, 4, 16, 16)] + ([(16, 32, 128, 128)] if DEVICE == "cuda" else []))
+def test_gated_delta_step_equals_reference(HK, HV, DK, DV):
+    """Gates, L2 norms, the delta rule on state pages in place and the gated RMSNorm, against the PyTorch model's
+    own steps (hybrid_model._qkv_gates, delta_rule.recurrent_step, gated_rms_norm)."""
+    g = gen(1)
+    B, eps = 3, 1e-6
+    kdim, vdim = HK * DK, HV * DV
+    mixed = rnd(B, 2 * kdim + vdim, g=g)
+    proj = rnd(B, 2 * kdim + vdim + vdim + 2 * HV, g=g).to(DTYPE)
+    a_log, dt_bias = rnd(HV, g=g, scale=0.5), rnd(HV, g=g)
+    norm_w = (1 + rnd(DV, g=g, scale=0.1)).to(DTYPE)
+    buf = rnd(6, 5 + HV * DK * DV, g=g, scale=0.1)
+    ssm = buf[:, 5:].view(6, HV, DK, DV)
+    pages = torch.tensor([5, 1, 3], dtype=torch.int32, device=DEVICE)
+    # the reference, step by step as HybridModel computes it
+    z0 = 2 * kdim + vdim
+    q = mixed[:, :kdim].view(B, HK, DK).repeat_interleave(HV // HK, dim=1)
+    k = mixed[:, kdim : 2 * kdim].view(B, HK, DK).repeat_interleave(HV // HK, dim=1)
+    v = mixed[:, 2 * kdim :].view(B, HV, DV)
+    q, k = dr.l2norm(q) * DK**-0.5, dr.l2norm(k)
+    beta = torch.sigmoid(proj[:, z0 + vdim : z0 + vdim + HV].float())
+    gg = -a_log.exp() * F.softplus(proj[:, z0 + vdim + HV :].float() + dt_bias)
+    state = ssm[pages.long()].clone()
+    o = dr.recurrent_step(q, k, v, gg, beta, state)
+    z = proj[:, z0 : z0 + vdim].view(B, HV, DV)
+    ref = gated_rms_norm(o.to(DTYPE), z, norm_w, eps).reshape(B, -1)
+    out = kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+    torch.testing.assert_close(ssm[pages.long()], state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("H,HKV,D,R", [(4, 2, 32, 8)] + ([(16, 2, 256, 64)] if DEVICE == "cuda" else []))
+def test_qk_norm_partial_rope_store(H, HKV, D, R):
+    g = gen(2)
+    T, eps = 3, 1e-6
+    qkv = rnd(T, 2 * H * D + 2 * HKV * D + 3, g=g).to(DTYPE)
+    qw, kw = rnd(D, g=g, scale=0.1).to(DTYPE), rnd(D, g=g, scale=0.1).to(DTYPE)
+    pos = torch.tensor([0, 7, 300], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([9, 2, 5], dtype=torch.int32, device=DEVICE)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, R, 2, dtype=torch.float32, device=DEVICE) / R))
+    cos, sin = rope.rope_cache(inv, 512, DEVICE)
+    kp = torch.zeros(12, HKV, D, dtype=DTYPE, device=DEVICE)
+    vp = torch.zeros_like(kp)
+    q = rope.qk_norm_rope_store_kv_(qkv, H, HKV, qw, kw, eps, pos, cos, sin, kp, vp, slots)
+
+    def ref(x, w):  # HybridModel.full_attention's norm and partial rope
+        x = offset_rms_norm(x, w, eps).float()
+        ang = pos.float()[:, None] * inv[None, :]
+        c, s = torch.cat((ang, ang), -1).cos()[:, None], torch.cat((ang, ang), -1).sin()[:, None]
+        return torch.cat((x[..., :R] * c + rotate_half(x[..., :R]) * s, x[..., R:]), dim=-1)
+
+    k_off = 2 * H * D
+    torch.testing.assert_close(q.float(), ref(qkv[:, : H * D].view(T, H, D), qw), **TOL)
+    kref = ref(qkv[:, k_off : k_off + HKV * D].view(T, HKV, D), kw)
+    torch.testing.assert_close(kp[slots.long()].float(), kref, **TOL)
+    assert torch.equal(vp[slots.long()], qkv[:, k_off + HKV * D : k_off + 2 * HKV * D].view(T, HKV, D))
+    assert not kp[[0, 1, 3]].any() and not vp[[0, 1, 3]].any()
+
+
+@pytest.mark.parametrize("with_res", [False, True])
+def test_offset_add_rms_norm(with_res):
+    g = gen(3)
+    x, res, w = rnd(5, 96, g=g).to(DTYPE), rnd(5, 96, g=g).to(DTYPE), rnd(96, g=g, scale=0.1).to(DTYPE)
+    r2 = res.clone()
+    out = norm.add_rms_norm(x, r2 if with_res else None, w, 1e-6, offset=True)
+    h = (x.float() + res.float()).to(DTYPE) if with_res else x
+    torch.testing.assert_close(out.float(), offset_rms_norm(h, w, 1e-6).float(), **TOL)
+    if with_res:
+        assert torch.equal(r2, h)
+
+
+# ---- the whole decode step: graphs against the PyTorch model ------------------------------------------------
+def shapes():
+    out = [("tiny-dense", DENSE_TINY)]
+    if DEVICE == "cuda":
+        small = dataclasses.replace(
+            SHAPES["qwen3-next-layout"], num_layers=4, layer_types=SHAPES["tiny-hybrid"].layer_types,
+            vocab_size=4096, intermediate_size=1024,
+        )  # fmt: skip
+        out.append(("next-heads", small))
+    return out
+
+
+def build(cfg, slots=700, pages=12, max_batch=4, sizes=(1, 2, 4)):
+    """(reference HybridModel, its KV and state) and (GpuHybrid, its own KV and state), on the same weights with
+    randomised norms (so no (1 + w) offset is a no-op)."""
+    w = loader.random_weights(cfg, DTYPE, DEVICE, seed=1)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    for name, t in w.items():
+        if "norm" in name:
+            t.add_(torch.randn(t.shape, generator=g, device=DEVICE).to(DTYPE) * 0.1)
+    ref = HybridModel(cfg, dict(w), kernels=False)
+    fast_eager = HybridModel(cfg, dict(w), kernels=True)
+    kv_ref = KVStore.allocate(ref.num_kv_layers, slots + 1, cfg.num_kv_heads, cfg.head_dim, DTYPE, DEVICE)
+    kv_gpu = KVStore.allocate(ref.num_kv_layers, slots + 1, cfg.num_kv_heads, cfg.head_dim, DTYPE, DEVICE)
+    st_ref, st_gpu = StateStore.allocate(cfg, pages + 1, DEVICE), StateStore.allocate(cfg, pages + 1, DEVICE)
+    gpu = GpuHybrid(fast_eager, kv_gpu, st_gpu, scratch_slot=slots, pad_page=pages, max_batch=max_batch,
+                    graph_sizes=sizes)  # fmt: skip
+    return (ref, kv_ref, st_ref), gpu
+
+
+def ref_forward(r, spans):
+    model, kv, st = r
+    return model.forward(build_batch(spans, torch.device(DEVICE)), kv, st)
+
+
+@pytest.mark.parametrize("name,cfg", shapes(), ids=[n for n, _ in shapes()])
+def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
+    """Three sequences prefilled (eagerly), then decode steps replayed from the graph of size 4 (one padding row),
+    with the slot lists growing: logits, K/V and every state page equal the PyTorch model's; the padding row
+    touches only the scratch slot and page."""
+    assert supports(cfg)
+    r, gpu = build(cfg)
+    g = gen(7)
+    lens = [23, 5, 40]
+    toks = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    slots = [list(range(100 * i + 10, 100 * i + 10 + n)) for i, n in enumerate(lens)]
+    pages = [3, 0, 7]
+    spans = [Span(t, 0, s, f"r{i}", p) for i, (t, s, p) in enumerate(zip(toks, slots, pages))]
+    torch.testing.assert_close(gpu.forward(spans), ref_forward(r, spans), **TOL)
+    assert gpu.stats == {"graph_steps": 0, "eager_steps": 1}
+    pad_before = gpu.state.buffer[gpu.pad_page].clone()
+    for _ in range(4):
+        nxt = [int(torch.randint(3, cfg.vocab_size, (1,), generator=g)) for _ in lens]
+        dec = []
+        for i, t in enumerate(nxt):
+            pos = len(toks[i])
+            toks[i].append(t)
+            slots[i].append(100 * i + 10 + pos)
+            dec.append(Span([t], pos, slots[i], f"r{i}", pages[i]))
+        a, b = gpu.forward(dec), ref_forward(r, dec)
+        torch.testing.assert_close(a, b, **TOL)
+    assert gpu.stats["graph_steps"] == 4
+    used = [s for sl in slots for s in sl]
+    torch.testing.assert_close(gpu.kv.buffer[:, :, used].float(), r[1].buffer[:, :, used].float(), **TOL)
+    torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)
+    others = [p for p in range(gpu.pad_page) if p not in pages]
+    unused = [s for s in range(700) if s not in used]
+    assert not gpu.state.buffer[others].any() and not gpu.kv.buffer[:, :, unused].any()
+    assert not torch.equal(gpu.state.buffer[gpu.pad_page], pad_before)  # the padding row ran, on its own page
+
+
+def test_launch_greedy_feeds_unread_tokens_and_equals_greedy_decoding():
+    """Overlapped graph steps (ids of -1: the token the previous step sampled, still on the device) give the
+    argmax tokens the PyTorch model's greedy decoding gives."""
+    cfg = DENSE_TINY
+    r, gpu = build(cfg)
+    g = gen(8)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 17)]
+    pages = [1, 4]
+    slots = [list(range(50, 50 + 30)), list(range(300, 300 + 40))]
+
+    def spans_at(tokss, starts, n=None):
+        return [Span(t, s, sl, f"g{i}", p) for i, (t, s, sl, p) in enumerate(zip(tokss, starts, slots, pages))]
+
+    first = spans_at(prompts, [0, 0])
+    ref_tok = ref_forward(r, first).argmax(-1).tolist()
+    fast_tok = gpu.forward(first).argmax(-1).tolist()
+    assert fast_tok == ref_tok
+    ref_out, lens = [[t] for t in ref_tok], [len(p) for p in prompts]
+    for _ in range(5):
+        sp = spans_at([[o[-1]] for o in ref_out], [n + len(o) - 1 for n, o in zip(lens, ref_out)])
+        for o, t in zip(ref_out, ref_forward(r, sp).argmax(-1).tolist()):
+            o.append(t)
+    # the graph path: step 1 with known ids, steps 2.. with -1 (unread), collected one step late
+    outs = [[t] for t in fast_tok]
+    handle = gpu.launch_greedy(spans_at([[o[-1]] for o in outs], [n for n in lens]))
+    for step in range(1, 5):
+        nxt = gpu.launch_greedy(spans_at([[-1], [-1]], [n + step for n in lens]))
+        for o, t in zip(outs, gpu.collect(handle)):
+            o.append(t)
+        handle = nxt
+    for o, t in zip(outs, gpu.collect(handle)):
+        o.append(t)
+    assert outs == ref_out
