@@ -159,36 +159,38 @@ def _conv_step_kernel(
     KM1: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Depthwise causal conv over one new input per sequence, then SiLU. X [B, >= C] (the projection's first C
-    columns), W [C, KM1 + 1], S: conv state rows [pages, C, KM1] (page stride s_page), Out [B, C] float32."""
+    columns), W [C, KM1 + 1], S: conv state rows [pages, C, KM1] (page stride s_page), Out [B, C] float32. Every
+    load comes before any store, so the loads are not ordered behind the stores."""
     b, cb = tl.program_id(0), tl.program_id(1)
     page = tl.load(Pages + b).to(tl.int64)
     offs = cb * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
+    taps = tl.arange(0, KM1 + 1)  # KM1 + 1 is a power of two (the conv kernel: 4)
+    tmask = mask[:, None] & (taps[None, :] < KM1)
     x = tl.load(X + b.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    sp = S + page * s_page + offs * KM1
-    acc = x * tl.load(W + offs * (KM1 + 1) + KM1, mask=mask, other=0.0).to(tl.float32)
-    prev = tl.load(sp, mask=mask, other=0.0)
-    for t in tl.static_range(KM1):
-        acc += prev * tl.load(W + offs * (KM1 + 1) + t, mask=mask, other=0.0).to(tl.float32)
-        if t + 1 < KM1:
-            nxt = tl.load(sp + t + 1, mask=mask, other=0.0)
-            tl.store(sp + t, nxt, mask=mask)
-            prev = nxt
-    tl.store(sp + KM1 - 1, x, mask=mask)
+    sp = S + page * s_page + offs[:, None] * KM1 + taps[None, :]
+    prev = tl.load(sp, mask=tmask, other=0.0)  # [BLOCK, KM1 + 1]: the kept inputs, oldest first, then a 0
+    # the new state: the kept inputs after the oldest, then x
+    nxt = tl.load(sp + 1, mask=mask[:, None] & (taps[None, :] < KM1 - 1), other=0.0)
+    nxt = tl.where(taps[None, :] == KM1 - 1, x[:, None], nxt)
+    w = tl.load(W + offs[:, None] * (KM1 + 1) + taps[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    acc = tl.sum(tl.where(taps[None, :] == KM1, x[:, None], prev) * w, 1)
+    tl.store(sp, nxt, mask=tmask)
     tl.store(Out + b.to(tl.int64) * stride_o + offs, acc / (1.0 + tl.exp(-acc)), mask=mask)
 
 
 def conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, pages: torch.Tensor, out=None):
-    """x: [B, >= C] (its first C columns are the conv inputs, any dtype); weight [C, K]; conv_state [pages, C, K-1]
-    float32, a view with unit stride inside a page, updated in place at rows `pages` [B]. Returns float32 [B, C]."""
+    """x: [B, >= C] (its first C columns are the conv inputs, any dtype); weight [C, K] with K a power of two;
+    conv_state [pages, C, K-1] float32, a view with unit stride inside a page, updated in place at rows `pages`
+    [B]. Returns float32 [B, C]."""
     B = x.shape[0]
     C, K = weight.shape
-    assert conv_state.stride(2) == 1 and conv_state.stride(1) == K - 1 and x.stride(1) == 1
+    assert conv_state.stride(2) == 1 and conv_state.stride(1) == K - 1 and x.stride(1) == 1 and K & (K - 1) == 0
     if out is None:
         out = torch.empty(B, C, dtype=torch.float32, device=x.device)
     if B == 0:
         return out
-    block = 1024
+    block = 256
     _conv_step_kernel[(B, triton.cdiv(C, block))](
         x, weight, conv_state, out, pages, x.stride(0), out.stride(0), conv_state.stride(0), C,
         KM1=K - 1, BLOCK=block, num_warps=4,
@@ -201,44 +203,56 @@ def _gated_delta_step_kernel(
     Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages,
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sequence, value head) holds the head's whole [DK, DV] state (BV >= DV)."""
+    """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
+    loaded, updated, stored and read out in turn; then the gated RMSNorm over all DV outputs."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     page = tl.load(Pages + b).to(tl.int64)
     kh = h // R  # the key head this value head reads (q and k repeat_interleave'd by R)
-    rk, rv = tl.arange(0, BK), tl.arange(0, BV)
-    mk, mv = rk < DK, rv < DV
+    rk = tl.arange(0, BK)
+    mk = rk < DK
     mrow = Mixed + b * stride_m
     q = tl.load(mrow + kh * DK + rk, mask=mk, other=0.0)
     k = tl.load(mrow + KD + kh * DK + rk, mask=mk, other=0.0)
-    v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     prow = Proj + b * stride_p
     beta = tl.sigmoid(tl.load(prow + b_off + h).to(tl.float32))
     a = tl.load(prow + a_off + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    g = -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
-    sp = S + page * s_page + h * s_head + rk[:, None] * s_k + rv[None, :]
-    m2 = mk[:, None] & mv[None, :]
-    s = tl.load(sp, mask=m2, other=0.0) * tl.exp(g)
-    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    tl.store(sp, s, mask=m2)
-    o = tl.sum(s * q[:, None], axis=0)
-    # gated RMSNorm over the head's DV outputs, rounded as the PyTorch model rounds (core in the activation dtype)
+    decay = tl.exp(-tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus)
     dt = Out.dtype.element_ty
-    of = o.to(dt).to(tl.float32)
-    y = (of * tl.rsqrt(tl.sum(tl.where(mv, of * of, 0.0), 0) / DV + eps)).to(dt)
-    y = (tl.load(NormW + rv, mask=mv, other=0.0) * y).to(tl.float32)
-    z = tl.load(prow + z_off + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
-    tl.store(Out + b * stride_out + h * DV + rv, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
+    orow = Out + b * stride_out + h * DV
+    sumsq = 0.0
+    for vb in tl.static_range(NV):
+        rv = vb * BV + tl.arange(0, BV)
+        mv = rv < DV
+        v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
+        sp = S + page * s_page + h * s_head + rk[:, None] * s_k + rv[None, :]
+        m2 = mk[:, None] & mv[None, :]
+        s = tl.load(sp, mask=m2, other=0.0) * decay
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        tl.store(sp, s, mask=m2)
+        o = tl.sum(s * q[:, None], axis=0).to(dt)  # the core output, rounded as the PyTorch model rounds it
+        tl.store(orow + rv, o, mask=mv)
+        of = o.to(tl.float32)
+        sumsq += tl.sum(tl.where(mv, of * of, 0.0), 0)
+    rstd = tl.rsqrt(sumsq / DV + eps)
+    tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
+    for vb in tl.static_range(NV):
+        rv = vb * BV + tl.arange(0, BV)
+        mv = rv < DV
+        y = (tl.load(orow + rv, mask=mv, other=0.0).to(tl.float32) * rstd).to(dt)
+        y = (tl.load(NormW + rv, mask=mv, other=0.0) * y).to(tl.float32)
+        z = tl.load(prow + z_off + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
+        tl.store(orow + rv, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
 
 
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
-    num_key_heads: int, eps: float, out: torch.Tensor | None = None,
+    num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -246,7 +260,8 @@ def gated_delta_step(
 
     mixed: [B, 2 * Hk * DK + HV * DV] float32 (conv output: q, k, v of every head); proj: [B, >= a_off + HV] (the
     projection, columns [z (HV * DV) | b (HV) | a (HV)] from z_off = mixed's width); state [pages, HV, DK, DV]
-    float32. Returns [B, HV * DV] in proj's dtype."""
+    float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers).
+    Returns [B, HV * DV] in proj's dtype."""
     B = mixed.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
@@ -256,11 +271,12 @@ def gated_delta_step(
     if B == 0:
         return out
     sp, sh, sk = _state_strides(state)
-    bk, bv = triton.next_power_of_2(DK), triton.next_power_of_2(DV)
+    bk = triton.next_power_of_2(DK)
+    bv = min(triton.next_power_of_2(DV), block_v)
     _gated_delta_step_kernel[(B, HV)](
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
-        DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv,
-        num_warps=8 if bk * bv >= 8192 else 4,
+        DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
+        num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -1,6 +1,7 @@
 """y = x @ w.T for a few rows of x (decode at small batch), in Triton: one program per BLOCK_N output columns reads
 its rows of w once, in BLOCK_K pieces, for every row of x. No split over K, so no second pass to reduce partial
-sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows up to 16; more go to cuBLAS."""
+sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows up to 64 (tensor-core tiles of 16, 32
+or 64 rows); more go to cuBLAS."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
-TUNE_ROWS = 8  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
+MAX_ROWS = 64
+TUNE_ROWS = 64  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
 
-# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections)
+# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections); the narrow column blocks
+# give outputs of 2,048 columns (small models' o/out/down projections) more programs than the H200 has SMs
 CANDIDATES = {
     "one row": [
         dict(block_n=16, block_k=512, num_warps=8, num_stages=4, dot=False),
         dict(block_n=16, block_k=512, num_warps=8, num_stages=3, dot=False),
         dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=False),
+        dict(block_n=8, block_k=512, num_warps=4, num_stages=4, dot=False),
+        dict(block_n=4, block_k=512, num_warps=2, num_stages=4, dot=False),
     ],
     "more rows": [
         dict(block_n=64, block_k=256, num_warps=4, num_stages=4, dot=True),
@@ -25,7 +29,17 @@ CANDIDATES = {
         dict(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True),
         dict(block_n=32, block_k=512, num_warps=4, num_stages=4, dot=True),
     ],
+    "many rows": [  # 17..64 rows: tiles of 32 or 64 rows
+        dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True),
+        dict(block_n=32, block_k=128, num_warps=4, num_stages=5, dot=True),
+        dict(block_n=128, block_k=64, num_warps=4, num_stages=4, dot=True),
+        dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=True),
+    ],
 }
+
+
+def _kind(rows: int) -> str:
+    return "one row" if rows == 1 else ("more rows" if rows <= 16 else "many rows")
 
 
 @triton.jit
@@ -68,7 +82,7 @@ def skinny_linear(
     num_stages: int = 4,
     dot: bool | None = None,
 ) -> torch.Tensor:
-    """x: [M, K] with M <= 16, w: [N, K], both with unit stride along K, K a multiple of block_k. Returns [M, N].
+    """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k. Returns [M, N].
     dot: tensor cores (default for M > 1) or plain products (default for M == 1)."""
     M, K = x.shape
     N = w.shape[0]
@@ -80,7 +94,8 @@ def skinny_linear(
         assert M == 1
     _skinny_kernel[(triton.cdiv(N, block_n),)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -127,7 +142,7 @@ def tune(weights: list[torch.Tensor], rows: int) -> tuple[dict | None, dict]:
     out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
     times = {"cublas": graph_time(lambda: [F.linear(x, w) for w in weights], 10) / len(weights)}
     best, best_t = None, times["cublas"]
-    for s in CANDIDATES["one row" if rows == 1 else "more rows"]:
+    for s in CANDIDATES[_kind(rows)]:
         if K % s["block_k"]:
             continue
         try:

@@ -80,6 +80,26 @@ def decode_rows(runner, B: int, context: int, steps: int, gen) -> list[tuple[lis
     return [(perm[i * n : (i + 1) * n], i, f"b{B}-{i}") for i in range(B)]
 
 
+def profile_graph(graph, title: str, reps: int = 5, top: int = 14) -> None:
+    """Print the kernels of a graph replay by total GPU time (torch.profiler reads graph kernels through CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            t, n = per.get(ev.name, (0.0, 0))
+            per[ev.name] = (t + ev.device_time, n + 1)
+    total = sum(t for t, _ in per.values())
+    print(f"\nprofile, {title}: {total / reps / 1e3:.3f} ms of kernels per replay", flush=True)
+    for name, (t, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  {name[:110]}", flush=True)
+
+
 def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
     """(graph replay, overlapped loop step, eager step or None) seconds for a batch of B sequences."""
     from backends.common.batch import Span
@@ -103,6 +123,8 @@ def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
     runner.collect(handle)
     t_loop = (time.perf_counter() - t) / (a.reps + 1)
     t_eager = cuda_time(lambda: model._eager(spans(a.reps + 1)), 3) if B in a.eager_batches else None
+    if a.profile:
+        profile_graph(model.graphs[model.graph_size(B)], f"{runner.cfg.num_layers}-layer model, batch {B}")
     for _, _, key in seqs:
         runner.forget(key)
     return t_graph, t_loop, t_eager
@@ -116,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30, help="graph replays and loop steps timed per batch")
     ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 32], help="also time the eager path")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement (0: none)")
+    ap.add_argument("--profile", action="store_true", help="print each batch's kernels by GPU time")
     ap.add_argument("--time-limit", type=float, default=540)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -57,8 +57,12 @@ def test_conv_step_equals_reference(B, C, K):
     assert torch.equal(buf[untouched], before[untouched]) and torch.equal(buf[:, :3], before[:, :3])
 
 
-@pytest.mark.parametrize("HK,HV,DK,DV", [(2, 4, 16, 16)] + ([(16, 32, 128, 128)] if DEVICE == "cuda" else []))
-def test_gated_delta_step_equals_reference(HK, HV, DK, DV):
+@pytest.mark.parametrize(
+    "HK,HV,DK,DV,block_v",
+    [(2, 4, 16, 16, 64), (1, 2, 16, 64, 16)]
+    + ([(16, 32, 128, 128, 64), (16, 32, 128, 128, 128)] if DEVICE == "cuda" else []),
+)
+def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v):
     """Gates, L2 norms, the delta rule on state pages in place and the gated RMSNorm, against the PyTorch model's
     own steps (hybrid_model._qkv_gates, delta_rule.recurrent_step, gated_rms_norm)."""
     g = gen(1)
@@ -83,7 +87,7 @@ def test_gated_delta_step_equals_reference(HK, HV, DK, DV):
     o = dr.recurrent_step(q, k, v, gg, beta, state)
     z = proj[:, z0 : z0 + vdim].view(B, HV, DV)
     ref = gated_rms_norm(o.to(DTYPE), z, norm_w, eps).reshape(B, -1)
-    out = kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps)
+    out = kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, block_v=block_v)
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
     torch.testing.assert_close(ssm[pages.long()], state, atol=1e-4, rtol=1e-4)
 
@@ -155,7 +159,13 @@ def build(cfg, slots=700, pages=12, max_batch=4, sizes=(1, 2, 4)):
     st_ref, st_gpu = StateStore.allocate(cfg, pages + 1, DEVICE), StateStore.allocate(cfg, pages + 1, DEVICE)
     gpu = GpuHybrid(fast_eager, kv_gpu, st_gpu, scratch_slot=slots, pad_page=pages, max_batch=max_batch,
                     graph_sizes=sizes)  # fmt: skip
+    kv_gpu.buffer.zero_()  # the capture's warm-up wrote free slots and the padding page (as serving allows)
+    st_gpu.buffer.zero_()
     return (ref, kv_ref, st_ref), gpu
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def ref_forward(r, spans):
@@ -192,7 +202,11 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
     assert gpu.stats["graph_steps"] == 4
     used = [s for sl in slots for s in sl]
     torch.testing.assert_close(gpu.kv.buffer[:, :, used].float(), r[1].buffer[:, :, used].float(), **TOL)
-    torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)
+    # the state integrates every step's rounding: elementwise in float32, relative to its norm in bfloat16
+    if DTYPE == torch.float32:
+        torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)
+    else:
+        assert rel_err(gpu.state.buffer[pages], r[2].buffer[pages]) < 1e-2
     others = [p for p in range(gpu.pad_page) if p not in pages]
     unused = [s for s in range(700) if s not in used]
     assert not gpu.state.buffer[others].any() and not gpu.kv.buffer[:, :, unused].any()
