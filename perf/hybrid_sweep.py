@@ -100,8 +100,6 @@ def main(argv=None) -> int:
                 row("decode_attention D=256", B, f"splits={splits} block_n={bn} warps={warps} stages={stages}", t,
                     abound)  # fmt: skip
         write()
-        del states, convs, pools
-        torch.cuda.empty_cache()
 
     lines += ["", "| projection [N, K] | rows | cuBLAS | best skinny | choice |", "|---|---:|---:|---:|---|"]
     for N, K, name in ((12352, 2048, "in_proj"), (2048, 4096, "out/o"), (11264, 2048, "gate_up"),

@@ -246,8 +246,14 @@ def test_silu_mul(T, f):
 
 @pytest.mark.parametrize(
     "M,N,K,dot",
-    [(1, 96, 512, False), (1, 70, 256, True), (3, 64, 768, True), (16, 33, 256, True), (40, 70, 256, True),
-     (64, 32, 512, True)],  # fmt: skip
+    [
+        (1, 96, 512, False),
+        (1, 70, 256, True),
+        (3, 64, 768, True),
+        (16, 33, 256, True),
+        (40, 70, 256, True),
+        (64, 32, 512, True),
+    ],  # fmt: skip
 )
 def test_skinny_linear(M, N, K, dot):
     from kernels import linear
