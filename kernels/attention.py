@@ -145,9 +145,15 @@ def default_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
     return min(16, 1 << (want - 1).bit_length())
 
 
-def decode_settings(batch: int, num_kv_heads: int) -> dict:
-    """Launch settings of `decode_attention` for a decode graph of `batch` sequences (keyword arguments)."""
-    return {"num_splits": default_splits(batch, num_kv_heads), "block_n": 64, "num_warps": 4, "num_stages": 2}
+def decode_settings(batch: int, num_kv_heads: int, head_dim: int = 128) -> dict:
+    """Launch settings of `decode_attention` for a decode graph of `batch` sequences (keyword arguments). Heads of
+    256 dims (Qwen3-Next, Qwen3.5) take smaller key blocks once there are 64 or more (sequence, kv head) pairs, and
+    eight warps below that (perf/hybrid_sweep.py on an H200: 71 against 105 µs at batch 128 with 2 kv heads, 8.0
+    against 9.5 µs at batch 1)."""
+    settings = {"num_splits": default_splits(batch, num_kv_heads), "block_n": 64, "num_warps": 4, "num_stages": 2}
+    if head_dim >= 256:
+        settings.update({"block_n": 32} if batch * num_kv_heads >= 64 else {"num_warps": 8})
+    return settings
 
 
 def decode_attention(

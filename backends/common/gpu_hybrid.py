@@ -148,7 +148,7 @@ class GpuHybrid(DecodeGraphs):
         mixed = self.k_dr.conv_step(proj, L["conv"], self.state.conv(j), pages)
         core = self.k_dr.gated_delta_step(
             mixed, proj, L["a_log"], L["dt_bias"], L["norm"], self.state.ssm(j), pages, cfg.linear_num_key_heads,
-            cfg.rms_norm_eps,
+            cfg.rms_norm_eps, block_v=self.k_dr.step_block_v(x.shape[0]),
         )  # fmt: skip
         return lin(core, L, "out")
 
@@ -164,7 +164,7 @@ class GpuHybrid(DecodeGraphs):
         )  # fmt: skip
         attn = self.k_attn.decode_attention(
             q, k_pool, v_pool, self.table.table, inp[3], inp[4], self.eager.scale, q_idx=self.qidx[:bs],
-            counters=self.attn_counters, **self.k_attn.decode_settings(bs, Hkv),
+            counters=self.attn_counters, **self.k_attn.decode_settings(bs, Hkv, D),
         )  # fmt: skip
         gated = attn.view(-1, H * D) * torch.sigmoid(qkv[:, H * D : 2 * H * D])
         return lin(gated, L, "o")
