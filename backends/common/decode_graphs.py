@@ -13,6 +13,7 @@ A subclass provides `_decode_body(bs)` (the captured computation: it reads `grap
 from __future__ import annotations
 
 import bisect
+import os
 
 import numpy as np
 import torch
@@ -206,7 +207,7 @@ class DecodeGraphs:
             self.graphs = {bs: _EagerGraph(self._decode_body, bs) for bs in sizes}
             self.graph_sizes = sorted(self.graphs)
             return
-        if not self.linear_fixed:
+        if not self.linear_fixed and os.environ.get("TRITON_PD_LINEAR_TUNE", "1") != "0":
             self._tune_linear([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -227,7 +228,9 @@ class DecodeGraphs:
 
     def _tune_linear(self, sizes: list[int]) -> None:
         """For each small graph batch size and projection, cuBLAS or skinny_linear, whichever runs the layers'
-        weights faster here (kernels.linear.tune)."""
+        weights faster here (kernels.linear.tune). The choice is timed in each process, so two processes can round
+        a projection differently where the two run about as fast; TRITON_PD_LINEAR_TUNE=0 skips the timing
+        (cuBLAS everywhere), for processes that must agree bit for bit."""
         groups = self._tune_groups()
         for bs in sizes:
             for name, ws in groups.items():
