@@ -201,10 +201,6 @@ class Deployment:
         if getattr(a, "exit_timeout", EXIT_TIMEOUT_S) < 0:
             raise ValueError("--exit-timeout: must be >= 0 seconds")
         host_kv = a.host_kv_tokens
-        if cfg.is_hybrid and host_kv:
-            raise ValueError(
-                "--host-kv-tokens: the host KV tier holds no linear-attention state; a hybrid model needs 0"
-            )
         if host_kv is None:
             host_kv = 0 if cfg.is_hybrid else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
         role, urls = _role_urls(a)

@@ -115,7 +115,8 @@ def register(sub) -> None:
         default=None,
         help="decode's host-memory KV tier in tokens per instance: paused requests' KV is copied there and swapped "
         "back in instead of recomputed (pinned memory on a GPU). Default: 4 x --kv-tokens, within a quarter of "
-        "this machine's memory shared by the decode instances; 0 disables it",
+        "this machine's memory shared by the decode instances, and 0 (off) for hybrid models; 0 disables it. "
+        "Hybrid models: each host copy also holds the paused state (host state pages: --max-batch, at most 64)",
     )
     p.add_argument(
         "--rotation-quantum",

@@ -2,8 +2,9 @@
 device pool. The scheduler decides what moves (`SwapOut`, swap-in `TransferJob`s); this module moves it.
 
 Layout: host slot h holds one token's K/V for every layer, [num_slots, layers, 2, kv_heads, head_dim], so a run of
-consecutive host slots is one contiguous block and one DMA. On a GPU the buffer is pinned and every copy runs on one
-copy stream of its own, in order (FIFO), so:
+consecutive host slots is one contiguous block and one DMA. Hybrid models: host state page p holds one state page
+(the device StateStore's row layout), copied whole with the K/V of the same swap.
+On a GPU the buffers are pinned and every copy runs on one copy stream of its own, in order (FIFO), so:
 - a swap-in that reads host slots runs after the swap-out that wrote them;
 - host slots freed by a cancel and reused by a later swap-out are written after every earlier read;
 - the compute stream waits for the swap-outs enqueued so far (`order_compute`) before its next decode step, and
@@ -17,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from backends.common.config import ModelConfig
-from backends.common.kv_store import KVStore
+from backends.common.kv_store import KVStore, StateStore
+from backends.common.state_pages import ZERO
 
 from .scheduler import RecoveryCosts, SwapOut, TransferJob
 
@@ -44,20 +46,28 @@ def runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class HostKV:
-    def __init__(self, store: KVStore, num_slots: int):
-        """store: the decode pool, whose buffer is [layers, 2, slots, kv_heads, head_dim]."""
+    def __init__(self, store: KVStore, num_slots: int, state: StateStore | None = None, num_pages: int = 0):
+        """store: the decode pool, whose buffer is [layers, 2, slots, kv_heads, head_dim]; state (hybrid models):
+        the device state pages, of which num_pages are mirrored in host memory."""
         self.dev = store.buffer
         layers, two, _, heads, dim = self.dev.shape
         self.cuda = self.dev.is_cuda
         self.buffer = torch.empty((num_slots, layers, two, heads, dim), dtype=self.dev.dtype, pin_memory=self.cuda)
         self.bytes_per_slot = store.bytes_per_slot
+        self.dev_state = state.buffer if state is not None else None
+        self.state = (
+            torch.empty((num_pages, state.buffer.shape[1]), dtype=torch.float32, pin_memory=self.cuda)
+            if state is not None
+            else None
+        )
         self.stream = torch.cuda.Stream(self.dev.device) if self.cuda else None
         self._last_out = None  # event after the latest swap-out
         self._pending: list[tuple[object, TransferJob]] = []  # (event, job) of swap-ins not yet answered
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        extra = self.state.numel() * 4 if self.state is not None else 0
+        return self.buffer.numel() * self.buffer.element_size() + extra
 
     # ---- copies --------------------------------------------------------------------------------------------
     def swap_out(self, jobs: list[SwapOut]) -> None:
@@ -65,17 +75,19 @@ class HostKV:
             return
         if not self.cuda:
             for job in jobs:
-                self._copy_out(job.device_slots, job.host_slots)
+                self._copy_out(job)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))  # the last step's K/V is written
         with torch.cuda.stream(self.stream):
             for job in jobs:
-                self._copy_out(job.device_slots, job.host_slots)
+                self._copy_out(job)
             self._last_out = torch.cuda.Event()
             self._last_out.record(self.stream)
 
-    def _copy_out(self, device_slots: list[int], host_slots: list[int]) -> None:
-        device_slots, host_slots = by_host_slot(device_slots, host_slots)
+    def _copy_out(self, job: SwapOut) -> None:
+        if job.host_page != ZERO:  # the state at the end of the positions copied
+            self.state[job.host_page].copy_(self.dev_state[job.state_page], non_blocking=self.cuda)
+        device_slots, host_slots = by_host_slot(job.device_slots, job.host_slots)
         for c in range(0, len(device_slots), CHUNK):
             d, h = device_slots[c : c + CHUNK], host_slots[c : c + CHUNK]
             idx = torch.tensor(d, dtype=torch.int64).to(self.dev.device, non_blocking=True)
@@ -88,21 +100,23 @@ class HostKV:
         """Start the copies; returns the jobs already done (all of them on the CPU)."""
         if not self.cuda:
             for job in jobs:
-                self._copy_in(job.host_slots, job.dst_slots)
+                self._copy_in(job)
             return list(jobs)
         if not jobs:
             return []
         self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
         with torch.cuda.stream(self.stream):
             for job in jobs:
-                self._copy_in(job.host_slots, job.dst_slots)
+                self._copy_in(job)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
                 self._pending.append((ev, job))
         return []
 
-    def _copy_in(self, host_slots: list[int], device_slots: list[int]) -> None:
-        device_slots, host_slots = by_host_slot(device_slots, host_slots)
+    def _copy_in(self, job: TransferJob) -> None:
+        if job.host_page != ZERO:
+            self.dev_state[job.state_page].copy_(self.state[job.host_page], non_blocking=self.cuda)
+        device_slots, host_slots = by_host_slot(job.dst_slots, job.host_slots)
         for c in range(0, len(device_slots), CHUNK):
             d, h = device_slots[c : c + CHUNK], host_slots[c : c + CHUNK]
             rows = torch.empty(
@@ -139,17 +153,25 @@ class HostKV:
         if self.cuda:
             self.stream.synchronize()
         self._pending.clear()
-        self.buffer = None
+        self.buffer = self.state = None
 
 
-def default_costs(cfg: ModelConfig, bytes_per_slot: int, cuda: bool) -> RecoveryCosts:
+def default_host_pages(max_batch: int) -> int:
+    """Host state pages of a hybrid model's host tier: one per host copy, as many as a full decode batch (at most
+    64: 4.7 GiB pinned for Qwen3-Next-80B's 75 MiB pages). A pause that finds none free reclaims the copy of a
+    request that is not paused, else keeps no host copy (counted as host_full)."""
+    return min(max_batch, 64)
+
+
+def default_costs(cfg: ModelConfig, bytes_per_slot: int, cuda: bool, state_bytes: int = 0) -> RecoveryCosts:
     """Rough seconds per recovered token by path: a host copy moves bytes_per_slot over PCIe (~25 GB/s sustained
-    with pinned memory; ~5 GB/s for a CPU memcpy in the stub), a prefill recompute costs ~2 FLOPs per weight per
-    token (~300 TFLOP/s achieved in bf16 on an H100/H200 class GPU; ~50 GFLOP/s on a few CPU cores) plus a BLS round
-    trip. Only their ratio matters: the host path wins unless the link is far slower than the model is small."""
+    with pinned memory; ~5 GB/s for a CPU memcpy in the stub), plus one state page (state_bytes) for a hybrid model,
+    a prefill recompute costs ~2 FLOPs per weight per token (~300 TFLOP/s achieved in bf16 on an H100/H200 class
+    GPU; ~50 GFLOP/s on a few CPU cores) plus a BLS round trip. Only their ratio matters: the host path wins unless
+    the link is far slower than the model is small."""
     h, layers = cfg.hidden_size, cfg.num_layers
     attn = h * cfg.num_heads * cfg.head_dim * 2 + h * cfg.num_kv_heads * cfg.head_dim * 2
     weights = layers * (attn + 3 * h * cfg.intermediate_size) + cfg.vocab_size * h
     if cuda:
-        return RecoveryCosts(bytes_per_slot / 25e9, 5e-3, 2 * weights / 300e12)
-    return RecoveryCosts(bytes_per_slot / 5e9, 20e-3, 2 * weights / 50e9)
+        return RecoveryCosts(bytes_per_slot / 25e9, 5e-3, 2 * weights / 300e12, state_bytes / 25e9)
+    return RecoveryCosts(bytes_per_slot / 5e9, 20e-3, 2 * weights / 50e9, state_bytes / 5e9)

@@ -27,7 +27,7 @@ from backends.common.state_pages import StatePages
 from backends.common.streaming import Item, Stream, StreamSender
 from backends.common.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
 
-from .host_tier import HostKV, default_costs
+from .host_tier import HostKV, default_costs, default_host_pages
 from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
 from .steps import DecodeSteps, drop_after
@@ -88,9 +88,9 @@ class DecodeModel:
         self.prefills = PrefillServers(parse_urls(urls, "prefill_urls"), PrefillRequest.MODEL,
                                        PrefillRequest.OUTPUTS) if urls else None  # fmt: skip
         host_tokens = int(p.get("host_kv_tokens", "0"))
-        if state is not None and host_tokens > 0:
-            raise ValueError("host_kv_tokens: the host KV tier holds no linear-attention state; hybrid models need 0")
-        self.host_kv = HostKV(self.runner.kv, host_tokens) if host_tokens > 0 else None
+        # hybrid models: one host state page per host copy (a paused request's state at its end)
+        host_pages = default_host_pages(int(p["max_batch"])) if state is not None and host_tokens > 0 else 0
+        self.host_kv = HostKV(self.runner.kv, host_tokens, state, host_pages) if host_tokens > 0 else None
         self.sched = DecodeScheduler(
             KVPool(kv_tokens),
             max_running=int(p["max_batch"]),
@@ -98,8 +98,11 @@ class DecodeModel:
             on_oom=p.get("on_decode_oom", "pause"),
             max_len=self.runner.cfg.max_position_embeddings,
             host_pool=KVPool(host_tokens) if host_tokens > 0 else None,
+            host_pages=KVPool(host_pages) if host_pages > 0 else None,
             quantum=float(p.get("rotation_quantum", "0")),
-            costs=default_costs(self.runner.cfg, self.runner.kv.bytes_per_slot, gpu),
+            costs=default_costs(
+                self.runner.cfg, self.runner.kv.bytes_per_slot, gpu, state.bytes_per_page if state is not None else 0
+            ),  # fmt: skip
             state=StatePages(self.runner.num_state_pages) if state is not None else None,
             speculative=(spec := check_mode(p.get("speculative", "off"), self.runner.has_mtp)) != "off",
         )
@@ -167,6 +170,9 @@ class DecodeModel:
         self.g["host_used"] = g("pd_host_kv_slots_used", "Host-memory KV slots holding copies of requests' KV")
         self.g["host_total"] = g("pd_host_kv_slots_total", "Host-memory KV slots (0: no host tier)")
         self.g["host_total"].set(self.sched.host_pool.num_slots if self.sched.host_pool else 0)
+        self.g["host_pages_used"] = g("pd_host_state_pages_used", "Host-memory state pages holding paused states")
+        self.g["host_pages_total"] = g("pd_host_state_pages_total", "Host-memory state pages (hybrid models)")
+        self.g["host_pages_total"].set(self.sched.host_pages.num_slots if self.sched.host_pages else 0)
         self.c_stale = m.counter("pd_stale_messages_total", "Transfer completions from a stale epoch, dropped")
         self.c_kv = {
             "landed": m.counter(
@@ -275,10 +281,11 @@ class DecodeModel:
                 for req in plan.restarted:
                     self.c_restarts.increment(1)
                     self._emit(req, [], "restart")
+                self._swap_out(plan)  # read paused requests' slots and pages before this plan reuses any
                 if self.sched.state is not None:  # state copies the plan queued, before prefill or a step writes
                     self.runner.apply_state_ops(self.sched.state.take_ops())
                 self._recompute(plan)
-                self._swap(plan)
+                self._swap_in(plan)
                 for job in plan.transfers:
                     self.transfers.submit(self._transfer, self._prefill_request(job))
                     self.watchdog.progress()
@@ -311,14 +318,23 @@ class DecodeModel:
         for job in plan.recomputes:
             self._handle(TransferDone(job.rid, job.epoch, True))
 
-    def _swap(self, plan) -> None:
-        """Start the plan's host copies: swap-outs first (FIFO on the copy stream), then swap-ins. Prefill writes
-        through its own process, so slots go to prefill only after the swap-outs that read them are done."""
+    def _swap_out(self, plan) -> None:
+        """Start the plan's swap-outs (FIFO on the copy stream) before anything else of the plan: the compute
+        stream's next work (the queued state copies, a recompute, the step) waits for them, so a slot or state page
+        of a request paused in this plan can be handed to another in the same plan."""
+        if self.host_kv is None or not plan.swap_outs:
+            return
+        self.watchdog.progress()
+        self.host_kv.swap_out(plan.swap_outs)
+        self.host_kv.order_compute()
+
+    def _swap_in(self, plan) -> None:
+        """Start the plan's swap-ins, after its swap-outs on the same copy stream. Prefill writes through its own
+        process, so slots go to prefill only after the swap-outs that read them are done."""
         if self.host_kv is None:
             return
-        if plan.swap_outs or plan.swap_ins:
+        if plan.swap_ins:
             self.watchdog.progress()
-        self.host_kv.swap_out(plan.swap_outs)
         for job in self.host_kv.swap_in(plan.swap_ins):
             self._handle(TransferDone(job.rid, job.epoch, True))
         if plan.transfers:
@@ -536,6 +552,8 @@ class DecodeModel:
         self.g["cached"].set(cached)
         self.g["epoch"].set(s.max_epoch)
         self.g["host_used"].set(s.host_accounting()[1])
+        if s.host_pages is not None:
+            self.g["host_pages_used"].set(s.host_pages.num_slots - s.host_pages.num_free)
         if s.state is not None:
             sfree, live, ckpts = s.state_accounting()
             self.g["state_free"].set(sfree)

@@ -17,6 +17,9 @@ one FIFO copy stream and orders later writes after the swap-outs (see `Plan`), s
 can be reused in the same plan. A host copy stays valid while the request lives (its tokens only grow), so a later
 pause copies only the new positions; copies of requests that are not paused are reclaimed first when host memory
 runs short. Recovery takes the cheapest path (`RecoveryCosts`): local radix hit, host swap-in, prefill recompute.
+Hybrid models (`state` and `host_pages`): a host copy also owns a host state page, holding the state at the end of
+its positions; each swap-out copies the live page there with the new positions, and a host recovery brings back the
+missing K/V and the whole page, so the request resumes at exactly the paused position.
 
 Rotation (`quantum` > 0): when a request has been paused for `quantum` seconds and does not fit, requests that have
 run for at least `quantum` since they last resumed are paused to make room for it, and paused requests recover
@@ -73,6 +76,7 @@ class TransferJob:
     source: str = "prefill"
     host_slots: list[int] = field(default_factory=list)  # source "host": host slots of positions [start, end)
     state_page: int = ZERO  # hybrid models: the request's page, into which prefill writes the state at `end`
+    host_page: int = ZERO  # hybrid models, source "host": the host state page holding the state at `end`
 
     @property
     def num_positions(self) -> int:
@@ -87,14 +91,18 @@ class SwapOut:
     start: int
     device_slots: list[int]
     host_slots: list[int]
+    state_page: int = ZERO  # hybrid models: the live page (the state at start + n) to copy into host_page
+    host_page: int = ZERO
 
 
 @dataclass(slots=True)
 class HostCopy:
-    """A request's KV in host memory: slots[i] is the host slot of position i."""
+    """A request's KV in host memory: slots[i] is the host slot of position i; hybrid models: page, the host state
+    page holding the state at position len(slots)."""
 
     slots: list[int]
     used_at: float
+    page: int = ZERO
 
 
 @dataclass(slots=True)
@@ -105,9 +113,10 @@ class RecoveryCosts:
     host_per_token: float = 1e-6
     prefill_fixed: float = 5e-3
     prefill_per_token: float = 2e-5
+    host_fixed: float = 0.0  # hybrid models: one state page's copy
 
     def host(self, n: int) -> float:
-        return n * self.host_per_token
+        return self.host_fixed + n * self.host_per_token
 
     def prefill(self, n: int) -> float:
         return self.prefill_fixed + n * self.prefill_per_token
@@ -154,6 +163,7 @@ class DecodeScheduler:
         reserve_per_running: int = 1,
         max_len: int | None = None,
         host_pool: KVPool | None = None,
+        host_pages: KVPool | None = None,
         quantum: float = 0.0,
         costs: RecoveryCosts | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -166,8 +176,8 @@ class DecodeScheduler:
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if on_oom not in ("pause", "restart"):
             raise ValueError(f"on_oom must be pause or restart, got {on_oom!r}")
-        if state is not None and host_pool is not None:
-            raise ValueError("the host KV tier does not hold linear-attention state: use it with dense models only")
+        if state is not None and host_pool is not None and (host_pages is None or host_pages.num_slots == 0):
+            raise ValueError("host_pages: a hybrid model's host tier needs host state pages (one per host copy)")
         self.pool = pool
         self.state = state
         # speculative decoding: a running request with a draft also gets a slot for it, when one is free
@@ -185,6 +195,7 @@ class DecodeScheduler:
         self.max_len = min(pool.num_slots, max_len) if max_len else pool.num_slots
         self.keep_paused_kv = True  # False: a paused request's KV goes straight back to the pool (tests)
         self.host_pool = host_pool if on_oom == "pause" else None
+        self.host_pages = host_pages if self.host_pool is not None and state is not None else None
         self.host: dict[str, HostCopy] = {}
         self.quantum = quantum if on_oom == "pause" else 0.0
         self.costs = costs or RecoveryCosts()
@@ -476,7 +487,10 @@ class DecodeScheduler:
             host = self._host_source(req, need_kv, missing)
             if host is not None:
                 job = self._transfer(req, need_kv, sample=False, source="host")
-                job.host_slots = host[job.start : need_kv]
+                job.host_slots = host.slots[job.start : need_kv]
+                if self.state is not None:  # the whole page comes from the host: no queued copy may run after
+                    job.state_page, job.host_page = req.state_page, host.page
+                    self.state.written_elsewhere(req.state_page)
                 self.swapped_tokens["in"] += len(job.host_slots)
                 plan.swap_ins.append(job)
             elif self.state is not None and missing <= self.recompute_max:
@@ -489,43 +503,53 @@ class DecodeScheduler:
         req.running_since = self.clock()
 
     # ---- host tier -----------------------------------------------------------------------------------------
-    def _host_source(self, req: InferReq, need_kv: int, missing: int) -> list[int] | None:
-        """The host slots to swap in from, when the host copy has every position and is the cheaper path."""
+    def _host_source(self, req: InferReq, need_kv: int, missing: int) -> HostCopy | None:
+        """The host copy to swap in from, when it has every position (hybrid models: and the state at exactly
+        need_kv) and is the cheaper path."""
         copy = self.host.get(req.rid)
         if copy is None:
             return None
-        if len(copy.slots) < need_kv:
+        if len(copy.slots) < need_kv or (self.state is not None and len(copy.slots) != need_kv):
             self.host_skips["host_partial"] += 1
             return None
         if self.costs.host(missing) > self.costs.prefill(missing):
             self.host_skips["prefill_cheaper"] += 1
             return None
         copy.used_at = self.clock()
-        return copy.slots
+        return copy
 
     def _swap_out(self, req: InferReq, plan: Plan) -> None:
-        """Copy the positions the request's host copy lacks; host memory full: keep none (counted)."""
+        """Copy the positions the request's host copy lacks (hybrid models: and the live page, the state at the
+        paused end); host memory full: keep none (counted)."""
         n = len(req.slots)  # positions [0, n) hold K/V (the reserved slot was dropped)
         copy = self.host.get(req.rid)
         have = len(copy.slots) if copy is not None else 0
         if have >= n:
             return
         slots = self._host_alloc(n - have, keep=req.rid)
+        page = ZERO
+        if slots is not None and self.host_pages is not None:
+            page = copy.page if copy is not None and copy.page != ZERO else self._host_page(keep=req.rid)
+            if page is None:
+                self.host_pool.free(slots)
+                slots = None
         if slots is None:
             self.host_skips["host_full"] += 1
             self._drop_host(req.rid)  # useless without the new positions; give the room to others
             return
         if copy is None:
             copy = self.host[req.rid] = HostCopy([], self.clock())
-        plan.swap_outs.append(SwapOut(req.rid, have, req.slots[have:n], slots))
+        copy.page = page
+        plan.swap_outs.append(SwapOut(req.rid, have, req.slots[have:n], slots, req.state_page, page))
         copy.slots += slots
         copy.used_at = self.clock()
         self.swapped_tokens["out"] += len(slots)
 
-    def _host_alloc(self, n: int, keep: str) -> list[int] | None:
-        """n host slots; when short, reclaim copies of requests that are not paused and not swapping in (least
-        recently used first): the running ones can be copied out again when they pause."""
-        pool = self.host_pool
+    def _host_alloc(self, n: int, keep: str, pool: KVPool | None = None) -> list[int] | None:
+        """n host slots (or host state pages, from `pool`); when short, reclaim copies of requests that are not
+        paused and not swapping in (least recently used first): the running ones can be copied out again when
+        they pause."""
+        pool = pool or self.host_pool
         if n > pool.num_slots:
             return None
         if pool.num_free < n:
@@ -541,10 +565,16 @@ class DecodeScheduler:
                 self._drop_host(rid)
         return pool.alloc(n)
 
+    def _host_page(self, keep: str) -> int | None:
+        got = self._host_alloc(1, keep, self.host_pages)
+        return None if got is None else got[0]
+
     def _drop_host(self, rid: str) -> None:
         copy = self.host.pop(rid, None)
         if copy is not None:
             self.host_pool.free(copy.slots)
+            if copy.page != ZERO:
+                self.host_pages.free([copy.page])
 
     def host_accounting(self) -> tuple[int, int]:
         """(free, held by host copies) of the host pool: sums to its size. (0, 0) without a host tier."""
@@ -662,6 +692,13 @@ class DecodeScheduler:
             hslots = [s for c in self.host.values() for s in c.slots]
             if len(hslots) != len(set(hslots)) or any(self.host_pool.is_free(s) for s in hslots):
                 out.append("host ownership: a host slot is held twice or while free")
+            if self.host_pages is not None:
+                pages = [c.page for c in self.host.values()]
+                if ZERO in pages or len(pages) != len(set(pages)) or any(self.host_pages.is_free(p) for p in pages):
+                    out.append("host state pages: a copy without its own page, or a page held twice or while free")
+                if self.host_pages.num_free + len(pages) != self.host_pages.num_slots:
+                    out.append(f"host state accounting: free {self.host_pages.num_free} + held {len(pages)} != "
+                               f"{self.host_pages.num_slots}")  # fmt: skip
             for rid, c in self.host.items():
                 if rid not in self.reqs:
                     out.append(f"host: a copy of {rid}, which has ended")

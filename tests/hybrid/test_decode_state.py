@@ -164,6 +164,8 @@ def test_random_cancels_pauses_and_transfers_give_every_page_back(seed):
     assert s.state_accounting() == (10, 0, 0) and s.pool.num_free == 96
 
 
-def test_host_tier_is_refused_for_state():
-    with pytest.raises(ValueError, match="host KV tier"):
+def test_a_hybrid_host_tier_needs_host_state_pages():
+    with pytest.raises(ValueError, match="host_pages"):
         DecodeScheduler(KVPool(16), host_pool=KVPool(16), state=StatePages(4))
+    s = DecodeScheduler(KVPool(16), host_pool=KVPool(16), host_pages=KVPool(2), state=StatePages(4))
+    assert s.host_pages.num_slots == 2 and s.check_invariants(liveness=False) == []

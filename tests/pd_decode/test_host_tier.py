@@ -1,6 +1,8 @@
 """Decode's host KV tier, recovery by cost and rotation, without a model: a simulated executor applies every plan
 (swap-outs, swap-ins, prefill writes, decode steps) to dicts standing for the device pool and host memory, and checks
-before each decode step that every position of every running request holds exactly the K/V of its own prefix."""
+before each decode step that every position of every running request holds exactly the K/V of its own prefix. With
+state pages (a hybrid model) it also applies the queued page copies and decode's recomputes in the decode loop's
+order, and checks that each running request's page holds the state after exactly its computed positions."""
 
 from __future__ import annotations
 
@@ -10,12 +12,18 @@ import pytest
 
 from backends.common.kv_pool import KVPool
 from backends.common.request import InferReq, ReqState, SamplingParams
+from backends.common.state_pages import ZERO, StatePages
 from backends.pd_decode.scheduler import DecodeScheduler, RecoveryCosts
 
 
 def kv_of(ids, i):
     """The K/V of position i depends on the whole prefix ids[: i + 1], as a real model's does."""
     return hash(tuple(ids[: i + 1]))
+
+
+def state_of(ids, n):
+    """The linear-attention state after positions [0, n): a function of that prefix alone (n = 0: the zero state)."""
+    return ("state", hash(tuple(ids[:n])))
 
 
 def next_token(ids):
@@ -33,17 +41,20 @@ class Clock:
 class Sim:
     """Runs a DecodeScheduler like decode's loop does; transfers and swap-ins answer one step after they start."""
 
-    def __init__(self, pool, host=None, quantum=0.0, costs=None, max_tokens=40, **kw):
+    def __init__(self, pool, host=None, quantum=0.0, costs=None, max_tokens=40, state_pages=0, host_pages=0, **kw):
         self.clock = Clock()
         self.s = DecodeScheduler(
             KVPool(pool),
             host_pool=KVPool(host) if host else None,
+            host_pages=KVPool(host_pages) if host_pages else None,
+            state=StatePages(state_pages) if state_pages else None,
             quantum=quantum,
             costs=costs,
             clock=self.clock,
             **kw,
         )
         self.device, self.hostmem = {}, {}
+        self.pages, self.host_pages = {}, {}  # state pages: device and host
         self.pending = []  # (job) answered at the next step
         self.max_tokens = max_tokens
         self.token_times: dict[str, list[float]] = {}
@@ -74,23 +85,44 @@ class Sim:
         self._answer_pending()
         plan = self.s.schedule()
         self.plans.append(plan)
-        for out in plan.swap_outs:  # first: they read slots that later writes may reuse
+        state = self.s.state
+        for out in plan.swap_outs:  # first: they read slots and pages that later writes may reuse
             assert len(out.device_slots) == len(out.host_slots)
             for d, h in zip(out.device_slots, out.host_slots):
                 self.hostmem[h] = self.device[d]
+            if out.host_page != ZERO:
+                self.host_pages[out.host_page] = self.pages[out.state_page]
+        if state is not None:  # the page copies the plan queued (decode: `apply_state_ops`)
+            for dst, src in state.take_ops():
+                self.pages[dst] = state_of([], 0) if src == ZERO else self.pages[src]
+        for job in plan.recomputes:  # decode computes the tail from the checkpoint the match restored
+            req = self.s.reqs[job.rid]
+            want = state_of(job.ids, job.start)
+            assert self.pages[req.state_page] == want, f"{job.rid}: recompute from a wrong state"
+            for k, d in enumerate(job.dst_slots):
+                self.device[d] = kv_of(job.ids, job.start + k)
+            self.pages[req.state_page] = state_of(job.ids, len(job.ids))
+            self.s.on_transfer_done(job.rid, job.epoch, True)
         for job in plan.swap_ins:
             for d, h in zip(job.dst_slots, job.host_slots):
                 self.device[d] = self.hostmem[h]
+            if job.host_page != ZERO:
+                self.pages[job.state_page] = self.host_pages[job.host_page]
             self.pending.append(job)
         for job in plan.transfers:
             for k, d in enumerate(job.dst_slots):
                 self.device[d] = kv_of(job.ids, job.start + k)
+            if job.state_page != ZERO:  # prefill writes the state at the job's end
+                self.pages[job.state_page] = state_of(job.ids, len(job.ids))
             self.pending.append(job)
         for req in plan.decode:
             ids = req.all_ids
             for i in range(req.num_tokens - 1):  # every position the step reads holds its own prefix's K/V
                 assert self.device.get(req.slots[i]) == kv_of(ids, i), f"{req.rid} position {i} corrupt"
             self.device[req.slots[req.num_tokens - 1]] = kv_of(ids, req.num_tokens - 1)
+            if state is not None:  # ... and its page the state after exactly its computed positions
+                assert self.pages.get(req.state_page) == state_of(ids, req.num_tokens - 1), f"{req.rid}: state"
+                self.pages[req.state_page] = state_of(ids, req.num_tokens)
             self.s.after_decode(req, next_token(ids))
             self._token(req)
         assert self.s.check_invariants(liveness=False) == []
@@ -286,6 +318,89 @@ def test_random_load_with_host_tier_rotation_and_cancels(seed):
     assert used == 0 and free + cached == 120
 
 
+# ---- hybrid models: the host copy holds the state at its end ---------------------------------------------------
+def hybrid(pool=60, host=200, host_pages=4, state_pages=12, **kw):
+    return Sim(pool=pool, host=host, host_pages=host_pages, state_pages=state_pages, **kw)
+
+
+def test_hybrid_pause_swaps_out_kv_and_state_and_recovers_from_host():
+    sim = hybrid(max_tokens=40)
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    sim.run()
+    s = sim.s
+    outs = [o for p in sim.plans for o in p.swap_outs]
+    ins = [j for p in sim.plans for j in p.swap_ins]
+    assert outs and all(o.host_page != ZERO and o.state_page != ZERO for o in outs)
+    assert ins and all(j.host_page != ZERO and j.state_page != ZERO for j in ins)
+    assert s.num_recoveries["host"] >= 1
+    assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(3)])
+    assert s.host_accounting() == (200, 0) and s.host_pages.num_free == 4
+    free, live, ckpts = s.state_accounting()
+    assert live == 0 and free + ckpts == 12
+
+
+def test_hybrid_host_copy_without_a_state_page_is_not_kept():
+    """Host state pages run out (one, held by a paused request): the next pause keeps no host copy (host_full),
+    its recovery goes another way, and every answer is still right."""
+    sim = hybrid(pool=60, host=400, host_pages=1, max_tokens=40)
+    for i in range(4):
+        sim.add(f"r{i}", 10, base=100 * i)
+    sim.run()
+    assert sim.s.host_skips["host_full"] >= 1
+    assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(4)])
+
+
+def test_hybrid_cancel_during_swap_frees_host_pages_at_once():
+    sim = hybrid(max_tokens=40)
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    for _ in range(500):
+        plan = sim.step()
+        if plan.swap_ins:
+            break
+    else:
+        pytest.fail("no swap-in")
+    job = plan.swap_ins[0]
+    held = sim.s.host_pages.num_slots - sim.s.host_pages.num_free
+    sim.s.cancel(job.rid)
+    assert sim.s.host_pages.num_slots - sim.s.host_pages.num_free == held - 1  # its host page is free at once
+    assert (job.rid, job.epoch) in sim.s.orphans and not sim.s.state.pool.is_free(job.state_page)  # still written
+    sim.run()
+    assert not sim.s.orphans and sim.s.host_pages.num_free == 4 and sim.s.host_accounting() == (200, 0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_hybrid_random_load_with_host_tier_rotation_and_cancels(seed):
+    rng = random.Random(seed)
+    pages = rng.choice([5, 6, 16])  # few: checkpoints are dropped, and pages of paused requests reused at once
+    sim = hybrid(pool=120, host=rng.choice([30, 150, 600]), host_pages=rng.choice([1, 3, 8]), state_pages=pages,
+                 quantum=rng.choice([0.0, 0.03]), max_tokens=30, max_running=4)  # fmt: skip
+    prompts, cancelled = [], set()
+    for step in range(3000):
+        if step < 200 and rng.random() < 0.15:
+            rid = f"q{step}"
+            n, base = rng.randint(3, 25), rng.choice([0, 0, 500, 1000 * step])
+            prompts.append((rid, n, base))
+            sim.add(rid, n, base)
+        if rng.random() < 0.02 and sim.s.reqs:
+            rid = rng.choice(sorted(sim.s.reqs))
+            sim.s.cancel(rid)
+            cancelled.add(rid)
+        if step > 200 and sim.s.idle():
+            break
+        sim.step()
+    assert sim.s.idle() and sim.s.num_recoveries["host"] > 0
+    ref = reference(prompts, max_tokens=30)
+    assert {k: v for k, v in ref.items() if k not in cancelled} == {
+        k: v for k, v in sim.done.items() if k not in cancelled
+    }
+    assert sim.s.host_accounting() == (sim.s.host_pool.num_slots, 0)
+    assert sim.s.host_pages.num_free == sim.s.host_pages.num_slots
+    free, live, ckpts = sim.s.state_accounting()
+    assert live == 0 and free + ckpts == pages
+
+
 # ---- the executor's copies (backends/pd_decode/host_tier.py) on CPU tensors ------------------------------------
 
 
@@ -312,6 +427,34 @@ def test_host_kv_round_trip_with_fragmented_host_slots(monkeypatch):
     assert torch.equal(dev[:, :, dst], want)
     untouched = [s for s in range(40) if s not in dst]
     assert dev[:, :, untouched].abs().sum() == 0
+
+
+def test_host_kv_round_trip_carries_the_state_page_bit_exact():
+    import torch
+
+    from backends.common.kv_store import KVStore, StateStore
+    from backends.pd_decode import host_tier
+    from backends.pd_decode.scheduler import SwapOut, TransferJob
+
+    class Cfg:  # the state store's shape: 2 linear layers, conv 6 x 3, 2 heads of 4 x 4
+        conv_dim, linear_conv_kernel_dim, linear_num_value_heads, linear_key_head_dim = 6, 4, 2, 4
+        linear_value_head_dim, linear_layers = 4, [0, 1]
+
+        def state_floats_per_page(self):
+            return 2 * (6 * 3 + 2 * 4 * 4)
+
+    dev = torch.randn(2, 2, 20, 2, 4)
+    state = StateStore(Cfg(), torch.randn(5, Cfg().state_floats_per_page()))
+    host = host_tier.HostKV(KVStore(dev), 16, state, num_pages=3)
+    assert host.nbytes == 16 * host.bytes_per_slot + 3 * state.bytes_per_page
+    want_kv, want_state = dev[:, :, [4, 5, 6]].clone(), state.buffer[2].clone()
+    host.swap_out([SwapOut("a", 0, [4, 5, 6], [9, 10, 11], state_page=2, host_page=1)])
+    dev.zero_()
+    state.buffer.zero_()
+    job = TransferJob("a", 1, [], 0, [0, 1, 2], False, "host", [9, 10, 11], state_page=4, host_page=1)
+    assert host.swap_in([job]) == [job]
+    assert torch.equal(dev[:, :, [0, 1, 2]], want_kv) and torch.equal(state.buffer[4], want_state)
+    assert not state.buffer[[0, 1, 2, 3]].any()  # only the job's page was written
 
 
 def test_runs_and_host_order():

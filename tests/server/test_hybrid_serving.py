@@ -1,6 +1,6 @@
-"""A hybrid (Qwen3-Next) model served end to end: streams that pause and recover, through decode's own cache and
-through prefill, equal the offline engine token for token; cancelling paused streams gives back every KV slot and
-every state page; the metrics show the state pool."""
+"""A hybrid (Qwen3-Next) model served end to end: streams that pause and recover, through decode's own cache,
+through host memory (K/V and state) and through prefill, equal the offline engine token for token; cancelling
+paused streams gives back every KV slot, state page and host page; the metrics show the state pool."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_hybrid_streams_pause_and_recover_exactly(tight, expected):
     paths = {p: tight.metric("pd_recoveries_total", path=p) for p in ("local", "recompute", "prefill")}
     print("hybrid recoveries by path:", paths)
     assert paths["local"] + paths["recompute"] > 0
-    assert tight.metric("pd_host_kv_slots_total") == 0  # a hybrid model has no host tier
+    assert tight.metric("pd_host_kv_slots_total") == 0  # the host tier is off by default for a hybrid model
     assert tight.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
     assert_state_released(tight)
 
@@ -92,6 +92,25 @@ def test_hybrid_prefill_recovery_carries_the_state(hybrid_folder, expected):  # 
         assert s.metric("pd_recoveries_total", path="local") == 0
         assert s.metric("pd_recoveries_total", path="prefill") >= 2
         assert s.metric("pd_stale_messages_total") >= s.metric("pd_recoveries_total", path="prefill")
+        assert s.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
+        assert_state_released(s)
+    finally:
+        s.stop()
+
+
+def test_hybrid_host_recoveries_carry_the_state(hybrid_folder, expected):  # noqa: F811
+    """With a host tier, paused requests' K/V and state go to host memory and come back from it; the answers equal
+    the offline engine's, and host slots and host state pages are all free once the streams end."""
+    s = Server("--model", str(hybrid_folder), "--kv-tokens", "320", "--host-kv-tokens", "2048", name="hybrid-host")
+    try:
+        results = run_streams(s)
+        for i, (res, want) in enumerate(zip(results, expected)):
+            assert res.error is None, res.error
+            assert res.ids == want, f"stream {i}"
+        assert s.metric("pd_recoveries_total", path="host") > 0
+        assert s.metric("pd_host_state_pages_total") > 0
+        assert s.wait_metric("pd_host_state_pages_used", lambda v: v == 0) == 0
+        assert s.wait_metric("pd_host_kv_slots_used", lambda v: v == 0) == 0
         assert s.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
         assert_state_released(s)
     finally:
