@@ -6,7 +6,8 @@
     rotate  (defaults: --rotation-quantum 0.1, host tier on)   paused and running streams take turns
 
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
-        [--kv-tokens 8192] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"] [--phase-limit 300]
+        [--kv-tokens 8192] [--host-kv-tokens N] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"]
+        [--phase-limit 300]
 
 Per phase and policy it reports answers completed with the right length, the largest gap between two tokens of one
 answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
@@ -56,6 +57,8 @@ CLOSE_ALL = {
     "recovering": "pd_decode_recovering_requests",
     "kv_slots_used": "pd_kv_slots_used",
     "host_kv_slots_used": "pd_host_kv_slots_used",
+    "state_pages_used": "pd_state_pages_used",
+    "host_state_pages_used": "pd_host_state_pages_used",
 }
 
 
@@ -117,9 +120,14 @@ def _transport(decode_args: str) -> str:
     return "dist"
 
 
+VOCAB = [32000]  # the served model's vocabulary size (main sets it): prompt ids are drawn below it
+
+
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """Random ids in [1000, 30000), within the model's vocabulary (a smaller one: its upper three quarters)."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(1000, 30000, size=length).tolist() for _ in range(n)]
+    hi = min(30000, VOCAB[0])
+    return [rng.integers(min(1000, hi // 4), hi, size=length).tolist() for _ in range(n)]
 
 
 def run_phase(url: str, metrics: str, n: int, prompt: int, out_len: int, limit: float, seed: int) -> dict:
@@ -238,6 +246,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", nargs="+", default=["plain", "rotate"], choices=list(POLICIES))
     ap.add_argument("--model", default="random:llama3.1-8b")
     ap.add_argument("--kv-tokens", type=int, default=8192)
+    ap.add_argument("--host-kv-tokens", type=int, default=None,
+                    help="the host tier of the host and rotate policies (default: the server's; hybrid models have "
+                    "none unless this is set)")  # fmt: skip
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the pool and every length")
     ap.add_argument("--serve-args", default="", help="more `triton-pd serve` options, e.g. GPU placement")
     ap.add_argument("--layout", choices=["one", "split"], default="one",
@@ -247,6 +258,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-serve-args", default="", help="split: options of the decode server only")
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
     a = ap.parse_args(argv)
+    from backends.common import loader
+
+    VOCAB[0] = loader.load_config(loader.resolve(a.model)).vocab_size
     from backends.server_process import ServerError, start_deployment
 
     out = Path(a.out)
@@ -267,7 +281,8 @@ def main(argv=None) -> int:
     for pol in a.policies:
         res = summary["policies"][pol] = {}
         print(f"[seed] {pol}: starting a server", flush=True)
-        args = ["--model", a.model, "--kv-tokens", str(pool), *POLICIES[pol], *shlex.split(a.serve_args)]
+        host = ["--host-kv-tokens", str(a.host_kv_tokens)] if a.host_kv_tokens is not None and pol != "plain" else []
+        args = ["--model", a.model, "--kv-tokens", str(pool), *POLICIES[pol], *host, *shlex.split(a.serve_args)]
         try:
             log = out / (f"server-{pol}.log" if a.layout == "one" else f"servers-{pol}")
             server = start_deployment(a.layout, args, log, a.prefill_serve_args, a.decode_serve_args)
