@@ -220,6 +220,15 @@ class RadixCache:
                     self._add_evictable(node)
             node = node.parent
 
+    def locked_only_by(self, node: Node | None) -> int:
+        """Slots on the path from `node` up that one lock alone protects (lock_ref 1): what the request holding
+        that lock would make evictable by letting go of it."""
+        n = 0
+        while node is not None and node is not self.root and node.lock_ref == 1:
+            n += len(node.key)
+            node = node.parent
+        return n
+
     def evict(self, num_slots: int) -> int:
         """Free num_slots slots from unreferenced leaves, least recently used first (fewer if the tree has fewer
         to give). With page size 1 a leaf is trimmed from its end rather than dropped whole, so a long cached

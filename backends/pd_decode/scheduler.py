@@ -609,7 +609,9 @@ class DecodeScheduler:
             if gain >= deficit:
                 break
             victims.append(r)
-            gain += len(r.slots) - r.cached_len + self.reserve_per_running
+            # its own slots, and the cached ones only it locks (a hybrid request's checkpoints move its K/V
+            # into the cache as it runs): all evictable once it is paused
+            gain += len(r.slots) - r.cached_len + self.radix.locked_only_by(r.last_node) + self.reserve_per_running
         if gain < deficit:
             return
         for r in victims:

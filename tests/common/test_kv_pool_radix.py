@@ -53,6 +53,23 @@ def _check(pool, rc, held):
     assert rc.evictable_leaves == {n for n in rc._nodes() if not n.children and n.lock_ref == 0}
 
 
+def test_locked_only_by_counts_the_path_one_lock_alone_protects():
+    pool = KVPool(64)
+    r = RadixCache(pool)
+    r.insert([1, 2, 3, 4], pool.alloc(4))
+    r.insert([1, 2, 3, 4, 5, 6], [*r.match_prefix([1, 2, 3, 4])[0], *pool.alloc(2)])
+    r.insert([1, 2, 9], [*r.match_prefix([1, 2])[0], *pool.alloc(1)])  # splits [1, 2] | [3, 4] | [5, 6]; [9]
+    _, a = r.match_prefix([1, 2, 3, 4, 5, 6])
+    _, b = r.match_prefix([1, 2, 9])
+    r.lock(a)
+    assert r.locked_only_by(a) == 6  # the whole path: nobody else locks any of it
+    r.lock(b)
+    assert r.locked_only_by(a) == 4 and r.locked_only_by(b) == 1  # [1, 2] is shared now
+    assert r.locked_only_by(None) == 0 and r.locked_only_by(r.root) == 0
+    r.unlock(b)
+    assert r.locked_only_by(a) == 6
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_random_operations_keep_accounting_exact(seed):
     """Model requests: match (lock), extend with own slots, then release into the tree; evict at random."""
