@@ -32,8 +32,8 @@ class _EagerGraph:
 
 
 class DecodeGraphs:
-    # input rows: ids, positions, out slots, table rows, sequence lengths (subclasses may add rows)
-    NUM_INPUTS = 5
+    """Input rows of a graph (`pad_column` gives them): ids, positions, out slots, table rows, sequence lengths;
+    subclasses may add rows."""
 
     def _init_graphs(self, max_batch: int, max_ctx: int, scratch_slot: int, linear_choice) -> None:
         self.table = SlotTable(2 * max_batch + 1, max_ctx, scratch_slot, self.device)

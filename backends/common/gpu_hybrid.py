@@ -42,8 +42,6 @@ def supports(cfg) -> bool:
 
 
 class GpuHybrid(DecodeGraphs):
-    NUM_INPUTS = 6  # the dense path's five, then each row's state page
-
     def __init__(
         self,
         eager: HybridModel,
@@ -100,6 +98,7 @@ class GpuHybrid(DecodeGraphs):
 
     # ----- the graph inputs -----
     def pad_column(self) -> np.ndarray:
+        """The dense path's five input rows, then each row's state page (padding: the scratch page)."""
         return np.append(super().pad_column(), np.int32(self.pad_page))
 
     def _fill_inputs(self, h: np.ndarray, spans) -> None:

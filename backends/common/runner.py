@@ -135,7 +135,7 @@ class ModelRunner:
         graphs = kernels and cuda_graphs and gpu_hybrid.supports(self.cfg)
         # the graph path keeps one extra KV slot and one extra state page that padded graph rows write
         self.kv = KVStore.allocate(
-            self.hybrid.num_kv_layers, kv_tokens + graphs, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+            self.hybrid.num_kv_layers, kv_tokens + int(graphs), self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
             self.device, shm_name=kv_shm_name,
         )  # fmt: skip
         self.num_slots = kv_tokens
@@ -143,7 +143,7 @@ class ModelRunner:
         # the pages the scheduler hands out, then one scratch page per batch row for speculative steps' rollback
         # (and the graph rows' padding page)
         scratch = self.num_state_pages + max_batch
-        self.state = StateStore.allocate(self.cfg, scratch + graphs, self.device, shm_name=state_shm_name)
+        self.state = StateStore.allocate(self.cfg, scratch + int(graphs), self.device, shm_name=state_shm_name)
         if graphs:
             self.backend = "triton"
             self.model = gpu_hybrid.GpuHybrid(
