@@ -229,17 +229,20 @@ def test_cancel_while_swapped_frees_host_and_device():
     assert set(sim.done) == {"r0", "r1", "r2"} - {victim.rid}
 
 
-def test_cancel_during_swap_in_keeps_its_slots_until_the_copy_answers():
-    sim = Sim(pool=60, host=200, max_tokens=40)
+def first_swap_in(sim):
+    """Three requests that outgrow the pool, stepped until a plan swaps one in: that swap-in's job."""
     for i in range(3):
         sim.add(f"r{i}", 10, base=100 * i)
     for _ in range(500):
         plan = sim.step()
         if plan.swap_ins:
-            break
-    else:
-        pytest.fail("no swap-in")
-    job = plan.swap_ins[0]
+            return plan.swap_ins[0]
+    pytest.fail("no swap-in")
+
+
+def test_cancel_during_swap_in_keeps_its_slots_until_the_copy_answers():
+    sim = Sim(pool=60, host=200, max_tokens=40)
+    job = first_swap_in(sim)
     req = sim.s.cancel(job.rid)
     assert req.state is ReqState.FINISHED and (job.rid, job.epoch) in sim.s.orphans
     assert all(not sim.s.pool.is_free(d) for d in job.dst_slots)  # the copy may still be writing them
@@ -302,10 +305,9 @@ def test_rotation_never_pauses_without_making_room():
     assert sim.s.num_rotations == 0  # every run ends well before a 10 s quantum
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_load_with_host_tier_rotation_and_cancels(seed):
-    rng = random.Random(seed)
-    sim = Sim(pool=120, host=rng.choice([30, 150, 600]), quantum=rng.choice([0.0, 0.03]), max_tokens=30)
+def random_load(sim, rng, max_tokens=30) -> None:
+    """Requests arriving at random for 200 steps, 2% of steps cancelling one, run to idle: every answer not
+    cancelled equals the reference's, and every host slot is free again."""
     prompts, cancelled = [], set()
     for step in range(3000):
         if step < 200 and rng.random() < 0.15:
@@ -321,12 +323,19 @@ def test_random_load_with_host_tier_rotation_and_cancels(seed):
             break
         sim.step()
     assert sim.s.idle()
-    ref = reference(prompts, max_tokens=30)
+    ref = reference(prompts, max_tokens=max_tokens)
     assert {k: v for k, v in ref.items() if k not in cancelled} == {
         k: v for k, v in sim.done.items() if k not in cancelled
     }
     assert set(sim.done) | cancelled == set(ref)
     assert sim.s.host_accounting() == (sim.s.host_pool.num_slots, 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_load_with_host_tier_rotation_and_cancels(seed):
+    rng = random.Random(seed)
+    sim = Sim(pool=120, host=rng.choice([30, 150, 600]), quantum=rng.choice([0.0, 0.03]), max_tokens=30)
+    random_load(sim, rng)
     free, used, cached = sim.s.accounting()
     assert used == 0 and free + cached == 120
 
@@ -366,15 +375,7 @@ def test_hybrid_host_copy_without_a_state_page_is_not_kept():
 
 def test_hybrid_cancel_during_swap_frees_host_pages_at_once():
     sim = hybrid(max_tokens=40)
-    for i in range(3):
-        sim.add(f"r{i}", 10, base=100 * i)
-    for _ in range(500):
-        plan = sim.step()
-        if plan.swap_ins:
-            break
-    else:
-        pytest.fail("no swap-in")
-    job = plan.swap_ins[0]
+    job = first_swap_in(sim)
     held = sim.s.host_pages.num_slots - sim.s.host_pages.num_free
     sim.s.cancel(job.rid)
     assert sim.s.host_pages.num_slots - sim.s.host_pages.num_free == held - 1  # its host page is free at once
@@ -389,26 +390,8 @@ def test_hybrid_random_load_with_host_tier_rotation_and_cancels(seed):
     pages = rng.choice([5, 6, 16])  # few: checkpoints are dropped, and pages of paused requests reused at once
     sim = hybrid(pool=120, host=rng.choice([30, 150, 600]), host_pages=rng.choice([1, 3, 8]), state_pages=pages,
                  quantum=rng.choice([0.0, 0.03]), max_tokens=30, max_running=4)  # fmt: skip
-    prompts, cancelled = [], set()
-    for step in range(3000):
-        if step < 200 and rng.random() < 0.15:
-            rid = f"q{step}"
-            n, base = rng.randint(3, 25), rng.choice([0, 0, 500, 1000 * step])
-            prompts.append((rid, n, base))
-            sim.add(rid, n, base)
-        if rng.random() < 0.02 and sim.s.reqs:
-            rid = rng.choice(sorted(sim.s.reqs))
-            sim.s.cancel(rid)
-            cancelled.add(rid)
-        if step > 200 and sim.s.idle():
-            break
-        sim.step()
-    assert sim.s.idle() and sim.s.num_recoveries["host"] > 0
-    ref = reference(prompts, max_tokens=30)
-    assert {k: v for k, v in ref.items() if k not in cancelled} == {
-        k: v for k, v in sim.done.items() if k not in cancelled
-    }
-    assert sim.s.host_accounting() == (sim.s.host_pool.num_slots, 0)
+    random_load(sim, rng)
+    assert sim.s.num_recoveries["host"] > 0
     assert sim.s.host_pages.num_free == sim.s.host_pages.num_slots
     free, live, ckpts = sim.s.state_accounting()
     assert live == 0 and free + ckpts == pages
