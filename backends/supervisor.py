@@ -17,6 +17,10 @@ from pathlib import Path
 from .tritonserver import MODELS
 
 
+# A dead prefill instance fails its jobs at once (decode reports them), so the server keeps serving without it.
+WATCHED = ("pd_master", "pd_decode")
+
+
 class Supervisor:
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int, models=MODELS, *,
                  exit_timeout: float):  # fmt: skip
@@ -24,6 +28,7 @@ class Supervisor:
         self.exit_timeout = exit_timeout
         self.stopping: list[int] = []
         self.stubs: dict[str, tuple[int, str]] = {}
+        self.regions: set[str] = set()
         self.died: str | None = None
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -44,6 +49,7 @@ class Supervisor:
         t0, shown = time.monotonic(), set()
         url = f"http://127.0.0.1:{self.http_port}"
         while not self.stopping:
+            self._scan()  # each stub as soon as it runs: one may die before the launcher sees the server ready
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
                 raise SystemExit(
@@ -55,18 +61,37 @@ class Supervisor:
                     shown.add(m)
                     print(f"[triton-pd] {m} ready ({time.monotonic() - t0:.0f} s)", flush=True)
             if len(shown) == len(self.models) and _ok(f"{url}/v2/health/ready"):
+                self._scan()
                 return True
             if time.monotonic() - t0 > timeout:
                 raise SystemExit(f"triton-pd: error: models not ready after {timeout:.0f} s (see {self.log_path})")
             time.sleep(0.5)
         return False
 
+    def _scan(self) -> None:
+        """Adds the stubs running now to self.stubs; an instance keeps the pid it was first seen with (a stub
+        Triton relaunched under the same name does not hide the death of the first one)."""
+        for name, stub in python_stubs(self.proc.pid).items():
+            self.stubs.setdefault(name, stub)
+            self.regions.add(stub[1])
+
+    def _dead(self) -> tuple[str, int | None] | None:
+        """A master or decode instance whose stub is gone, with its pid; or such a model with no stub at all
+        (its only stub died before any scan saw it; a zombie has no command line to recognise it by)."""
+        # a stub named by the model alone is the short-lived one Triton runs while loading it (auto-complete)
+        watched = {n: pid for n, (pid, _) in self.stubs.items() if n.startswith(tuple(f"{m}_" for m in WATCHED))}
+        for name, pid in watched.items():
+            if not process_alive(pid):
+                return name, pid
+        for model in self.models:
+            if model in WATCHED and not any(n.startswith(f"{model}_") for n in watched):
+                return model, None
+        return None
+
     def watch(self) -> int:
         """Until tritonserver exits: its exit status. Stops it when a watched stub dies (self.died names it)."""
         if not self.stopping:
-            self.stubs = python_stubs(self.proc.pid)
-        # A dead prefill instance fails its jobs at once (decode reports them), so the server keeps serving.
-        watched = {n: pid for n, (pid, _) in self.stubs.items() if n.startswith(("pd_master", "pd_decode"))}
+            self._scan()
         kill_at = None
         while True:
             try:
@@ -76,11 +101,13 @@ class Supervisor:
             if kill_at is not None and time.monotonic() > kill_at:
                 signal_group(self.proc, signal.SIGKILL)  # its shutdown waits for requests the dead stub never ends
             if self.died is None and not self.stopping:
-                self.died = next((n for n, pid in watched.items() if not process_alive(pid)), None)
-                if self.died is not None:
+                dead = self._dead()
+                if dead is not None:
+                    self.died, pid = dead
+                    which = f"'s stub (pid {pid})" if pid is not None else " has no stub: it"
                     print(
-                        f"[triton-pd] {self.died}'s stub (pid {watched[self.died]}) died and Triton does not restart "
-                        f"it: stopping the server (see {self.log_path})",
+                        f"[triton-pd] {self.died}{which} died and Triton does not restart it: stopping the server "
+                        f"(see {self.log_path})",
                         flush=True,
                     )
                     signal_group(self.proc, signal.SIGTERM, group=False)
@@ -92,7 +119,7 @@ class Supervisor:
             signal_group(self.proc, signal.SIGKILL)
             self.proc.wait()
         signal_group(self.proc, signal.SIGKILL)
-        cleanup(deployment_id, mailbox, [region for _, region in self.stubs.values()])
+        cleanup(deployment_id, mailbox, sorted(self.regions))
 
 
 def _ok(url: str) -> bool:
