@@ -16,7 +16,6 @@ from pathlib import Path
 
 from .tritonserver import MODELS
 
-
 # A dead prefill instance fails its jobs at once (decode reports them), so the server keeps serving without it.
 WATCHED = ("pd_master", "pd_decode")
 
