@@ -280,15 +280,18 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; rows/q_start/q_len/ctx_len: [N] int32 per sequence. Returns out [T, H, D] (rows of the
-    sequences written; others untouched)."""
+    sequences written; others untouched). block_n: keys per step (default 64; 32 for heads over 128 dims, whose
+    [block_m, D] accumulator already fills the registers)."""
     N = rows.shape[0]
     _, H, D = q.shape
     group = H // k_pool.shape[1]
     if out is None:
         out = torch.empty_like(q)
+    if block_n is None:
+        block_n = 64 if D <= 128 else 32
     grid = (N, triton.cdiv(max_q_len, block_m), H)
     _prefill_kernel[grid](
         q, k_pool, v_pool, out, table, rows, q_start, q_len, ctx_len,
@@ -296,6 +299,6 @@ def prefill_attention(
         out.stride(0), out.stride(1), table.stride(0),
         scale * _LOG2E,
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(q),
-        num_warps=4, num_stages=2,
+        num_warps=4 if D <= 128 else 8, num_stages=2,
     )  # fmt: skip
     return out

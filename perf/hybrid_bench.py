@@ -82,20 +82,28 @@ def decode_rows(runner, B: int, context: int, steps: int, gen) -> list[tuple[lis
 
 def profile_graph(graph, title: str, reps: int = 5, top: int = 14) -> None:
     """Print the kernels of a graph replay by total GPU time (torch.profiler reads graph kernels through CUPTI)."""
+    profile_kernels(graph.replay, title, reps, top)
+
+
+def profile_kernels(fn, title: str, reps: int = 5, top: int = 14) -> None:
+    """Print the kernels `fn` launches by total GPU time per call, and the wall time per call."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
+    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            graph.replay()
+            fn()
         torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / reps
     per = {}
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
             t, n = per.get(ev.name, (0.0, 0))
             per[ev.name] = (t + ev.device_time, n + 1)
     total = sum(t for t, _ in per.values())
-    print(f"\nprofile, {title}: {total / reps / 1e3:.3f} ms of kernels per replay", flush=True)
+    print(f"\nprofile, {title}: {total / reps / 1e3:.3f} ms of kernels per call ({wall * 1e3:.1f} ms wall, "
+          "profiler on)", flush=True)  # fmt: skip
     for name, (t, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  {name[:110]}", flush=True)
 
@@ -199,6 +207,9 @@ def main(argv=None) -> int:
             runner.forward([Span(ids, 0, slots, None, page)])
             torch.cuda.synchronize()
             t_pre = time.perf_counter() - t
+            if a.profile:
+                profile_kernels(lambda r=runner: r.forward([Span(ids, 0, slots, None, page)]),
+                                f"{name} prefill of {a.prefill} tokens", reps=1, top=20)  # fmt: skip
             T = a.prefill
             flops = 2 * params * T + len(cfg.full_layers) * 4 * (T * T / 2) * cfg.num_heads * cfg.head_dim
             rows.append(dict(model=name, prefill_tokens=T, prefill_s=t_pre, flops=flops, matmul_flops=mm))

@@ -168,9 +168,12 @@ class HybridModel:
                 q[rows][:, :, None], ks, vs, attn_mask=valid, scale=self.scale, enable_gqa=True
             )
             out[rows] = o[:, :, 0]
-        for start, n, slots in zip(batch.starts, batch.new_lens, batch.ctx_slots):
-            if n == 1 and decode is not None:
-                continue
+        spans = [(st, n, sl) for st, n, sl in zip(batch.starts, batch.new_lens, batch.ctx_slots)
+                 if not (n == 1 and decode is not None)]  # fmt: skip
+        if spans and self.kd is not None:  # every span in one launch of the paged flash kernel
+            self._prefill_attention(q, k_pool, v_pool, spans, out)
+            spans = []
+        for start, n, slots in spans:
             ctx = slots.numel()
             qs = q[start : start + n].transpose(0, 1)
             ks, vs = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)
@@ -179,6 +182,21 @@ class HybridModel:
             out[start : start + n] = o.transpose(0, 1)
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self._linear(out, p + "o_proj")
+
+    def _prefill_attention(self, q, k_pool, v_pool, spans, out) -> None:
+        """Causal attention of spans (start, new tokens, context slots) over their paged K/V in one Triton launch
+        (kernels.attention.prefill_attention; SDPA with an explicit mask would fall back to materialising the
+        T x T scores)."""
+        from kernels import attention
+
+        ctx = [sl.numel() for _, _, sl in spans]
+        table = torch.zeros(len(spans), max(ctx), dtype=torch.int32, device=q.device)
+        for r, (_, _, sl) in enumerate(spans):
+            table[r, : sl.numel()] = sl
+        meta = torch.tensor([[r, st, n, c] for r, ((st, n, _), c) in enumerate(zip(spans, ctx))], dtype=torch.int32)
+        rows, q_start, q_len, ctx_len = meta.to(q.device).t().contiguous()
+        attention.prefill_attention(q, k_pool, v_pool, table, rows, q_start, q_len, ctx_len,
+                                    max(n for _, n, _ in spans), self.scale, out=out)  # fmt: skip
 
     def _split_proj(self, x, p):
         """The fused in_proj's outputs (`fuse_weights`) as (mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv],

@@ -133,7 +133,12 @@ def test_decode_attention_scattered_queries():
 
 @pytest.mark.parametrize(
     "q_lens,prefix,heads,kv_heads,d",
-    [([5, 64, 130], [0, 0, 0], 8, 2, 64), ([1, 200, 37], [10, 300, 0], 32, 8, 128), ([257], [63], 9, 3, 64)],
+    [
+        ([5, 64, 130], [0, 0, 0], 8, 2, 64),
+        ([1, 200, 37], [10, 300, 0], 32, 8, 128),
+        ([257], [63], 9, 3, 64),
+        ([3, 150], [0, 70], 16, 2, 256),
+    ],  # fmt: skip
 )
 def test_prefill_attention(q_lens, prefix, heads, kv_heads, d):
     gen = torch.Generator().manual_seed(sum(q_lens))
