@@ -208,7 +208,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             t_pre = time.perf_counter() - t
             if a.profile:
-                profile_kernels(lambda r=runner: r.forward([Span(ids, 0, slots, None, page)]),
+                span = Span(ids, 0, slots, None, page)
+                profile_kernels(lambda r=runner, sp=span: r.forward([sp]),
                                 f"{name} prefill of {a.prefill} tokens", reps=1, top=20)  # fmt: skip
             T = a.prefill
             flops = 2 * params * T + len(cfg.full_layers) * 4 * (T * T / 2) * cfg.num_heads * cfg.head_dim
