@@ -4,6 +4,7 @@
     plain   --rotation-quantum 0 --host-kv-tokens 0   a paused stream waits until the running ones finish
     host    --rotation-quantum 0                      same, recovering from host memory instead of prefill
     rotate  (defaults: --rotation-quantum 0.1, host tier on)   paused and running streams take turns
+    roomy   plain on a pool that holds all of a phase's streams: nothing pauses (the throughput reference)
 
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
         [--kv-tokens 8192] [--host-kv-tokens N] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"]
@@ -11,8 +12,8 @@
 
 Per phase and policy it reports answers completed with the right length, the largest gap between two tokens of one
 answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
-throughput loss of a policy is against `plain`, measured in the same run), pauses, rotations, recoveries by path,
-the highest epoch and stale messages; after close-all, decode's counts and whether a new request works. Every phase
+throughput loss of a policy is against `plain` and, when run, `roomy`, measured in the same run), pauses,
+rotations, recoveries by path, the highest epoch and stale messages; after close-all, decode's counts and whether a new request works. Every phase
 has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the results written so
 far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1` with the default CPU model
 (smollm2) runs the same shape in a few minutes on a laptop-class CPU.
@@ -38,6 +39,7 @@ POLICIES = {
     "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],
     "host": ["--rotation-quantum", "0"],
     "rotate": [],
+    "roomy": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],  # and a pool that holds every stream
 }
 COUNTERS = {
     "pauses": "pd_pauses_total",
@@ -193,8 +195,13 @@ def close_all(url: str, metrics: str, prompt: int, out_len: int, limit: float) -
 def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
     base = runs.get("plain", {}).get(phase)
 
+    roomy = runs.get("roomy", {}).get(phase)
+
     def loss(r):
         return f"{1 - r['output_tok_s'] / base['output_tok_s']:+.1%}" if base else "-"
+
+    def loss_roomy(r):
+        return f"{1 - r['output_tok_s'] / roomy['output_tok_s']:+.1%}" if roomy else "-"
 
     rows = [
         ("completed with the right length", lambda r: f"{r['completed']} of {r['streams']}"),
@@ -204,6 +211,7 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
         ("wall (s)", lambda r: f"{r['wall_s']:.1f}"),
         ("output tokens/s", lambda r: f"{r['output_tok_s']:.1f}"),
         ("throughput loss vs plain", loss),
+        ("throughput loss vs roomy", loss_roomy),
         ("pauses / rotations", lambda r: f"{r['pauses']:.0f} / {r['rotations']:.0f}"),
         (
             "recoveries local / host / prefill",
@@ -281,8 +289,13 @@ def main(argv=None) -> int:
     for pol in a.policies:
         res = summary["policies"][pol] = {}
         print(f"[seed] {pol}: starting a server", flush=True)
-        host = ["--host-kv-tokens", str(a.host_kv_tokens)] if a.host_kv_tokens is not None and pol != "plain" else []
-        args = ["--model", a.model, "--kv-tokens", str(pool), *POLICIES[pol], *host, *shlex.split(a.serve_args)]
+        host = (
+            ["--host-kv-tokens", str(a.host_kv_tokens)]
+            if a.host_kv_tokens is not None and pol in ("host", "rotate")
+            else []
+        )
+        kv = max(pool, 4 * (prompt + sc(5300)) + 64) if pol == "roomy" else pool
+        args = ["--model", a.model, "--kv-tokens", str(kv), *POLICIES[pol], *host, *shlex.split(a.serve_args)]
         try:
             log = out / (f"server-{pol}.log" if a.layout == "one" else f"servers-{pol}")
             server = start_deployment(a.layout, args, log, a.prefill_serve_args, a.decode_serve_args)
