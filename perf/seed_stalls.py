@@ -12,11 +12,11 @@
 
 Per phase and policy it reports answers completed with the right length, the largest gap between two tokens of one
 answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
-throughput loss of a policy is against `plain` and, when run, `roomy`, measured in the same run), pauses,
-rotations, recoveries by path, the highest epoch and stale messages; after close-all, decode's counts and whether a new request works. Every phase
-has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the results written so
-far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1` with the default CPU model
-(smollm2) runs the same shape in a few minutes on a laptop-class CPU.
+throughput loss of a policy is against `plain` and, when run, `roomy`, measured in the same run), pauses, rotations,
+recoveries by path, the highest epoch and stale messages; after close-all, decode's counts and whether a new request
+works. Every phase has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the
+results written so far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1` with the
+default CPU model (smollm2) runs the same shape in a few minutes on a laptop-class CPU.
 """
 
 from __future__ import annotations

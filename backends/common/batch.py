@@ -42,6 +42,7 @@ class ForwardBatch:
     state_pages: list[int] | None = None  # hybrid models: each sequence's state page
     save_pages: list[int] | None = None  # hybrid models: a scratch page per sequence for speculative steps, or -1
     _decode: tuple | None = None
+    _prefill: tuple | None = None
 
     def decode_rows(self):
         """Single-token sequences gathered for one padded attention call: (rows, slots [B, Lmax], mask), or None
@@ -60,6 +61,27 @@ class ForwardBatch:
                 rows = torch.tensor([self.starts[i] for i in idx], dtype=torch.int64, device=dev)
                 self._decode = (rows, slots, valid[:, None, None, :])
         return self._decode or None
+
+    def prefill_rows(self):
+        """The sequences `decode_rows` leaves out (several new tokens, or a lone decode) as the inputs of one
+        kernels.attention.prefill_attention launch: (table [N, Lmax] int32 of their context slots, rows, q_start,
+        q_len, ctx_len [N] int32, max q_len), or None when there are none. Computed once per batch and shared by
+        every layer."""
+        if self._prefill is None:
+            lone = self.decode_rows() is None
+            idx = [i for i, n in enumerate(self.new_lens) if n > 1 or lone]
+            if not idx:
+                self._prefill = ()
+            else:
+                dev = self.input_ids.device
+                ctx = [self.ctx_slots[i].numel() for i in idx]
+                table = torch.zeros(len(idx), max(ctx), dtype=torch.int32, device=dev)
+                for r, i in enumerate(idx):
+                    table[r, : ctx[r]] = self.ctx_slots[i]
+                meta = [[r, self.starts[i], self.new_lens[i], c] for r, (i, c) in enumerate(zip(idx, ctx))]
+                rows, q_start, q_len, ctx_len = torch.tensor(meta, dtype=torch.int32).to(dev).t().contiguous()
+                self._prefill = (table, rows, q_start, q_len, ctx_len, max(self.new_lens[i] for i in idx))
+        return self._prefill or None
 
 
 def build_batch(spans: list[Span], device) -> ForwardBatch:

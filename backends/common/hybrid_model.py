@@ -107,11 +107,13 @@ class HybridModel:
         pages; otherwise with the PyTorch reference, gathering and scattering the pages."""
         fuse_weights(cfg, weights)
         self.cfg, self.w = cfg, weights
-        self.kd = None
+        self.kd = self.k_attn = None
         if kernels:
-            from kernels import delta_rule
+            from kernels import attention, delta_rule
 
-            self.kd = delta_rule
+            # prefill attention in the paged flash kernel: SDPA with an explicit causal mask would not run
+            # flash and materialises the T x T scores
+            self.kd, self.k_attn = delta_rule, attention
         emb = weights["model.embed_tokens.weight"]
         self.dtype, self.device = emb.dtype, emb.device
         self.lm_head = emb if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -168,12 +170,14 @@ class HybridModel:
                 q[rows][:, :, None], ks, vs, attn_mask=valid, scale=self.scale, enable_gqa=True
             )
             out[rows] = o[:, :, 0]
-        spans = [(st, n, sl) for st, n, sl in zip(batch.starts, batch.new_lens, batch.ctx_slots)
-                 if not (n == 1 and decode is not None)]  # fmt: skip
-        if spans and self.kd is not None:  # every span in one launch of the paged flash kernel
-            self._prefill_attention(q, k_pool, v_pool, spans, out)
-            spans = []
-        for start, n, slots in spans:
+        if self.kd is not None:  # every other sequence in one launch of the paged flash kernel
+            pre = batch.prefill_rows()
+            if pre is not None:
+                self.k_attn.prefill_attention(q, k_pool, v_pool, *pre, self.scale, out=out)
+            return self._linear(out.reshape(T, -1) * torch.sigmoid(gate), p + "o_proj")
+        for start, n, slots in zip(batch.starts, batch.new_lens, batch.ctx_slots):
+            if n == 1 and decode is not None:
+                continue
             ctx = slots.numel()
             qs = q[start : start + n].transpose(0, 1)
             ks, vs = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)
@@ -182,21 +186,6 @@ class HybridModel:
             out[start : start + n] = o.transpose(0, 1)
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self._linear(out, p + "o_proj")
-
-    def _prefill_attention(self, q, k_pool, v_pool, spans, out) -> None:
-        """Causal attention of spans (start, new tokens, context slots) over their paged K/V in one Triton launch
-        (kernels.attention.prefill_attention; SDPA with an explicit mask would fall back to materialising the
-        T x T scores)."""
-        from kernels import attention
-
-        ctx = [sl.numel() for _, _, sl in spans]
-        table = torch.zeros(len(spans), max(ctx), dtype=torch.int32, device=q.device)
-        for r, (_, _, sl) in enumerate(spans):
-            table[r, : sl.numel()] = sl
-        meta = torch.tensor([[r, st, n, c] for r, ((st, n, _), c) in enumerate(zip(spans, ctx))], dtype=torch.int32)
-        rows, q_start, q_len, ctx_len = meta.to(q.device).t().contiguous()
-        attention.prefill_attention(q, k_pool, v_pool, table, rows, q_start, q_len, ctx_len,
-                                    max(n for _, n, _ in spans), self.scale, out=out)  # fmt: skip
 
     def _split_proj(self, x, p):
         """The fused in_proj's outputs (`fuse_weights`) as (mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv],

@@ -246,3 +246,25 @@ def test_launch_greedy_feeds_unread_tokens_and_equals_greedy_decoding():
     for o, t in zip(outs, gpu.collect(handle)):
         o.append(t)
     assert outs == ref_out
+
+
+@pytest.mark.parametrize("name,cfg", shapes()[:1], ids=[n for n, _ in shapes()[:1]])
+def test_eager_prefill_over_a_cached_prefix_with_a_lone_decode_equals_the_pytorch_model(name, cfg):
+    """The eager path's full attention runs every span that is not one of several decodes in the paged flash
+    kernel (ForwardBatch.prefill_rows): a chunk over a cached prefix, a fresh prompt and a lone single-token
+    step together equal the PyTorch model's masked attention."""
+    r, gpu = build(cfg)
+    g = gen(11)
+    toks = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (40, 30)]
+    first = [Span(toks[0][:25], 0, list(range(10, 35)), "a", 1), Span(toks[1][:29], 0, list(range(110, 139)), "b", 2)]
+    torch.testing.assert_close(gpu.forward(first), ref_forward(r, first), **TOL)
+    fresh = torch.randint(3, cfg.vocab_size, (7,), generator=g).tolist()
+    mixed = [
+        Span(toks[0][25:], 25, list(range(10, 50)), "a", 1),  # 15 new tokens over 25 cached ones
+        Span(fresh, 0, list(range(210, 217)), "c", 4),
+        Span(toks[1][29:], 29, list(range(110, 140)), "b", 2),  # the only single-token step
+    ]
+    batch = build_batch(mixed, torch.device(DEVICE))
+    assert batch.decode_rows() is None and batch.prefill_rows()[-1] == 15
+    torch.testing.assert_close(gpu.forward(mixed), ref_forward(r, mixed), **TOL)
+    assert gpu.stats == {"graph_steps": 0, "eager_steps": 2}
