@@ -13,8 +13,9 @@ replays); `loop` is the wall time per step of overlapped greedy steps as the eng
 launched before step n's tokens are read, ids of -1), host work included. K/V and state are random, not zeros.
 
 Prefill: one prompt in one forward pass (eager path: the projections in cuBLAS, the chunked delta rule in Triton,
-full attention in PyTorch's SDPA), after a warm-up prompt; model FLOPs = 2 x matmul parameters x tokens + causal
-attention (4 x T^2 / 2 x heads x head dim per full layer), against an 8192^3 bf16 matmul timed here."""
+full attention in the paged Triton flash kernel), after a warm-up prompt; model FLOPs = 2 x matmul parameters x
+tokens + causal attention (4 x T^2 / 2 x heads x head dim per full layer), against an 8192^3 bf16 matmul timed here.
+`--profile` also lists the prefill's kernels by GPU time."""
 
 from __future__ import annotations
 
