@@ -39,8 +39,9 @@ POLICIES = {
     "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],
     "host": ["--rotation-quantum", "0"],
     "rotate": [],
-    "roomy": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],  # and a pool that holds every stream
 }
+POLICIES["roomy"] = POLICIES["plain"]  # on a pool that holds every stream of a phase
+PHASES = (("4x4000", 4, 3800), ("3x5500", 3, 5300))  # name, streams, output tokens (of unscaled length)
 COUNTERS = {
     "pauses": "pd_pauses_total",
     "rotations": "pd_rotations_total",
@@ -193,15 +194,9 @@ def close_all(url: str, metrics: str, prompt: int, out_len: int, limit: float) -
 
 
 def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
-    base = runs.get("plain", {}).get(phase)
-
-    roomy = runs.get("roomy", {}).get(phase)
-
-    def loss(r):
-        return f"{1 - r['output_tok_s'] / base['output_tok_s']:+.1%}" if base else "-"
-
-    def loss_roomy(r):
-        return f"{1 - r['output_tok_s'] / roomy['output_tok_s']:+.1%}" if roomy else "-"
+    def loss_vs(ref: str):
+        base = runs.get(ref, {}).get(phase)
+        return lambda r: f"{1 - r['output_tok_s'] / base['output_tok_s']:+.1%}" if base else "-"
 
     rows = [
         ("completed with the right length", lambda r: f"{r['completed']} of {r['streams']}"),
@@ -210,8 +205,8 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
         ("largest time to first token (s)", lambda r: f"{r['ttft_max_s']:.2f}"),
         ("wall (s)", lambda r: f"{r['wall_s']:.1f}"),
         ("output tokens/s", lambda r: f"{r['output_tok_s']:.1f}"),
-        ("throughput loss vs plain", loss),
-        ("throughput loss vs roomy", loss_roomy),
+        ("throughput loss vs plain", loss_vs("plain")),
+        ("throughput loss vs roomy", loss_vs("roomy")),
         ("pauses / rotations", lambda r: f"{r['pauses']:.0f} / {r['rotations']:.0f}"),
         (
             "recoveries local / host / prefill",
@@ -231,7 +226,7 @@ def report(summary: dict) -> str:
     lines = [f"# Seed scenario: {summary['setup']}", "", f"Command: `{summary['command']}`", ""]
     runs = summary["policies"]
     pols = list(runs)
-    for phase in ("4x4000", "3x5500"):
+    for phase, _, _ in PHASES:
         if any(phase in runs[p] for p in pols):
             lines += _phase_rows(phase, pols, runs)
     lines += ["## close all streams while some are paused", "", "| | " + " | ".join(pols) + " |"]
@@ -294,7 +289,8 @@ def main(argv=None) -> int:
             if a.host_kv_tokens is not None and pol in ("host", "rotate")
             else []
         )
-        kv = max(pool, 4 * (prompt + sc(5300)) + 64) if pol == "roomy" else pool
+        # roomy: twice the largest phase's tokens (close-all sends the first phase's streams again)
+        kv = max(pool, 2 * max(n * (prompt + sc(n_out)) for _, n, n_out in PHASES)) if pol == "roomy" else pool
         args = ["--model", a.model, "--kv-tokens", str(kv), *POLICIES[pol], *host, *shlex.split(a.serve_args)]
         try:
             log = out / (f"server-{pol}.log" if a.layout == "one" else f"servers-{pol}")
@@ -304,7 +300,7 @@ def main(argv=None) -> int:
             continue
         url, metrics = server.grpc_url, server.metrics_url
         try:
-            for phase, n, n_out in (("4x4000", 4, sc(3800)), ("3x5500", 3, sc(5300))):
+            for phase, n, n_out in ((name, n, sc(n_out)) for name, n, n_out in PHASES):
                 print(f"[seed] {pol}: {phase} ({n} x {prompt}+{n_out})", flush=True)
                 res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(phase))
                 brief = {
