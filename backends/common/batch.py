@@ -44,6 +44,13 @@ class ForwardBatch:
     _decode: tuple | None = None
     _prefill: tuple | None = None
 
+    def _slot_table(self, idx: list[int], lens: list[int], dtype) -> torch.Tensor:
+        """The context slots of sequences idx as rows of a zero-padded [len(idx), max(lens)] table."""
+        table = torch.zeros(len(idx), max(lens), dtype=dtype, device=self.input_ids.device)
+        for r, i in enumerate(idx):
+            table[r, : lens[r]] = self.ctx_slots[i]
+        return table
+
     def decode_rows(self):
         """Single-token sequences gathered for one padded attention call: (rows, slots [B, Lmax], mask), or None
         when fewer than two sequences decode. Computed once per batch and shared by every layer."""
@@ -54,9 +61,7 @@ class ForwardBatch:
             else:
                 lens = [self.ctx_slots[i].numel() for i in idx]
                 dev = self.input_ids.device
-                slots = torch.zeros(len(idx), max(lens), dtype=torch.int64, device=dev)
-                for r, i in enumerate(idx):
-                    slots[r, : lens[r]] = self.ctx_slots[i]
+                slots = self._slot_table(idx, lens, torch.int64)
                 valid = torch.arange(max(lens), device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
                 rows = torch.tensor([self.starts[i] for i in idx], dtype=torch.int64, device=dev)
                 self._decode = (rows, slots, valid[:, None, None, :])
@@ -75,9 +80,7 @@ class ForwardBatch:
             else:
                 dev = self.input_ids.device
                 ctx = [self.ctx_slots[i].numel() for i in idx]
-                table = torch.zeros(len(idx), max(ctx), dtype=torch.int32, device=dev)
-                for r, i in enumerate(idx):
-                    table[r, : ctx[r]] = self.ctx_slots[i]
+                table = self._slot_table(idx, ctx, torch.int32)
                 meta = [[r, self.starts[i], self.new_lens[i], c] for r, (i, c) in enumerate(zip(idx, ctx))]
                 rows, q_start, q_len, ctx_len = torch.tensor(meta, dtype=torch.int32).to(dev).t().contiguous()
                 self._prefill = (table, rows, q_start, q_len, ctx_len, max(self.new_lens[i] for i in idx))
