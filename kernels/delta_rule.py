@@ -4,10 +4,11 @@ request's recurrent state in place in its state page (the PyTorch reference: bac
 - `recurrent_step`: one decode token for B sequences. One program per (sequence, value head, block of value
   dims) loads its [key dim, block] slice of the state once, applies decay, delta update and read-out, and stores
   it once: the state is read and written exactly once per step, the bound the benchmark measures against.
-- `chunked`: prefill of several sequences of any lengths (varlen) in chunks of 64 tokens. The chunk algebra that
-  does not depend on the state (the WY form of each chunk's delta-rule updates) runs for all chunks at once in
-  batched PyTorch ops; one kernel launch then carries each sequence's state across its chunks in registers, one
-  program per (sequence, value head, block of value dims), four matmuls per chunk.
+- `chunked`: prefill of several sequences of any lengths (varlen) in chunks of 64 tokens, in three launches: the
+  chunk algebra that does not depend on the state (each chunk's delta-rule updates folded into one triangular
+  inverse, the WY form) for every chunk at once; the state carried across each sequence's chunks, one program
+  per (sequence, value head, block of value dims), two matmuls per chunk, storing the state each chunk starts
+  from; every chunk's read-out in parallel.
 
 Inputs are float32: q, k already L2-normalised (q scaled by key_dim^-1/2), one row per value head."""
 
@@ -75,13 +76,15 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor, pages: torch.Tensor) -
 
 
 @triton.jit
-def _chunk_scan_kernel(
-    u_ptr, w_ptr, qd_ptr, kd_ptr, attn_ptr, last_ptr, o_ptr, s_ptr, pages_ptr, first_ptr, count_ptr,
+def _chunk_state_kernel(
+    u_ptr, w_ptr, kd_ptr, last_ptr, h_ptr, vn_ptr, s_ptr, pages_ptr, first_ptr, count_ptr,
     s_page, s_head, s_k, M,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
-    """Chunk tensors are [H, M, C, .] contiguous (chunk_prep's layout); sequence n owns chunks
-    [first[n], first[n] + count[n])."""
+    """The sequential part: chunk tensors are [H, M, C, .] contiguous (chunk_prep's layout); sequence n owns chunks
+    [first[n], first[n] + count[n]). Per chunk it stores the state the chunk starts from (h: [H, M, DK, DV]) and
+    the chunk's corrected values v_new = u - w S, then S <- S * last + k_dec^T v_new: two matmuls per chunk."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     page = tl.load(pages_ptr + n).to(tl.int64)
     first = tl.load(first_ptr + n).to(tl.int64)
@@ -94,19 +97,126 @@ def _chunk_scan_kernel(
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
     for c in range(0, count):
         chunk = h * M + first + c  # chunk index in [H, M]
+        tl.store(h_ptr + chunk * DK * DV + rk[:, None] * DV + rv[None, :], s, mask=mk[:, None] & mv[None, :])
         ck = chunk * C * DK + rc[:, None] * DK + rk[None, :]
         cv = chunk * C * DV + rc[:, None] * DV + rv[None, :]
         w = tl.load(w_ptr + ck, mask=mk[None, :], other=0.0)
-        qd = tl.load(qd_ptr + ck, mask=mk[None, :], other=0.0)
-        kd = tl.load(kd_ptr + ck, mask=mk[None, :], other=0.0)
         u = tl.load(u_ptr + cv, mask=mv[None, :], other=0.0)
-        attn = tl.load(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :])
+        v_new = u - tl.dot(w, s, input_precision=PREC)
+        tl.store(vn_ptr + cv, v_new, mask=mv[None, :])
+        kd = tl.load(kd_ptr + ck, mask=mk[None, :], other=0.0)
         last = tl.load(last_ptr + chunk)
-        v_new = u - tl.dot(w, s, input_precision="ieee")
-        out = tl.dot(qd, s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
-        tl.store(o_ptr + cv, out, mask=mv[None, :])
-        s = s * last + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
+        s = s * last + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
     tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row0_ptr, len_ptr,
+    u_ptr, w_ptr, qd_ptr, kd_ptr, attn_ptr, last_ptr, H, M,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """The state-independent chunk algebra (backends.common.delta_rule.chunk_prep) for chunk m of head h, read
+    straight from the [T, H, .] rows: chunk m covers rows [row0[m], row0[m] + len[m]) (len <= C; the rest is
+    padding with k = v = beta = g = 0, which leaves the state as it is). Within the chunk the delta-rule updates
+    fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16."""
+    tl.static_assert(C == 64)  # four blocks of 16 below
+    m, h = tl.program_id(0), tl.program_id(1)
+    row0 = tl.load(row0_ptr + m).to(tl.int64)
+    n = tl.load(len_ptr + m)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    valid = rc < n
+    mk, mv = rk < DK, rv < DV
+    rows = (row0 + rc) * H + h
+    k = tl.load(k_ptr + rows[:, None] * DK + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+    v = tl.load(v_ptr + rows[:, None] * DV + rv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
+    g = tl.load(g_ptr + rows, mask=valid, other=0.0)
+    beta = tl.load(beta_ptr + rows, mask=valid, other=0.0)
+    cum = tl.cumsum(g, 0)  # log of the decay from the chunk's start through position i
+    below = rc[:, None] >= rc[None, :]
+    decay = tl.exp(tl.where(below, cum[:, None] - cum[None, :], float("-inf")))  # [C, C], 0 above the diagonal
+    kb = k * beta[:, None]
+    a = tl.dot(kb, tl.trans(k), input_precision=PREC) * decay
+    a = tl.where(rc[:, None] > rc[None, :], a, 0.0)
+    # (I + A)^-1 in blocks of 16: with D the block diagonal of I + A and E the rest (strictly block lower),
+    # I + A = D (I + N), N = D^-1 E, N^4 = 0, so (I + A)^-1 = (I - N + N^2 - N^3) D^-1. D^-1 by forward
+    # substitution, the four diagonal blocks at once: 15 rows in turn, not 63.
+    same = (rc[:, None] // 16) == (rc[None, :] // 16)
+    y = -tl.where(same, a, 0.0)
+    for i in range(1, 16):  # rows i, 16 + i, 32 + i, 48 + i of D^-1 - I from the rows before them in their block
+        ri = (rc % 16) == i
+        row = tl.sum(tl.where(ri[:, None], y, 0.0), 0)  # the four rows, each in its own block's columns
+        row = row + tl.sum(row[:, None] * y, 0)
+        y = tl.where(ri[:, None] & same, row[None, :], y)
+    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    d_inv = y + eye
+    nn = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision=PREC)
+    n2 = tl.dot(nn, nn, input_precision=PREC)
+    n3 = tl.dot(n2, nn, input_precision=PREC)
+    x = tl.dot(eye - nn + n2 - n3, d_inv, input_precision=PREC)
+    ecum = tl.exp(cum)
+    last = tl.sum(tl.where(rc == C - 1, cum, 0.0), 0)  # padding has g = 0: the chunk's whole decay
+    chunk = (h * M + m).to(tl.int64)
+    ck = chunk * C * DK + rc[:, None] * DK + rk[None, :]
+    cv = chunk * C * DV + rc[:, None] * DV + rv[None, :]
+    tl.store(u_ptr + cv, tl.dot(x, v * beta[:, None], input_precision=PREC), mask=mv[None, :])
+    tl.store(w_ptr + ck, tl.dot(x, kb * ecum[:, None], input_precision=PREC), mask=mk[None, :])
+    tl.store(kd_ptr + ck, k * tl.exp(last - cum)[:, None], mask=mk[None, :])
+    q = tl.load(q_ptr + rows[:, None] * DK + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+    tl.store(qd_ptr + ck, q * ecum[:, None], mask=mk[None, :])
+    attn = tl.dot(q, tl.trans(k), input_precision=PREC) * decay  # causal within the chunk, diagonal included
+    tl.store(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :], attn)
+    tl.store(last_ptr + chunk, tl.exp(last))
+
+
+@triton.jit
+def _chunk_out_kernel(
+    qd_ptr, attn_ptr, h_ptr, vn_ptr, o_ptr, row0_ptr, len_ptr, H, M,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """The parallel part, one program per (chunk m, head h, block of value dims): o = q_dec S_chunk + attn v_new,
+    stored straight into the chunk's rows of o [T, H, DV]."""
+    m, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0 = tl.load(row0_ptr + m).to(tl.int64)
+    n = tl.load(len_ptr + m)
+    chunk = (h * M + m).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    rc = tl.arange(0, C)
+    mk, mv = rk < DK, rv < DV
+    s = tl.load(h_ptr + chunk * DK * DV + rk[:, None] * DV + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    qd = tl.load(qd_ptr + chunk * C * DK + rc[:, None] * DK + rk[None, :], mask=mk[None, :], other=0.0)
+    vn = tl.load(vn_ptr + chunk * C * DV + rc[:, None] * DV + rv[None, :], mask=mv[None, :], other=0.0)
+    attn = tl.load(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :])
+    out = tl.dot(qd, s, input_precision=PREC) + tl.dot(attn, vn, input_precision=PREC)
+    rows = (row0 + rc) * H + h
+    tl.store(o_ptr + rows[:, None] * DV + rv[None, :], out, mask=(rc < n)[:, None] & mv[None, :])
+
+
+# Launch settings of the chunked prefill (perf/delta_rule_roofline.py --scan-sweep measures them). The matmuls
+# take float32 operands in three TF32 passes ("tf32x3"): tensor cores, with about float32's accuracy.
+SCAN = {"bv": 32, "warps": 4, "out_bv": 64, "out_warps": 4, "prep_warps": 8, "precision": "tf32x3"}
+_LAYOUTS: dict = {}  # (starts, lens, device) -> the chunk layout, built once per batch, not once per layer
+
+
+def _chunk_layout(starts: list[int], lens: list[int], dev) -> tuple:
+    """Each sequence's first chunk and chunk count, each chunk's first row and length, as device tensors."""
+    key = (tuple(starts), tuple(lens), str(dev))
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        counts = [triton.cdiv(n, CHUNK) for n in lens]
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        row0 = [s0 + c * CHUNK for s0, cnt in zip(starts, counts) for c in range(cnt)]
+        clen = [min(CHUNK, n - c * CHUNK) for n, cnt in zip(lens, counts) for c in range(cnt)]
+        hit = tuple(torch.tensor(x, dtype=torch.int32, device=dev) for x in (firsts, counts, row0, clen))
+        if len(_LAYOUTS) >= 8:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = hit
+    return hit
 
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens) -> torch.Tensor:
@@ -114,41 +224,91 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens) -> torch
     [T, H] (float32) and start from (and end in) state page pages[i] of state [pages, H, DK, DV]. pages: an int
     tensor [N] on the device; starts, lens: lists (or tensors) of ints. Returns o [T, H, DV].
 
-    Two phases: the state-independent chunk algebra for every chunk of every sequence at once, in batched PyTorch
-    matmuls and triangular solves (backends.common.delta_rule.chunk_prep, each sequence padded to whole chunks),
-    then one kernel launch that carries each sequence's state across its chunks in registers."""
-    from backends.common.delta_rule import chunk_prep
-
+    Three launches, none of them with host work per chunk or per layer (the chunk layout is built once per batch):
+    the state-independent chunk algebra of every chunk of every sequence in parallel; the state carried across
+    each sequence's chunks (the only sequential work: two matmuls per chunk), storing the state each chunk starts
+    from; every chunk's output in parallel, written to its rows."""
     T, H, DK = q.shape
     DV = v.shape[-1]
     if T == 0 or pages.numel() == 0:
         return torch.zeros_like(v)
     starts, lens = [int(x) for x in starts], [int(x) for x in lens]
-    counts = [triton.cdiv(n, CHUNK) for n in lens]
-    firsts = [sum(counts[:i]) for i in range(len(counts))]
-    # rows of the padded layout: each sequence's rows, then -1 (a zero row) up to a whole chunk
-    idx = torch.full((sum(counts) * CHUNK,), T, dtype=torch.int64)
-    for s0, n, f in zip(starts, lens, firsts):
-        idx[f * CHUNK : f * CHUNK + n] = torch.arange(s0, s0 + n)
-    idx = idx.to(q.device)
-
-    def padded(x):
-        return torch.cat((x, x.new_zeros((1, *x.shape[1:]))))[idx]
-
-    u, w, qd, kd, attn, last = (t.contiguous() for t in chunk_prep(*(padded(x) for x in (q, k, v, g, beta)), CHUNK))
-    M = u.shape[1]
-    o = torch.empty_like(u)
-    bk = max(16, triton.next_power_of_2(DK))
-    bv = max(16, min(triton.next_power_of_2(DV), 32 if bk > 64 else 64))
-    sp, sh, sk = _state_strides(state)
     dev = q.device
-    _chunk_scan_kernel[(len(lens), H, triton.cdiv(DV, bv))](
-        u, w, qd, kd, attn, last, o, state, pages,
-        torch.tensor(firsts, device=dev), torch.tensor(counts, device=dev), sp, sh, sk, M,
-        DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, num_warps=4, num_stages=1,  # no pipelining: the tiles fill shared memory
+    firsts, counts, row0, clen = _chunk_layout(starts, lens, dev)
+    M = row0.numel()
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    bk, bvp = max(16, triton.next_power_of_2(DK)), max(16, triton.next_power_of_2(DV))
+    prec = SCAN["precision"] if q.is_cuda else "ieee"
+    u = torch.empty((H, M, CHUNK, DV), dtype=torch.float32, device=dev)
+    v_new = torch.empty_like(u)
+    w, qd, kd = (torch.empty((H, M, CHUNK, DK), dtype=torch.float32, device=dev) for _ in range(3))
+    attn = torch.empty((H, M, CHUNK, CHUNK), dtype=torch.float32, device=dev)
+    last = torch.empty((H, M), dtype=torch.float32, device=dev)
+    _chunk_prep_kernel[(M, H)](
+        q, k, v, g, beta, row0, clen, u, w, qd, kd, attn, last, H, M,
+        DK=DK, DV=DV, BK=bk, BV=bvp, C=CHUNK, PREC=prec, num_warps=SCAN["prep_warps"],
     )  # fmt: skip
-    out = torch.empty_like(v)
-    out[idx[idx < T]] = o.permute(1, 2, 0, 3).reshape(-1, H, DV)[idx < T]
+    hs = torch.empty((H, M, DK, DV), dtype=torch.float32, device=dev)
+    sp, sh, sk = _state_strides(state)
+    bv = max(16, min(bvp, SCAN["bv"]))
+    _chunk_state_kernel[(len(lens), H, triton.cdiv(DV, bv))](
+        u, w, kd, last, hs, v_new, state, pages, firsts, counts, sp, sh, sk, M,
+        DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, PREC=prec, num_warps=SCAN["warps"], num_stages=1,
+    )  # fmt: skip
+    out = torch.zeros_like(v)
+    bv = max(16, min(bvp, SCAN["out_bv"]))
+    _chunk_out_kernel[(M, H, triton.cdiv(DV, bv))](
+        qd, attn, hs, v_new, out, row0, clen, H, M,
+        DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, PREC=prec, num_warps=SCAN["out_warps"],
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    X, W, S, Out, n, C, stride_x,
+    KM1: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Depthwise causal conv over n new inputs of one sequence, then SiLU: X [n, >= C] (any dtype), W [C, KM1 + 1],
+    S the sequence's conv state [C, KM1] (the KM1 inputs before X, oldest first), Out [n, C] float32."""
+    pt, pc = tl.program_id(0), tl.program_id(1)
+    rt = pt * BT + tl.arange(0, BT)
+    rc = pc * BC + tl.arange(0, BC)
+    mt, mc = rt < n, rc < C
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(KM1 + 1):  # tap j reads the input KM1 - j positions back
+        src = rt - KM1 + j
+        own = src >= 0
+        xv = tl.load(X + src.to(tl.int64)[:, None] * stride_x + rc[None, :], mask=(own & mt)[:, None] & mc[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        sv = tl.load(S + rc[None, :] * KM1 + (KM1 + src)[:, None], mask=(~own & mt)[:, None] & mc[None, :], other=0.0)
+        w = tl.load(W + rc * (KM1 + 1) + j, mask=mc, other=0.0).to(tl.float32)
+        acc += (xv + sv) * w[None, :]
+    tl.store(
+        Out + rt.to(tl.int64)[:, None] * C + rc[None, :], acc / (1.0 + tl.exp(-acc)), mask=mt[:, None] & mc[None, :]
+    )
+
+
+def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """backends.common.delta_rule.conv_prefill in one launch: x [n, >= C] (its first C columns, any dtype, computed
+    in float32); conv_state [C, K - 1] float32 with unit strides inside (a page's view), updated in place; weight
+    [C, K]. Returns float32 [n, C]."""
+    n = x.shape[0]
+    C, K = weight.shape
+    km1 = K - 1
+    assert conv_state.stride(1) == 1 and conv_state.stride(0) == km1 and x.stride(1) == 1
+    out = torch.empty((n, C), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    bt, bc = 32, 128
+    _conv_prefill_kernel[(triton.cdiv(n, bt), triton.cdiv(C, bc))](
+        x, weight, conv_state, out, n, C, x.stride(0), KM1=km1, BT=bt, BC=bc, num_warps=4
+    )
+    # the new state: the last K - 1 inputs (older ones from the state when n < K - 1), after the kernel read it
+    if n >= km1:
+        conv_state.copy_(x[n - km1 :, :C].t())
+    else:
+        conv_state.copy_(torch.cat((conv_state[:, n:], x[:, :C].t().float()), dim=1))
     return out
 
 

@@ -3,7 +3,9 @@
 Decode: one step of one linear-attention layer for B requests reads and writes each request's recurrent state
 (value heads x key dim x value dim float32) once; the bound is those bytes at the device's copy bandwidth, which
 this run measures itself (a device-to-device copy of the same bytes), next to the PyTorch path (gather the pages,
-step, scatter back). Prefill: the varlen chunked kernel against the PyTorch chunked form on the same tokens.
+step, scatter back). Prefill: the varlen chunked kernel against the PyTorch chunked form on the same tokens;
+`--scan-sweep` also times the chunked kernel's launch settings (kernels.delta_rule.SCAN) and its chunk algebra
+alone (chunk_prep), on the last `--prefill` size.
 
     python -m perf.delta_rule_roofline --out perf/results/delta_rule_h200.md   (shapes: Qwen3-Next's, per layer)
 """
@@ -40,7 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192], help="prefill tokens (4 sequences)")
+    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192], help="prefill tokens in all")
+    ap.add_argument("--sequences", type=int, default=4, help="prefill: the tokens split evenly over this many")
+    ap.add_argument("--scan-sweep", action="store_true", help="time kernels.delta_rule.SCAN settings too")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--time-limit", type=float, default=300)
     ap.add_argument("--out", default=None, help="markdown file for the results (also printed), plus .json beside it")
@@ -107,26 +111,27 @@ def main(argv=None) -> int:
         )
     lines += [
         "",
-        "## Prefill (4 sequences, varlen, one layer)",
+        f"## Prefill ({a.sequences} sequences, varlen, one layer)",
         "",
         "| tokens | kernel | tokens/s | PyTorch chunked (per sequence) | speed-up | max abs diff |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
+    N = a.sequences
     for T in a.prefill:
-        lens = [T // 4] * 4
-        starts = [sum(lens[:i]) for i in range(4)]
+        lens = [T // N] * N
+        starts = [sum(lens[:i]) for i in range(N)]
         q, k, v, g, beta = qkv(T)
-        state = torch.zeros(8, H, DK, DV, device=dev)
+        state = torch.zeros(N + 4, H, DK, DV, device=dev)
         ints = lambda xs: torch.tensor(xs, device=dev)  # noqa: E731
-        pg, st, ln = ints([0, 1, 2, 3]), starts, lens
+        pg, st, ln = ints(list(range(N))), starts, lens
 
         def kernel():
-            state[:4].zero_()
+            state[:N].zero_()
             return kd.chunked(q, k, v, g, beta, state, pg, st, ln)
 
         def reference():
             out = []
-            for i in range(4):
+            for i in range(N):
                 sl = slice(starts[i], starts[i] + lens[i])
                 s = torch.zeros(H, DK, DV, device=dev)
                 out.append(dr.chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], s))
@@ -140,6 +145,41 @@ def main(argv=None) -> int:
             f"| {T} | {t_kernel * 1e3:.2f} ms | {T / t_kernel:,.0f} | {t_ref * 1e3:.2f} ms | "
             f"{t_ref / t_kernel:.1f}x | {diff:.1e} |"
         )
+    if a.scan_sweep:
+        lines += [
+            "",
+            f"## Chunked prefill launch settings ({T} tokens, {N} sequences; kernels.delta_rule.SCAN)",
+            "",
+            "| state bv | warps | out bv | out warps | precision | whole call | max abs diff vs PyTorch |",
+            "|---:|---:|---:|---:|---|---:|---:|",
+        ]
+        ref = reference()
+        keep = dict(kd.SCAN)
+        for prec in ("tf32x3", "tf32"):
+            for bv in (16, 32, 64):
+                for warps in (4, 8):
+                    for obv, owarps in ((64, 4), (128, 8)):
+                        kd.SCAN.update(bv=bv, warps=warps, out_bv=obv, out_warps=owarps, precision=prec)
+                        try:
+                            t = cuda_time(kernel, 5)
+                            diff = (kernel() - ref).abs().max().item()
+                        except Exception as e:  # a setting that does not compile (shared memory) is listed
+                            lines.append(f"| {bv} | {warps} | {obv} | {owarps} | {prec} | {type(e).__name__} | |")
+                            continue
+                        rows.append(dict(kind="scan", bv=bv, warps=warps, out_bv=obv, out_warps=owarps,
+                                         precision=prec, s=t, max_abs_diff=diff))  # fmt: skip
+                        lines.append(f"| {bv} | {warps} | {obv} | {owarps} | {prec} | {t * 1e3:.2f} ms | {diff:.1e} |")
+                        write()
+        kd.SCAN.update(keep)
+        for pw in (4, 8, 16):
+            kd.SCAN.update(prep_warps=pw)
+            t = cuda_time(kernel, 5)
+            lines.append(f"\nwhole call with the chunk-algebra kernel in {pw} warps: {t * 1e3:.2f} ms")
+        kd.SCAN.update(keep)
+        from backends.common.delta_rule import chunk_prep
+
+        t = cuda_time(lambda: chunk_prep(q, k, v, g, beta, kd.CHUNK), 5)
+        lines += ["", f"chunk_prep alone (the PyTorch chunk algebra, one sequence of {T}): {t * 1e3:.2f} ms"]
     timer.cancel()
     lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
     write()

@@ -251,7 +251,10 @@ class HybridModel:
         for i in multi:
             start, n, page = batch.starts[i], batch.new_lens[i], pages[i]
             sl = slice(start, start + n)
-            m = dr.conv_prefill(mixed[sl].float(), conv[page], conv_w.float())
+            if self.kd is None:
+                m = dr.conv_prefill(mixed[sl].float(), conv[page], conv_w.float())
+            else:
+                m = self.kd.conv_prefill(mixed[sl], conv[page], conv_w)
             q, k, v, g, beta = self._qkv_gates(m, b[sl], a[sl], p)
             if self.kd is None:
                 core[sl] = dr.chunked(q, k, v, g, beta, ssm[page])

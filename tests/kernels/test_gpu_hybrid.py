@@ -57,6 +57,23 @@ def test_conv_step_equals_reference(B, C, K):
     assert torch.equal(buf[untouched], before[untouched]) and torch.equal(buf[:, :3], before[:, :3])
 
 
+@pytest.mark.parametrize("n,C", [(1, 40), (2, 40), (70, 300)])
+def test_conv_prefill_equals_reference(n, C):
+    """The prefill conv over n inputs of one sequence, fewer than the kept K - 1 included: output and new state."""
+    g = gen(n)
+    K = 4
+    x, w = rnd(n, C + 5, g=g).to(DTYPE), rnd(C, K, g=g).to(DTYPE)
+    buf = rnd(3, 2 + C * (K - 1) + 3, g=g)
+    conv = buf[:, 2 : 2 + C * (K - 1)].view(3, C, K - 1)
+    ref_state = conv[1].clone()
+    ref = dr.conv_prefill(x[:, :C].float(), ref_state, w.float())
+    before = buf.clone()
+    out = kd.conv_prefill(x, conv[1], w)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv[1], ref_state)
+    assert torch.equal(buf[[0, 2]], before[[0, 2]]) and torch.equal(buf[:, :2], before[:, :2])
+
+
 @pytest.mark.parametrize(
     "HK,HV,DK,DV,block_v",
     [(2, 4, 16, 16, 64), (1, 2, 16, 64, 16)]
