@@ -8,7 +8,7 @@
 
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
         [--kv-tokens 8192] [--host-kv-tokens N] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"]
-        [--phase-limit 300]
+        [--phase-limit 300] [--phases 4x4000 3x5500]
 
 Per phase and policy it reports answers completed with the right length, the largest gap between two tokens of one
 answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
@@ -52,6 +52,10 @@ COUNTERS = {
     "epoch_max": "pd_recovery_epoch_max",
     "swapped_in": 'pd_host_swapped_tokens_total{direction="in"',
     "host_full": 'pd_host_swap_skipped_total{reason="host_full"',
+    "swap_in_s": "pd_host_swap_in_seconds_sum",
+    "swap_in_n": "pd_host_swap_in_seconds_count",
+    "idle_swapping_s": "pd_decode_idle_swapping_seconds_total",
+    **{f"loop_{k}": f'pd_decode_loop_seconds_total{{part="{k}"' for k in ("wait", "schedule", "copies", "step")},
 }
 CLOSE_ALL = {
     "running": "pd_decode_running_requests",
@@ -214,6 +218,12 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
         ),
         ("highest epoch / stale messages", lambda r: f"{r['epoch_max']:.0f} / {r['stale']:.0f}"),
         ("host-full skips", lambda r: f"{r['host_full']:.0f}"),
+        (
+            "swap-in mean (ms) / decode idle while swapping (s)",
+            lambda r: (
+                f"{1e3 * r.get('swap_in_s', 0) / max(1, r.get('swap_in_n', 0)):.1f} / {r.get('idle_swapping_s', 0):.2f}"
+            ),
+        ),
     ]
     lines = [f"## {phase}", "", "| | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
     for label, fn in rows:
@@ -260,6 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-serve-args", default="", help="split: options of the prefill server only")
     ap.add_argument("--decode-serve-args", default="", help="split: options of the decode server only")
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
+    ap.add_argument("--phases", nargs="+", default=[p[0] for p in PHASES], choices=[p[0] for p in PHASES],
+                    help="which phases to run (close-all always runs)")  # fmt: skip
     a = ap.parse_args(argv)
     from backends.common import loader
 
@@ -300,7 +312,7 @@ def main(argv=None) -> int:
             continue
         url, metrics = server.grpc_url, server.metrics_url
         try:
-            for phase, n, n_out in ((name, n, sc(n_out)) for name, n, n_out in PHASES):
+            for phase, n, n_out in ((name, n, sc(n_out)) for name, n, n_out in PHASES if name in a.phases):
                 print(f"[seed] {pol}: {phase} ({n} x {prompt}+{n_out})", flush=True)
                 res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(phase))
                 brief = {

@@ -15,6 +15,8 @@ On the CPU the copies are plain and synchronous.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from backends.common.config import ModelConfig
@@ -62,7 +64,8 @@ class HostKV:
         )
         self.stream = torch.cuda.Stream(self.dev.device) if self.cuda else None
         self._last_out = None  # event after the latest swap-out
-        self._pending: list[tuple[object, TransferJob]] = []  # (event, job) of swap-ins not yet answered
+        self._pending: list[tuple[object, TransferJob, float]] = []  # (event, job, start) of swap-ins not answered
+        self.durations: list[float] = []  # seconds from start to seen done of finished swap-ins, taken by decode
 
     @property
     def nbytes(self) -> int:
@@ -107,10 +110,11 @@ class HostKV:
         self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
         with torch.cuda.stream(self.stream):
             for job in jobs:
+                t0 = time.monotonic()
                 self._copy_in(job)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
-                self._pending.append((ev, job))
+                self._pending.append((ev, job, t0))
         return []
 
     def _copy_in(self, job: TransferJob) -> None:
@@ -131,8 +135,15 @@ class HostKV:
         """Swap-ins whose copies have finished, in the order they were started."""
         out = []
         while self._pending and self._pending[0][0].query():
-            out.append(self._pending.pop(0)[1])
+            _, job, t0 = self._pending.pop(0)
+            out.append(job)
+            self.durations.append(time.monotonic() - t0)
         return out
+
+    def wait_first(self) -> None:
+        """Block until the oldest swap-in in flight has finished copying (decode has nothing else to run)."""
+        if self._pending:
+            self._pending[0][0].synchronize()
 
     def in_flight(self) -> int:
         return len(self._pending)

@@ -191,6 +191,21 @@ class DecodeModel:
         self._reported["kv"] = {k: 0 for k in self.c_kv}
         self.c_restarts = m.counter("pd_decode_restarts_total", "Segments ended for lack of KV (on_oom=restart)")
         self.h_recovery = m.histogram("pd_recovery_seconds", "Time from pause to resumed decoding")
+        self.h_swap_in = m.histogram(
+            "pd_host_swap_in_seconds", "Time from a swap-in's start to decode seeing its copies done",
+            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0],
+        )  # fmt: skip
+        self.c_idle_swapping = m.counter(
+            "pd_decode_idle_swapping_seconds_total", "Seconds decode had nothing to run while a swap-in was in flight"
+        )
+        # where the scheduler loop's wall time goes: waiting (for events, a swap-in, the last step's tokens),
+        # scheduling, starting copies and transfers, launching steps and handing out their tokens
+        self.loop_time = dict.fromkeys(("wait", "schedule", "copies", "step"), 0.0)
+        self.c_loop = {
+            k: m.counter("pd_decode_loop_seconds_total", "Decode loop wall time by part", part=k)
+            for k in self.loop_time
+        }
+        self._reported["loop"] = dict(self.loop_time)
         self.g["stalled"] = g("pd_decode_stalled_seconds", "Seconds without progress while requests wait")
         self.c_stalls = m.counter("pd_decode_stalls_total", "Times decode made no progress for stall_seconds with work")
         self.c_violations = m.counter("pd_decode_invariant_violations_total", "Scheduler invariant checks that failed")
@@ -254,9 +269,15 @@ class DecodeModel:
         last_cancel_poll = 0.0
         while not self.stop.is_set():
             try:
+                lt, t0 = self.loop_time, time.monotonic()
                 running = any(r.state is ReqState.RUNNING for r in self.sched.reqs.values())
                 swapping = self.host_kv is not None and self.host_kv.in_flight() > 0
-                self._drain(block=not running, timeout=0.002 if swapping else 0.05)
+                if swapping and not running and self.host_kv.cuda:
+                    # nothing to run until a copy lands: wait on the copy itself, not on a polling interval
+                    tw = time.monotonic()
+                    self.host_kv.wait_first()
+                    self.c_idle_swapping.increment(time.monotonic() - tw)
+                self._drain(block=not running and not swapping, timeout=0.05)
                 self._swaps_done()
                 now = time.monotonic()
                 poll = now - last_cancel_poll > 0.5
@@ -265,6 +286,8 @@ class DecodeModel:
                     last_cancel_poll = now
                 if self.steps.pending and not self.steps.may_keep(busy=swapping):
                     self.steps.flush()  # this schedule may look at token histories or hand slots out
+                t1 = time.monotonic()
+                lt["wait"] += t1 - t0
                 plan = self.sched.schedule()
                 for req in plan.ended:
                     self._emit(req, [], "length")
@@ -281,6 +304,8 @@ class DecodeModel:
                 for req in plan.restarted:
                     self.c_restarts.increment(1)
                     self._emit(req, [], "restart")
+                t2 = time.monotonic()
+                lt["schedule"] += t2 - t1
                 self._swap_out(plan)  # read paused requests' slots and pages before this plan reuses any
                 if self.sched.state is not None:  # state copies the plan queued, before prefill or a step writes
                     self.runner.apply_state_ops(self.sched.state.take_ops())
@@ -289,6 +314,8 @@ class DecodeModel:
                 for job in plan.transfers:
                     self.transfers.submit(self._transfer, self._prefill_request(job))
                     self.watchdog.progress()
+                t3 = time.monotonic()
+                lt["copies"] += t3 - t2
                 if plan.decode:
                     if self.host_kv is not None:
                         self.host_kv.order_compute()  # the step may write slots a swap-out is still reading
@@ -296,6 +323,7 @@ class DecodeModel:
                 else:
                     self.steps.flush()
                     self._check_invariants()
+                lt["step"] += time.monotonic() - t3
                 self._check_progress()
                 self._gauges()
             except Exception as e:  # never let the loop die silently: fail what is running, keep serving
@@ -345,6 +373,9 @@ class DecodeModel:
             return
         for job in self.host_kv.done():
             self._handle(TransferDone(job.rid, job.epoch, True))
+        for seconds in self.host_kv.durations:
+            self.h_swap_in.observe(seconds)
+        self.host_kv.durations.clear()
 
     def _log(self, message: str) -> None:
         print(f"[triton-pd] {self.instance}: {message}", file=sys.stderr, flush=True)
@@ -561,6 +592,7 @@ class DecodeModel:
             self.g["state_cached"].set(ckpts)
         self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
         self._count_deltas("skips", s.host_skips, self.c_host_skips)
+        self._count_deltas("loop", self.loop_time, self.c_loop)
         self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
         spec = {"drafts": self.steps.num_drafts, "accepted": self.steps.num_accepted}
         self._count_deltas("spec", spec, self.c_spec)
