@@ -41,6 +41,7 @@ POLICIES = {
     "rotate": [],
 }
 POLICIES["roomy"] = POLICIES["plain"]  # on a pool that holds every stream of a phase
+LOOP_PARTS = ("wait", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
 PHASES = (("4x4000", 4, 3800), ("3x5500", 3, 5300))  # name, streams, output tokens (of unscaled length)
 COUNTERS = {
     "pauses": "pd_pauses_total",
@@ -55,7 +56,7 @@ COUNTERS = {
     "swap_in_s": "pd_host_swap_in_seconds_sum",
     "swap_in_n": "pd_host_swap_in_seconds_count",
     "idle_swapping_s": "pd_decode_idle_swapping_seconds_total",
-    **{f"loop_{k}": f'pd_decode_loop_seconds_total{{part="{k}"' for k in ("wait", "schedule", "copies", "step")},
+    **{f"loop_{k}": f'pd_decode_loop_seconds_total{{part="{k}"' for k in LOOP_PARTS},
 }
 CLOSE_ALL = {
     "running": "pd_decode_running_requests",
@@ -223,6 +224,10 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
             lambda r: (
                 f"{1e3 * r.get('swap_in_s', 0) / max(1, r.get('swap_in_n', 0)):.1f} / {r.get('idle_swapping_s', 0):.2f}"
             ),
+        ),
+        (
+            "decode loop s: wait / schedule / copies / step",
+            lambda r: " / ".join(f"{r.get('loop_' + k, 0):.1f}" for k in LOOP_PARTS),
         ),
     ]
     lines = [f"## {phase}", "", "| | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
