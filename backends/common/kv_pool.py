@@ -15,24 +15,50 @@ class KVPool:
         if num_slots <= 0:
             raise ValueError(f"KV pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+        # free slots as a stack (pop() hands out low slots first); `alloc_at` takes slots out of the middle by
+        # marking them, and the stack drops such entries when it reaches them
+        self._free = list(range(num_slots - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_slots
+        self._num_free = num_slots
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def alloc(self, n: int) -> list[int] | None:
         """n slots, or None (and nothing taken) when fewer than n are free."""
-        if n > len(self._free):
+        if n > self._num_free:
             return None
         if n <= 0:
             return []
-        out = self._free[-n:][::-1]
-        del self._free[-n:]
-        for s in out:
-            self._is_free[s] = 0
+        out = []
+        while len(out) < n:
+            s = self._free.pop()
+            if self._is_free[s]:  # else taken by alloc_at (or a duplicate entry of a slot freed again)
+                self._is_free[s] = 0
+                out.append(s)
+        self._num_free -= n
         return out
+
+    def alloc_at(self, start: int, n: int) -> list[int] | None:
+        """Slots [start, start + n) when every one of them is free, else None (and nothing taken): lets a holder
+        that grows keep its slots in one run (the host tier: one copy per run)."""
+        if n <= 0:
+            return []
+        if start < 0 or start + n > self.num_slots or self._is_free.find(b"\x00", start, start + n) != -1:
+            return None
+        self._is_free[start : start + n] = b"\x00" * n
+        self._num_free -= n
+        if len(self._free) > 4 * self.num_slots:  # duplicate entries piled up: rebuild the stack
+            self._free = [s for s in range(self.num_slots - 1, -1, -1) if self._is_free[s]]
+        return list(range(start, start + n))
+
+    def find_run(self, n: int) -> int | None:
+        """The first slot of the lowest run of n free slots, or None."""
+        if n <= 0 or n > self._num_free:
+            return None
+        i = self._is_free.find(b"\x01" * n)
+        return None if i < 0 else i
 
     def free(self, slots) -> None:
         for s in slots:
@@ -40,6 +66,7 @@ class KVPool:
                 raise KVPoolError(f"slot {s} freed twice")
             self._is_free[s] = 1
             self._free.append(s)
+            self._num_free += 1
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])

@@ -17,6 +17,8 @@ one FIFO copy stream and orders later writes after the swap-outs (see `Plan`), s
 can be reused in the same plan. A host copy stays valid while the request lives (its tokens only grow), so a later
 pause copies only the new positions; copies of requests that are not paused are reclaimed first when host memory
 runs short. Recovery takes the cheapest path (`RecoveryCosts`): local radix hit, host swap-in, prefill recompute.
+A copy's host slots stay one run where the host pool allows (it grows in place; a new copy starts past the others'
+room to grow), so that a swap is one DMA per run rather than one per earlier pause.
 Hybrid models (`state` and `host_pages`): a host copy also owns a host state page, holding the state at the end of
 its positions; each swap-out copies the live page there with the new positions, and a host recovery brings back the
 missing K/V and the whole page, so the request resumes at exactly the paused position.
@@ -103,6 +105,7 @@ class HostCopy:
     slots: list[int]
     used_at: float
     page: int = ZERO
+    end: int = 0  # host slots [slots[0], end) are meant for its growth (other copies start past them)
 
 
 @dataclass(slots=True)
@@ -526,7 +529,7 @@ class DecodeScheduler:
         have = len(copy.slots) if copy is not None else 0
         if have >= n:
             return
-        slots = self._host_alloc(n - have, keep=req.rid)
+        slots = self._host_extend(req, copy, n - have)
         page = ZERO
         if slots is not None and self.host_pages is not None:
             page = copy.page if copy is not None and copy.page != ZERO else self._host_page(keep=req.rid)
@@ -538,12 +541,32 @@ class DecodeScheduler:
             self._drop_host(req.rid)  # useless without the new positions; give the room to others
             return
         if copy is None:
-            copy = self.host[req.rid] = HostCopy([], self.clock())
+            want = min(len(req.prompt_ids) + req.params.max_tokens, self.max_len)
+            copy = self.host[req.rid] = HostCopy([], self.clock(), end=slots[0] + max(want, len(slots)))
         copy.page = page
         plan.swap_outs.append(SwapOut(req.rid, have, req.slots[have:n], slots, req.state_page, page))
         copy.slots += slots
         copy.used_at = self.clock()
         self.swapped_tokens["out"] += len(slots)
+
+    def _host_extend(self, req: InferReq, copy: HostCopy | None, k: int) -> list[int] | None:
+        """k more host slots for the request's copy, in one run with what it has where possible (a swap is then
+        one DMA per run, not one per pause): right after its last slot; for a new copy, past every other copy's
+        room to grow, with room for the whole answer (prompt + max_tokens). Else any free slots."""
+        pool = self.host_pool
+        if copy is not None and copy.slots:
+            got = pool.alloc_at(copy.slots[-1] + 1, k)
+            if got is not None:
+                return got
+        elif copy is None:
+            want = max(k, min(len(req.prompt_ids) + req.params.max_tokens, self.max_len))
+            start = max((c.end for c in self.host.values()), default=0)
+            if start + want > pool.num_slots:
+                start = pool.find_run(want)
+            got = pool.alloc_at(start, k) if start is not None else None
+            if got is not None:
+                return got
+        return self._host_alloc(k, keep=req.rid)
 
     def _host_alloc(self, n: int, keep: str, pool: KVPool | None = None) -> list[int] | None:
         """n host slots (or host state pages, from `pool`); when short, reclaim copies of requests that are not

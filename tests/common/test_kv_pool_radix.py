@@ -21,6 +21,37 @@ def test_pool_alloc_free_exact():
         pool.free([1])
 
 
+def test_pool_alloc_at_takes_a_run_and_alloc_never_hands_it_out_again():
+    pool = KVPool(16)
+    assert pool.alloc_at(4, 3) == [4, 5, 6] and pool.num_free == 13
+    assert pool.alloc_at(6, 2) is None and pool.num_free == 13  # slot 6 is taken: all or nothing
+    assert pool.alloc_at(15, 2) is None  # past the end
+    assert pool.find_run(9) == 7 and pool.find_run(10) is None  # [7, 16) is the only run of 9
+    got = pool.alloc(13)
+    assert sorted(got) == [s for s in range(16) if s not in (4, 5, 6)] and pool.alloc(1) is None
+    pool.free([5])
+    assert pool.alloc_at(5, 1) == [5]  # freed, then taken in place
+    pool.free([5, 4])
+    assert sorted(pool.alloc(2)) == [4, 5] and pool.num_free == 0  # stale stack entries are skipped
+    rng = random.Random(1)  # random mixes keep the count exact and never hand a slot to two holders
+    pool, held = KVPool(64), set()
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35:
+            got = pool.alloc(rng.randint(1, 5)) or []
+        elif op < 0.7:
+            got = pool.alloc_at(rng.randrange(64), rng.randint(1, 6)) or []
+        else:
+            got = []
+            if held:
+                out = rng.sample(sorted(held), rng.randint(1, len(held)))
+                pool.free(out)
+                held -= set(out)
+        assert not held & set(got)
+        held |= set(got)
+        assert pool.num_free == 64 - len(held) and all(pool.is_free(s) != (s in held) for s in range(64))
+
+
 def test_match_insert_split_and_lock():
     pool = KVPool(32)
     rc = RadixCache(pool)

@@ -290,6 +290,25 @@ def test_hybrid_rotation_bounds_the_largest_gap_as_for_a_dense_model(host):
     assert fair.s.num_recoveries["host" if host else "recompute"] > 0
 
 
+def test_each_host_copy_stays_one_run_of_host_slots_as_it_grows():
+    """A request pauses many times under rotation and its host copy grows at each pause: with a roomy host pool
+    every copy is one run of consecutive host slots (one DMA per swap, not one per pause), and answers are exact."""
+    sim = Sim(pool=100, host=400, quantum=0.05, max_tokens=90)
+    for i in range(3):
+        sim.add(f"s{i}", 5, base=100 * i)
+    most_runs = 0
+    for _ in range(5000):
+        if sim.s.idle():
+            break
+        sim.step()
+        for c in sim.s.host.values():
+            most_runs = max(most_runs, 1 + sum(1 for a, b in zip(c.slots, c.slots[1:]) if b != a + 1))
+    assert sim.s.idle() and sim.s.num_rotations >= 10 and sim.s.swapped_tokens["out"] > 95
+    assert most_runs == 1, most_runs
+    assert sim.done == reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
+    assert sim.s.host_accounting() == (400, 0)
+
+
 def test_rotation_without_host_tier_recovers_through_prefill_or_cache():
     sim = seed_like(quantum=0.05, host=None)
     assert sim.done == reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
