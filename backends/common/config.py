@@ -1,12 +1,29 @@
 """Model configuration, read from a Hugging Face config.json or a named shape: the Llama family (Llama, Qwen2,
-Qwen3, SmolLM2) and the hybrid Qwen3-Next family (gated DeltaNet linear-attention layers interleaved with gated
-full-attention layers, dense or mixture-of-experts MLPs)."""
+Qwen3, SmolLM2) and the hybrid Qwen3-Next / Qwen3.5 family (gated DeltaNet linear-attention layers interleaved with
+gated full-attention layers, dense or mixture-of-experts MLPs)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+# config.json model types this project loads: the Llama family, the hybrids (Qwen3-Next and Qwen3.5's language
+# model, dense or MoE), and the multimodal Qwen3.5 checkpoints, whose language model (text_config) is what loads
+HYBRID_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"}) | HYBRID_TYPES
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+class _Keys(dict):
+    """config.json's keys: a missing required one is a ValueError that names the model type and the key."""
+
+    def __init__(self, cfg: dict, model_type: str):
+        super().__init__(cfg)
+        self.model_type = model_type
+
+    def __missing__(self, key):
+        raise ValueError(f"config.json of model_type {self.model_type!r} has no {key!r}")
 
 
 @dataclass(slots=True)
@@ -82,8 +99,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
+        """A Hugging Face config.json. The Qwen3.5 checkpoints (`qwen3_5`, `qwen3_5_moe`: a vision tower beside the
+        language model) give their `text_config`; an unknown model type or a missing key is a ValueError naming
+        both."""
         model_type = cfg.get("model_type", "llama")
-        if model_type == "qwen3_next":
+        if model_type in MULTIMODAL:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"config.json of model_type {model_type!r} has no 'text_config'")
+            text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **text}
+            return cls.from_hf({**text, "model_type": MULTIMODAL[model_type]})
+        if model_type not in MODEL_TYPES:
+            known = ", ".join(sorted(MODEL_TYPES | set(MULTIMODAL)))
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {known})")
+        cfg = _Keys(cfg, model_type)
+        if model_type in HYBRID_TYPES:
             return cls._from_qwen3_next(cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -122,7 +152,7 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"rope type {kind!r} is not supported for qwen3_next (default)")
+            raise ValueError(f"rope type {kind!r} is not supported for {cfg.model_type} (default)")
         n = cfg["num_hidden_layers"]
         types = cfg.get("layer_types") or [
             "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention"
@@ -135,7 +165,9 @@ class ModelConfig:
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # an MoE text config (Qwen3.5-MoE) has no dense intermediate size: no layer uses one
+            intermediate_size=cfg.get("intermediate_size")
+            or (cfg["moe_intermediate_size"] if cfg.get("num_experts") else cfg["intermediate_size"]),
             num_layers=n,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads", heads),
@@ -361,4 +393,13 @@ SHAPES["qwen3.5-9b"] = ModelConfig(
     head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, qk_norm=True,
     arch="qwen3_next", layer_types=_every_fourth_full(32), partial_rotary_factor=0.25, linear_num_key_heads=16,
     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, mtp_layers=1,
+)  # fmt: skip
+# Qwen3.5-35B-A3B's language model (transformers' Qwen3_5MoeTextConfig defaults): 40 layers, 256 experts of 512,
+# 8 routed and one shared expert per token
+SHAPES["qwen3.5-35b-a3b"] = ModelConfig(
+    vocab_size=248320, hidden_size=2048, intermediate_size=512, num_layers=40, num_heads=16, num_kv_heads=2,
+    head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, qk_norm=True,
+    arch="qwen3_next", layer_types=_every_fourth_full(40), partial_rotary_factor=0.25, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, mtp_layers=1,
 )  # fmt: skip

@@ -51,7 +51,7 @@ def fuse_weights(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
 
     - linear attention: `in_proj` = [q | k | v | z | b | a] with q, k, v in the conv's channel order (every head's
       q, then k, then v: Qwen3.5's `in_proj_qkv`), z [value heads x value dim], b and a [value heads]; from
-      Qwen3-Next's per-key-head groups (`in_proj_qkvz`, `in_proj_ba`);
+      Qwen3-Next's per-key-head groups (`in_proj_qkvz`, `in_proj_ba`) or Qwen3.5's four projections;
     - full attention: `qkv_proj` = [q | gate | k | v] (Qwen3-Next's q_proj interleaves q and gate per head);
     - dense MLPs and shared experts: `gate_up_proj` = [gate | up]."""
     hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -70,6 +70,9 @@ def fuse_weights(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
             parts = [x.reshape(-1, x.shape[-1]) for x in (q, k, v, z, b, a_)]
             w[a + "in_proj.weight"] = torch.cat(parts).contiguous()
             del qkvz, ba, q, k, v, z, b, a_, parts
+        if a + "in_proj_qkv.weight" in w:  # Qwen3.5: q, k, v already in the conv's order, z, b, a apart
+            names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+            w[a + "in_proj.weight"] = torch.cat([_rows_of(w, a + n) for n in names]).contiguous()
         t = p + "self_attn."
         if t + "q_proj.weight" in w:
             qg = _rows_of(w, t + "q_proj").view(cfg.num_heads, 2, D, -1)

@@ -46,6 +46,58 @@ def hybrid_hf(hybrid_folder):
     return AutoModelForCausalLM.from_pretrained(str(hybrid_folder), dtype=torch.float32).eval()
 
 
+# Qwen3.5 as transformers saves it: the multimodal layout (text_config, model.language_model.*, a vision tower)
+TEXT_3_5 = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, max_position_embeddings=4096, eos_token_id=2,
+)  # fmt: skip
+MOE_3_5 = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+VISION_3_5 = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+
+
+def _save_qwen3_5(tmp_path_factory, moe: bool):
+    """Norms randomised and the DeltaNet layers given a long memory, as for `hybrid_folder`, so that a lost or
+    misplaced state changes the tokens."""
+    import transformers as tf
+
+    torch.manual_seed(1 if moe else 0)
+    if moe:
+        text = {k: v for k, v in TEXT_3_5.items() if k != "intermediate_size"}  # as an MoE config.json has none
+        cfg = tf.Qwen3_5MoeConfig(text_config={**text, **MOE_3_5}, vision_config=VISION_3_5)
+        hf = tf.Qwen3_5MoeForConditionalGeneration(cfg)
+    else:
+        hf = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=TEXT_3_5, vision_config=VISION_3_5))
+    hf = hf.float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "visual" in name:
+                continue
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if "linear_attn.in_proj" in name or "linear_attn.out_proj" in name:
+                p.mul_(5.0)
+            if "A_log" in name:
+                p.copy_(torch.empty_like(p).uniform_(0.005, 0.05).log())
+            if "dt_bias" in name:
+                p.fill_(-2.0)
+    folder = tmp_path_factory.mktemp("tiny-qwen3.5-moe" if moe else "tiny-qwen3.5")
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_saved(tmp_path_factory):
+    """(folder, transformers model) of a tiny random Qwen3_5ForConditionalGeneration."""
+    return _save_qwen3_5(tmp_path_factory, moe=False)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_saved(tmp_path_factory):
+    """(folder, transformers model) of a tiny random Qwen3_5MoeForConditionalGeneration."""
+    return _save_qwen3_5(tmp_path_factory, moe=True)
+
+
 def make_engine(folder, **kw):
     from backends.common.engine import Engine
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from backends.common.request import SamplingParams
-from tests.hybrid.conftest import hybrid_folder, make_engine, prompt  # noqa: F401 (a fixture)
+from tests.hybrid.conftest import hybrid_folder, make_engine, prompt, qwen3_5_moe_saved  # noqa: F401 (fixtures)
 from tests.server.client import StreamClient, grpc_generate, grpc_generate_all
 from tests.server.conftest import Server
 
@@ -110,6 +110,25 @@ def test_hybrid_host_recoveries_carry_the_state(hybrid_folder, expected):  # noq
         assert s.metric("pd_recoveries_total", path="host") > 0
         assert s.metric("pd_host_state_pages_total") > 0
         assert s.wait_metric("pd_host_state_pages_used", lambda v: v == 0) == 0
+        assert s.wait_metric("pd_host_kv_slots_used", lambda v: v == 0) == 0
+        assert s.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
+        assert_state_released(s)
+    finally:
+        s.stop()
+
+
+def test_qwen3_5_moe_checkpoint_served_through_host_recoveries_equals_offline(qwen3_5_moe_saved):  # noqa: F811
+    """A Qwen3.5 MoE checkpoint in transformers' multimodal layout (tests/hybrid/test_qwen3_5.py: equal to
+    transformers offline), served: streams paused and recovered from host memory, greedy and seeded, equal the
+    offline engine's token for token, and every slot and page is free afterwards."""
+    folder, _ = qwen3_5_moe_saved
+    outs = make_engine(folder).generate(prompts(), [SamplingParams(**params(i)) for i in range(4)])
+    s = Server("--model", str(folder), "--kv-tokens", "320", "--host-kv-tokens", "2048", name="qwen3.5-moe")
+    try:
+        for i, (res, want) in enumerate(zip(run_streams(s), outs)):
+            assert res.error is None, res.error
+            assert res.ids == want.output_ids, f"stream {i}"
+        assert s.metric("pd_pauses_total") > 0 and s.metric("pd_recoveries_total", path="host") > 0
         assert s.wait_metric("pd_host_kv_slots_used", lambda v: v == 0) == 0
         assert s.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
         assert_state_released(s)
