@@ -7,9 +7,11 @@ drafts that are right by construction: random hybrid weights never repeat themse
 from __future__ import annotations
 
 import pytest
+import torch
 
 from backends.common.engine import Engine
 from backends.common.request import SamplingParams
+from tests.hybrid.conftest import qwen3_5_saved  # noqa: F401 (a fixture)
 from tests.server.client import grpc_generate_all
 from tests.server.conftest import Server
 
@@ -62,5 +64,37 @@ def test_speculative_streams_through_pauses_equal_plain_decoding(model, mode, ex
         s.assert_released(timeout=10)
         if model.endswith("hybrid"):
             assert s.wait_metric("pd_state_pages_used", lambda v: v == 0) == 0
+    finally:
+        s.stop()
+
+
+def test_qwen3_5_checkpoint_with_an_mtp_head_streams_through_pauses_equal_plain_decoding(qwen3_5_saved, tmp_path):  # noqa: F811
+    """A Qwen3.5 checkpoint in the multimodal layout with an MTP head (`mtp.*`, the names Qwen3.5 checkpoints use;
+    random here: transformers saves none), served with `--speculative mtp` on a pool that pauses: every stream
+    equals the offline engine's plain answer, and nothing is held afterwards."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from backends.common import loader
+
+    folder, _ = qwen3_5_saved
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(folder / f, tmp_path / f)
+    cfg = dataclasses.replace(loader.load_config(loader.resolve(str(folder))), mtp_layers=1)
+    mtp = {k: v.contiguous() for k, v in loader.random_hybrid_weights(cfg, torch.float32, "cpu").items()}
+    save_file({k: v for k, v in mtp.items() if k.startswith("mtp.")}, str(tmp_path / "mtp.safetensors"))
+    eng = Engine(str(tmp_path), dtype="float32", device="cpu", kv_tokens=4096)
+    assert eng.runner.has_mtp
+    want = [o.output_ids for o in eng.generate(prompts(), [SamplingParams(**params(i)) for i in range(4)])]
+    s = Server("--model", str(tmp_path), "--kv-tokens", "300", "--speculative", "mtp", name="spec-qwen3.5")
+    try:
+        for i, (res, exp) in enumerate(zip(run_streams(s), want)):
+            assert res.error is None, res.error
+            assert res.finish_reason == "length" and res.ids == exp, f"stream {i} differs from plain decoding"
+        assert s.metric("pd_decode_spec_draft_tokens_total") >= 20 and s.metric("pd_pauses_total") > 0
+        s.assert_released(timeout=10)
+        assert s.wait_metric("pd_state_pages_used", lambda v: v == 0) == 0
     finally:
         s.stop()
