@@ -55,6 +55,12 @@ def test_common_depends_on_nothing_above_it():
     assert not bad, f"backends/common imports from above it: {sorted(bad)}"
 
 
+def test_kernels_import_nothing_from_the_backends():
+    """kernels/ is the bottom layer: its references are PyTorch code in backends/common, named in docstrings only."""
+    bad = {(m, d) for m, deps in graph().items() if m.startswith("kernels") for d in deps if d.startswith("backends")}
+    assert not bad, f"kernels/ imports from backends/: {sorted(bad)}"
+
+
 def test_roles_do_not_import_each_other():
     bad = set()
     for m, deps in graph().items():
