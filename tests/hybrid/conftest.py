@@ -13,6 +13,22 @@ TINY_QWEN3_NEXT = dict(
 )  # fmt: skip
 
 
+def long_memory(hf) -> None:
+    """Norms randomised and the DeltaNet layers given a long memory (see `hybrid_folder`); a vision tower untouched."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "visual" in name:
+                continue
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if "linear_attn.in_proj" in name or "linear_attn.out_proj" in name:
+                p.mul_(5.0)
+            if "A_log" in name:
+                p.copy_(torch.empty_like(p).uniform_(0.005, 0.05).log())
+            if "dt_bias" in name:
+                p.fill_(-2.0)
+
+
 @pytest.fixture(scope="session")
 def hybrid_folder(tmp_path_factory):
     """A saved Hugging Face folder of a tiny random Qwen3NextForCausalLM: three DeltaNet layers and one gated
@@ -24,16 +40,7 @@ def hybrid_folder(tmp_path_factory):
 
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(tf.Qwen3NextConfig(**TINY_QWEN3_NEXT), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if "linear_attn.in_proj" in name or "linear_attn.out_proj" in name:
-                p.mul_(5.0)
-            if "A_log" in name:
-                p.copy_(torch.empty_like(p).uniform_(0.005, 0.05).log())
-            if "dt_bias" in name:
-                p.fill_(-2.0)
+    long_memory(hf)
     folder = tmp_path_factory.mktemp("tiny-qwen3-next")
     hf.save_pretrained(folder)
     return folder
@@ -69,18 +76,7 @@ def _save_qwen3_5(tmp_path_factory, moe: bool):
     else:
         hf = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=TEXT_3_5, vision_config=VISION_3_5))
     hf = hf.float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "visual" in name:
-                continue
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if "linear_attn.in_proj" in name or "linear_attn.out_proj" in name:
-                p.mul_(5.0)
-            if "A_log" in name:
-                p.copy_(torch.empty_like(p).uniform_(0.005, 0.05).log())
-            if "dt_bias" in name:
-                p.fill_(-2.0)
+    long_memory(hf)
     folder = tmp_path_factory.mktemp("tiny-qwen3.5-moe" if moe else "tiny-qwen3.5")
     hf.save_pretrained(folder)
     return folder, hf
@@ -96,6 +92,25 @@ def qwen3_5_saved(tmp_path_factory):
 def qwen3_5_moe_saved(tmp_path_factory):
     """(folder, transformers model) of a tiny random Qwen3_5MoeForConditionalGeneration."""
     return _save_qwen3_5(tmp_path_factory, moe=True)
+
+
+def chunked_logits(engine, ids: list[int], cuts: list[int]):
+    """Every row's logits of one prompt prefilled in the spans [cuts[i], cuts[i + 1]), from a zero state."""
+    from backends.common.batch import Span, build_batch
+
+    runner = engine.runner
+    slots = list(range(len(ids)))
+    page = engine.state_pages.alloc()
+    try:
+        runner.state.apply([(page, -1)])
+        rows = []
+        for a, b in zip(cuts, cuts[1:]):
+            batch = build_batch([Span(ids[a:b], a, slots, state_page=page)], "cpu")
+            batch.logits_rows = torch.arange(b - a)  # every row's logits
+            rows.append(runner.model.forward(batch, runner.kv, runner.state))
+        return torch.cat(rows)
+    finally:
+        engine.state_pages.free(page)
 
 
 def make_engine(folder, **kw):

@@ -8,10 +8,9 @@ import os
 import pytest
 import torch
 
-from backends.common.batch import Span, build_batch
 from backends.common.request import SamplingParams
 from tests.conftest import hf_greedy
-from tests.hybrid.conftest import make_engine, prompt
+from tests.hybrid.conftest import chunked_logits, make_engine, prompt
 
 
 def greedy(n):
@@ -45,20 +44,8 @@ def test_prefill_logits_match_transformers_whole_and_in_uneven_chunks(engine, hy
     ids = prompt(1, 200)
     with torch.no_grad():
         ref = hybrid_hf(torch.tensor([ids])).logits[0].float()
-    runner = engine.runner
-    slots = list(range(len(ids)))
-    page = engine.state_pages.alloc()
-    try:
-        for cuts in ([0, 200], [0, 17, 81, 150, 200]):
-            runner.state.apply([(page, -1)])
-            rows = []
-            for a, b in zip(cuts, cuts[1:]):
-                batch = build_batch([Span(ids[a:b], a, slots, state_page=page)], "cpu")
-                batch.logits_rows = torch.arange(b - a)  # every row's logits
-                rows.append(runner.model.forward(batch, runner.kv, runner.state))
-            assert (torch.cat(rows) - ref).abs().max().item() <= 1e-4
-    finally:
-        engine.state_pages.free(page)
+    for cuts in ([0, 200], [0, 17, 81, 150, 200]):
+        assert (chunked_logits(engine, ids, cuts) - ref).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("n", [5, 150])

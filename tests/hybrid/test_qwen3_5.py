@@ -10,11 +10,10 @@ import json
 import pytest
 import torch
 
-from backends.common.batch import Span, build_batch
 from backends.common.config import ModelConfig
 from backends.common.loader import ModelError, load_config, resolve
 from backends.common.request import SamplingParams
-from tests.hybrid.conftest import TEXT_3_5, make_engine, prompt
+from tests.hybrid.conftest import TEXT_3_5, chunked_logits, make_engine, prompt
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
@@ -52,20 +51,8 @@ def test_prefill_logits_match_transformers_whole_and_in_uneven_chunks(saved):
     _, _, hf, engine = saved
     ids = prompt(3, 150)
     ref = hf_logits(hf, ids)
-    runner = engine.runner
-    slots = list(range(len(ids)))
-    page = engine.state_pages.alloc()
-    try:
-        for cuts in ([0, 150], [0, 13, 70, 101, 150]):
-            runner.state.apply([(page, -1)])
-            rows = []
-            for a, b in zip(cuts, cuts[1:]):
-                batch = build_batch([Span(ids[a:b], a, slots, state_page=page)], "cpu")
-                batch.logits_rows = torch.arange(b - a)
-                rows.append(runner.model.forward(batch, runner.kv, runner.state))
-            assert (torch.cat(rows) - ref).abs().max().item() <= 1e-4
-    finally:
-        engine.state_pages.free(page)
+    for cuts in ([0, 150], [0, 13, 70, 101, 150]):
+        assert (chunked_logits(engine, ids, cuts) - ref).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("n", [5, 90])
