@@ -4,15 +4,16 @@ Decode: one step of one linear-attention layer for B requests reads and writes e
 (value heads x key dim x value dim float32) once; the bound is those bytes at the device's copy bandwidth, which
 this run measures itself (a device-to-device copy of the same bytes), next to the PyTorch path (gather the pages,
 step, scatter back). Prefill: the varlen chunked kernel against the PyTorch chunked form on the same tokens;
-`--scan-sweep` also times the chunked kernel's launch settings (kernels.delta_rule.SCAN) and its chunk algebra
-alone (chunk_prep), on the last `--prefill` size.
-
-    python -m perf.delta_rule_roofline --out perf/results/delta_rule_h200.md   (shapes: Qwen3-Next's, per layer)
+`--scan-sweep` also times the chunked kernel's launch settings (kernels.delta_rule.SCAN), each in a process of its
+own (a setting that faults is listed, not fatal), and the PyTorch chunk algebra alone (chunk_prep), on the last
+`--prefill` size.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192], help="prefill tokens in all")
     ap.add_argument("--sequences", type=int, default=4, help="prefill: the tokens split evenly over this many")
     ap.add_argument("--scan-sweep", action="store_true", help="time kernels.delta_rule.SCAN settings too")
+    ap.add_argument("--one-setting", default=None, help=argparse.SUPPRESS)  # the sweep's child: one SCAN setting
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--time-limit", type=float, default=300)
     ap.add_argument("--out", default=None, help="markdown file for the results (also printed), plus .json beside it")
@@ -55,6 +57,8 @@ def main(argv=None) -> int:
     from backends.common import delta_rule as dr
     from kernels import delta_rule as kd
 
+    if a.one_setting is not None:
+        return _one_setting(a, json.loads(a.one_setting))
     rows: list[dict] = []
     lines = [
         f"# Gated delta rule kernels on {torch.cuda.get_device_name()}",
@@ -153,29 +157,24 @@ def main(argv=None) -> int:
             "| state bv | warps | out bv | out warps | precision | whole call | max abs diff vs PyTorch |",
             "|---:|---:|---:|---:|---|---:|---:|",
         ]
-        ref = reference()
-        keep = dict(kd.SCAN)
-        for prec in ("tf32x3", "tf32"):
-            for bv in (16, 32, 64):
-                for warps in (4, 8):
-                    for obv, owarps in ((64, 4), (128, 8)):
-                        kd.SCAN.update(bv=bv, warps=warps, out_bv=obv, out_warps=owarps, precision=prec)
-                        try:
-                            t = cuda_time(kernel, 5)
-                            diff = (kernel() - ref).abs().max().item()
-                        except Exception as e:  # a setting that does not compile (shared memory) is listed
-                            lines.append(f"| {bv} | {warps} | {obv} | {owarps} | {prec} | {type(e).__name__} | |")
-                            continue
-                        rows.append(dict(kind="scan", bv=bv, warps=warps, out_bv=obv, out_warps=owarps,
-                                         precision=prec, s=t, max_abs_diff=diff))  # fmt: skip
-                        lines.append(f"| {bv} | {warps} | {obv} | {owarps} | {prec} | {t * 1e3:.2f} ms | {diff:.1e} |")
-                        write()
-        kd.SCAN.update(keep)
-        for pw in (4, 8, 16):
-            kd.SCAN.update(prep_warps=pw)
-            t = cuda_time(kernel, 5)
-            lines.append(f"\nwhole call with the chunk-algebra kernel in {pw} warps: {t * 1e3:.2f} ms")
-        kd.SCAN.update(keep)
+        settings = [
+            dict(bv=bv, warps=warps, out_bv=obv, out_warps=owarps, precision=prec)
+            for prec in ("tf32x3", "tf32")
+            for bv in (16, 32, 64)
+            for warps in (4, 8)
+            for obv, owarps in ((64, 4), (128, 8))
+        ] + [dict(prep_warps=pw) for pw in (4, 16)]
+        for setting in settings:  # each in a process of its own: a setting that faults cannot end the sweep
+            res = _run_setting(a, T, N, setting)
+            full = {**kd.SCAN, **setting}
+            cells = " | ".join(str(full[k]) for k in ("bv", "warps", "out_bv", "out_warps", "precision"))
+            if "error" in res:
+                lines.append(f"| {cells} | {res['error']} | |")
+            else:
+                rows.append(dict(kind="scan", **full, s=res["s"], max_abs_diff=res["max_abs_diff"]))
+                note = f" (chunk algebra in {setting['prep_warps']} warps)" if "prep_warps" in setting else ""
+                lines.append(f"| {cells} | {res['s'] * 1e3:.2f} ms{note} | {res['max_abs_diff']:.1e} |")
+            write()
         from backends.common.delta_rule import chunk_prep
 
         t = cuda_time(lambda: chunk_prep(q, k, v, g, beta, kd.CHUNK), 5)
@@ -183,6 +182,53 @@ def main(argv=None) -> int:
     timer.cancel()
     lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
     write()
+    return 0
+
+
+def _run_setting(a, T: int, N: int, setting: dict) -> dict:
+    """Time one chunked-prefill setting in a child process; {'s', 'max_abs_diff'} or {'error'}."""
+    cmd = [sys.executable, "-m", "perf.delta_rule_roofline", "--heads", str(a.heads), "--dk", str(a.dk), "--dv",
+           str(a.dv), "--prefill", str(T), "--sequences", str(N), "--one-setting", json.dumps(setting)]  # fmt: skip
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out (120 s)"}
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit {out.returncode}: " + tail[:80].replace("|", "/")}
+
+
+def _one_setting(a, setting: dict) -> int:
+    from backends.common import delta_rule as dr
+    from kernels import delta_rule as kd
+
+    kd.SCAN.update(setting)
+    dev, T, N = "cuda", a.prefill[-1], a.sequences
+    H, DK, DV = a.heads, a.dk, a.dv
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = dr.l2norm(torch.randn(T, H, DK, device=dev, generator=gen)) * DK**-0.5
+    k = dr.l2norm(torch.randn(T, H, DK, device=dev, generator=gen))
+    v = torch.randn(T, H, DV, device=dev, generator=gen)
+    g = -torch.rand(T, H, device=dev, generator=gen) * 0.1
+    beta = torch.rand(T, H, device=dev, generator=gen)
+    lens = [T // N] * N
+    starts = [sum(lens[:i]) for i in range(N)]
+    state = torch.zeros(N, H, DK, DV, device=dev)
+    pages = torch.arange(N, device=dev)
+
+    def kernel():
+        state.zero_()
+        return kd.chunked(q, k, v, g, beta, state, pages, starts, lens)
+
+    ref = torch.cat([
+        dr.chunked(q[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n], g[s0 : s0 + n], beta[s0 : s0 + n],
+                   torch.zeros(H, DK, DV, device=dev))
+        for s0, n in zip(starts, lens)
+    ])  # fmt: skip
+    t = cuda_time(kernel, 5)
+    print("RESULT " + json.dumps({"s": t, "max_abs_diff": (kernel() - ref).abs().max().item()}), flush=True)
     return 0
 
 
