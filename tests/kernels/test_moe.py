@@ -1,0 +1,64 @@
+"""The fused MoE kernels (kernels.moe) against the loop over experts (HybridModel.mlp's routed part), on a CUDA GPU
+in bfloat16 and on the CPU through Triton's interpreter in float32: batches of 1 and more, experts that get no token,
+every block of the grid used or not."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+from kernels import moe  # noqa: E402
+
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+
+
+def loop_reference(x, top_i, top_w, gate_up, down):
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in top_i.unique().tolist():
+        tok, slot = torch.where(top_i == e)
+        g, u = F.linear(x[tok].float(), gate_up[e].float()).chunk(2, dim=-1)
+        out.index_add_(0, tok, F.linear(F.silu(g) * u, down[e].float()) * top_w[tok, slot, None].float())
+    return out
+
+
+def weights(E, H, I, seed):  # noqa: E741
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(DEVICE, DTYPE)
+    down = (torch.randn(E, H, I, generator=g) * 0.1).to(DEVICE, DTYPE)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("T,E,K,H,I", [(1, 8, 2, 64, 32), (5, 8, 2, 64, 48), (37, 16, 4, 96, 32)])
+def test_routed_equals_the_loop_over_experts(T, E, K, H, I):  # noqa: E741
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(DEVICE, DTYPE)
+    probs = torch.softmax(torch.randn(T, E, generator=g), -1)
+    probs[:, E - 1] = 0.0  # the last expert is never routed to: its blocks stay unused
+    top_w, top_i = torch.topk(probs, K, dim=-1)
+    top_w, top_i = top_w.to(DEVICE, DTYPE), top_i.to(DEVICE)
+    gate_up, down = weights(E, H, I, seed=T + 1)
+    got = moe.routed(x, top_i, top_w, gate_up, down)
+    torch.testing.assert_close(got.float(), loop_reference(x, top_i, top_w, gate_up, down), **TOL)
+
+
+def test_align_groups_pairs_by_expert_in_whole_blocks():
+    top_i = torch.tensor([[3, 0], [3, 1], [0, 3]], device=DEVICE)
+    pairs, block_expert = moe.align(top_i, num_experts=5, block_m=4)
+    n = top_i.numel()
+    assert pairs.numel() == 4 * block_expert.numel() and pairs.numel() >= n + 3 * 3
+    used = [int(e) for e in block_expert.tolist() if e >= 0]
+    assert used == [0, 1, 3]  # experts in order, one block each (at most 4 pairs per expert here)
+    for b, e in enumerate(block_expert.tolist()):
+        rows = [int(p) for p in pairs[4 * b : 4 * b + 4].tolist() if p < n]
+        assert all(int(top_i.reshape(-1)[p]) == e for p in rows)
+    real = sorted(int(p) for p in pairs.tolist() if p < n)
+    assert real == list(range(n))  # every pair exactly once
