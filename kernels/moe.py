@@ -4,14 +4,16 @@ over experts and no host synchronisation (so it can be captured in a CUDA graph)
     routed(x, top_i, top_w, gate_up, down) = sum over k of top_w[t, k] * down[e] (silu(g) * u),  (g | u) = gate_up[e] x
     with e = top_i[t, k]
 
+- `route`: the router's softmax and top-k (renormalised or not) in one launch per batch.
 - `align`: the (token, k) pairs sorted by expert, each expert's run padded to a whole block of `block_m` rows
-  (sentinel rows past the pairs), and each block's expert (-1: an unused block), in device ops only. The grid is
-  sized by an upper bound (pairs + min(experts, pairs) x (block_m - 1) rows), not by the counts, so nothing waits
-  for the device.
+  (sentinel rows past the pairs), and each block's expert (-1: an unused block): one Triton program for decode
+  batches, PyTorch device ops past `ALIGN_MAX_PAIRS`. The grid is sized by an upper bound (`align_bound`), not by
+  the counts, so nothing waits for the device.
 - `_gate_up_kernel`: per (block, block of intermediate columns) the rows' gate and up projections with the block's
   expert, SiLU(gate) * up in the epilogue, stored in sorted order.
-- `_down_kernel`: per (block, block of hidden columns) the down projection, scaled by the routing weight, stored at
-  the pair's row; the K pairs of a token are then summed in a fixed order (deterministic, no atomics).
+- `_down_kernel`: per (block, block of hidden columns) the down projection, scaled by the routing weight, stored in
+  fp32 at the pair's row; `_combine_kernel` sums the K pairs of a token in a fixed order (deterministic, no
+  atomics) and adds the shared expert's sigmoid-gated output.
 
 Weights as the checkpoints stack them (backends.common.hybrid_model.stack_experts): gate_up [E, 2I, H] (gate rows,
 then up rows), down [E, H, I]. The PyTorch reference is HybridModel.mlp's loop over experts."""
@@ -25,15 +27,75 @@ import triton.language as tl
 BLOCK_M = 16
 
 
+ALIGN_MAX_PAIRS = 4096  # up to here `align` is one Triton program (decode batches); past it, device ops in PyTorch
+
+
+def align_bound(n: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted pair list for n pairs: every expert's run padded to whole blocks, at most
+    n + min(experts, n) x (block_m - 1) rows, rounded up to a block."""
+    return triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(TopI, Pairs, BlockExpert, n, P, E, BM: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
+    """One program: per-expert counts, runs padded to BM rows, each pair's rank among the earlier pairs of its
+    expert (so the order is the pairs' own: deterministic), the sentinel n in the padding rows, and each block's
+    expert (-1 past the used blocks)."""
+    e = tl.arange(0, BE)
+    counts = tl.zeros((BE,), dtype=tl.int32)
+    for c in range(0, n, BN):
+        rp = c + tl.arange(0, BN)
+        fe = tl.load(TopI + rp, mask=rp < n, other=-1).to(tl.int32)
+        counts += tl.sum((fe[None, :] == e[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    for c in range(0, P, BN):
+        rp = c + tl.arange(0, BN)
+        tl.store(Pairs + rp, tl.zeros((BN,), dtype=tl.int32) + n, mask=rp < P)
+    tl.debug_barrier()  # the pairs below overwrite some sentinels
+    for c in range(0, n, BN):
+        rp = c + tl.arange(0, BN)
+        fe = tl.load(TopI + rp, mask=rp < n, other=-1).to(tl.int32)
+        rank = tl.zeros((BN,), dtype=tl.int32)
+        for c2 in range(0, c + BN, BN):
+            rq = c2 + tl.arange(0, BN)
+            ge = tl.load(TopI + rq, mask=rq < n, other=-2).to(tl.int32)
+            earlier = (ge[None, :] == fe[:, None]) & (rq[None, :] < rp[:, None])
+            rank += tl.sum(earlier.to(tl.int32), axis=1)
+        start = tl.sum(tl.where(e[None, :] == fe[:, None], starts[None, :], 0), axis=1)
+        tl.store(Pairs + start + rank, rp, mask=rp < n)
+    total = tl.sum(padded, 0)
+    nb = P // BM
+    for c in range(0, nb, BN):
+        rb = c + tl.arange(0, BN)
+        first = rb * BM
+        be = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + rb, tl.where(first < total, be, -1), mask=rb < nb)
+
+
 def align(top_i: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """top_i [T, K] expert ids. Returns (sorted_pairs [P] int32: pair indices t * K + k in expert order, each
     expert's run padded to a multiple of block_m with the sentinel T * K; block_expert [P / block_m] int32, -1 for
-    a block past the used ones)."""
+    a block past the used ones). The grid is sized by `align_bound`, never by the counts: nothing waits for the
+    device, so this can be captured in a CUDA graph."""
+    n = top_i.numel()
+    P = align_bound(n, num_experts, block_m)
+    if n <= ALIGN_MAX_PAIRS:
+        pairs = torch.empty(P, dtype=torch.int32, device=top_i.device)
+        block_expert = torch.empty(P // block_m, dtype=torch.int32, device=top_i.device)
+        be = triton.next_power_of_2(num_experts)
+        _align_kernel[(1,)](top_i.reshape(-1), pairs, block_expert, n, P, num_experts, BM=block_m, BE=be,
+                            BN=max(16, min(64, 8192 // be)), num_warps=4)  # fmt: skip
+        return pairs, block_expert
+    return _align_torch(top_i, num_experts, block_m, P)
+
+
+def _align_torch(top_i: torch.Tensor, num_experts: int, block_m: int, P: int):
+    """`align` for large batches (prefill) in PyTorch device ops: same result."""
     dev = top_i.device
     flat = top_i.reshape(-1).long()
     n = flat.numel()
-    bound = n + min(num_experts, n) * (block_m - 1)
-    P = triton.cdiv(bound, block_m) * block_m
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
@@ -109,28 +171,92 @@ def _down_kernel(
     tl.store(Out + dst[:, None] * H + rn[None, :], acc.to(Out.dtype.element_ty), mask=valid[:, None] & mn[None, :])
 
 
-def routed(x, top_i, top_w, gate_up, down, block_m: int = BLOCK_M) -> torch.Tensor:
+@triton.jit
+def _router_kernel(Logits, TopI, TopW, E, stride_l, K_TOP: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr):
+    """Per token: softmax over the experts (fp32), the top K by repeated arg-max (highest first, the lowest index
+    on a tie), renormalised over the K when NORM; weights stored in TopW's dtype."""
+    t = tl.program_id(0)
+    e = tl.arange(0, BE)
+    z = tl.load(Logits + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(z - tl.max(z, 0))
+    p = p / tl.sum(p, 0)
+    total = 0.0
+    for k in tl.static_range(K_TOP):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, e, BE), 0)
+        tl.store(TopI + t * K_TOP + k, idx)
+        tl.store(TopW + t * K_TOP + k, best)
+        total += best
+        p = tl.where(e == idx, -1.0, p)
+    if NORM:
+        for k in tl.static_range(K_TOP):
+            w = tl.load(TopW + t * K_TOP + k)
+            tl.store(TopW + t * K_TOP + k, w / total)
+
+
+def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype):
+    """The router's softmax and top-k in one launch: (top_w [T, K] in dtype, top_i [T, K] int32), as
+    torch.topk(softmax(logits, fp32)) (then / sum when norm) gives them."""
+    T, E = logits.shape
+    top_i = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    top_w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    if T:
+        _router_kernel[(T,)](logits, top_i, top_w, E, logits.stride(0), K_TOP=top_k, NORM=norm,
+                             BE=triton.next_power_of_2(E))  # fmt: skip
+    return top_w.to(dtype), top_i
+
+
+@triton.jit
+def _combine_kernel(PerPair, Out, Shared, Gate, H, stride_gate,
+                    K_TOP: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr):  # fmt: skip
+    """out[t] = sum over k (in order) of per_pair[t, k] (+ sigmoid(gate[t]) * shared[t]), in fp32."""
+    t, hb = tl.program_id(0), tl.program_id(1)
+    rh = hb * BH + tl.arange(0, BH)
+    m = rh < H
+    row = t.to(tl.int64)
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for k in tl.static_range(K_TOP):
+        acc += tl.load(PerPair + (row * K_TOP + k) * H + rh, mask=m, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        g = tl.load(Gate + row * stride_gate).to(tl.float32)
+        s = tl.load(Shared + row * H + rh, mask=m, other=0.0).to(tl.float32)
+        acc += s / (1.0 + tl.exp(-g))
+    tl.store(Out + row * H + rh, acc.to(Out.dtype.element_ty), mask=m)
+
+
+# Tile settings of the two grouped GEMMs (columns per program, reduction step, warps), chosen on the H200 with
+# `python -m perf.moe_bench --sweep` (perf/results/moe_h200/).
+SETTINGS = {"bn": 64, "bk": 32, "warps": 4, "down_bn": 64, "down_bk": 32, "down_warps": 4}
+
+
+def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None) -> torch.Tensor:
     """x [T, H]; top_i [T, K] expert ids; top_w [T, K] routing weights; gate_up [E, 2I, H]; down [E, H, I] (unit
-    stride in the last dim). Returns the routed experts' sum [T, H] in x's dtype (the shared expert is not here)."""
+    stride in the last dim); shared: None or (gate [T, 1] logits, out [T, H]) of a shared expert, added as
+    sigmoid(gate) * out. Returns the sum [T, H] in x's dtype, accumulated in fp32 in a fixed order."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     I = two_i // 2  # noqa: E741
     K = top_i.shape[1]
-    out = torch.zeros_like(x)
     if T == 0:
-        return out
+        return torch.zeros_like(x)
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
+    st = SETTINGS if settings is None else {**SETTINGS, **settings}
     pairs, block_expert = align(top_i, E, block_m)
     P = pairs.numel()
     inter = torch.empty((P, I), dtype=x.dtype, device=x.device)
-    bn, bk = 64, 32
-    _gate_up_kernel[(P // block_m, triton.cdiv(I, bn))](
+    _gate_up_kernel[(P // block_m, triton.cdiv(I, st["bn"]))](
         x, gate_up, inter, pairs, block_expert, H, I, T * K, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K_TOP=K, BM=block_m, BN=bn, BK=bk,
+        K_TOP=K, BM=block_m, BN=st["bn"], BK=st["bk"], num_warps=st["warps"],
     )  # fmt: skip
-    per_pair = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
-    _down_kernel[(P // block_m, triton.cdiv(H, bn))](
+    per_pair = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
+    _down_kernel[(P // block_m, triton.cdiv(H, st["down_bn"]))](
         inter, down, top_w.reshape(-1).contiguous(), per_pair, pairs, block_expert, H, I, T * K,
-        down.stride(0), down.stride(1), BM=block_m, BN=bn, BK=bk,
+        down.stride(0), down.stride(1), BM=block_m, BN=st["down_bn"], BK=st["down_bk"], num_warps=st["down_warps"],
     )  # fmt: skip
-    return per_pair.view(T, K, H).sum(1, dtype=torch.float32).to(x.dtype)
+    out = torch.empty_like(x)
+    gate, sh = shared if shared is not None else (per_pair, per_pair)
+    bh = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, bh))](
+        per_pair, out, sh, gate, H, gate.stride(0), K_TOP=K, HAS_SHARED=shared is not None, BH=bh,
+    )  # fmt: skip
+    return out

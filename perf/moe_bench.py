@@ -2,14 +2,16 @@
 experts (HybridModel.mlp's routed part), measured in the same run.
 
     python -m perf.moe_bench [--experts 256 --top-k 8 --hidden 2048 --inter 512] [--batches 1 8 32 128]
-                             [--prefill 4096] [--out FILE.md]
+                             [--prefill 4096] [--sweep] [--out FILE.md]
 
-Defaults: Qwen3.5-35B-A3B's MoE layer (transformers' Qwen3_5MoeTextConfig). Roofline of a decode batch: the bytes of
-the experts the batch routes to (gate_up and down of each distinct expert, read once) over the device-to-device copy
-bandwidth measured here; the shared expert and the router are not counted (they are the same dense work either
-way). Prefill: one chunk of `--prefill` tokens, tokens/s of the fused kernels and of the loop. Routing is random
-(softmax of random logits, top-k), the same for both paths. `--device cpu` (with TRITON_INTERPRET=1) only checks
-that the script runs, on small shapes."""
+Defaults: Qwen3.5-35B-A3B's MoE layer (transformers' Qwen3_5MoeTextConfig). The whole MoE layer (router, top-k,
+routed experts, shared expert and its gate) as the decode CUDA graph runs it (`kernels.moe`, timed as a captured
+graph and eagerly) against HybridModel.mlp's loop over experts (eager: it syncs with the host, so it cannot be
+captured), in the same run. Roofline of a decode batch: the bytes the layer must read (the experts the batch routes
+to, each read once, the shared expert and the router) over the device-to-device copy bandwidth measured here.
+Prefill: one chunk of `--prefill` tokens, tokens/s of both paths. `--sweep`: the grouped GEMMs' tile settings
+(kernels.moe.SETTINGS) timed per batch size, each kernel's choices in turn. `--device cpu` (TRITON_INTERPRET=1)
+only checks that the script runs, on small shapes."""
 
 from __future__ import annotations
 
@@ -25,17 +27,42 @@ from perf.hybrid_bench import cuda_time
 from perf.limits import report_writer, wall_clock_limit
 
 
-def loop(x, top_i, top_w, gate_up, down):
+def loop_layer(x, w, K, norm):
+    """HybridModel.mlp's MoE path (the reference: a host-synchronising loop over the routed experts)."""
+    probs = torch.softmax(F.linear(x, w["router"]), dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, K, dim=-1)
+    if norm:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
     for e in top_i.unique().tolist():
         tok, slot = torch.where(top_i == e)
-        g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        out.index_add_(0, tok, F.linear(F.silu(g) * u, down[e]) * top_w[tok, slot, None])
-    return out
+        g, u = F.linear(x[tok], w["gate_up"][e]).chunk(2, dim=-1)
+        out.index_add_(0, tok, F.linear(F.silu(g) * u, w["down"][e]) * top_w.to(x.dtype)[tok, slot, None])
+    g, u = F.linear(x, w["sh_gate_up"]).chunk(2, dim=-1)
+    shared = F.linear(F.silu(g) * u, w["sh_down"])
+    return out + torch.sigmoid(F.linear(x, w["sh_gate"])) * shared
 
 
-def timed(fn, reps: int, cuda: bool) -> float:
-    """Seconds per call: CUDA events on the GPU (hybrid_bench's timer), wall time on the CPU."""
+def fused_layer(x, w, K, norm, settings=None):
+    from kernels import moe
+
+    top_w, top_i = moe.route(F.linear(x, w["router"]), K, norm, x.dtype)
+    g, u = F.linear(x, w["sh_gate_up"]).chunk(2, dim=-1)
+    shared = F.linear(F.silu(g) * u, w["sh_down"])
+    return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], shared=(F.linear(x, w["sh_gate"]), shared),
+                      settings=settings)  # fmt: skip
+
+
+def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
+    """Seconds per call: CUDA events on the GPU (hybrid_bench's timer; `graph`: fn captured once and replayed),
+    wall time on the CPU."""
+    if cuda and graph:
+        fn()  # compile outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return cuda_time(g.replay, reps)
     if cuda:
         return cuda_time(fn, reps)
     fn()
@@ -45,15 +72,22 @@ def timed(fn, reps: int, cuda: bool) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+SWEEP = {
+    "gate_up": [dict(bn=bn, bk=bk, warps=wp) for bn in (32, 64, 128) for bk in (64, 128) for wp in (4, 8)],
+    "down": [dict(down_bn=bn, down_bk=bk, down_warps=wp) for bn in (32, 64, 128) for bk in (64, 128) for wp in (4,)],
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inter", type=int, default=512, help="each expert's intermediate size")
+    ap.add_argument("--inter", type=int, default=512, help="each expert's intermediate size (and the shared one's)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--prefill", type=int, default=4096, help="tokens of one prefill chunk (0: none)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs' tile settings per batch")
+    ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-limit", type=float, default=300)
     ap.add_argument("--out", default=None)
@@ -67,9 +101,15 @@ def main(argv=None) -> int:
     dev, dtype = a.device, (torch.bfloat16 if cuda else torch.float32)
     E, K, H, I = a.experts, a.top_k, a.hidden, a.inter  # noqa: E741
     gen = torch.Generator(device=dev).manual_seed(0)
-    gate_up = torch.randn(E, 2 * I, H, device=dev, generator=gen).to(dtype) * 0.02
-    down = torch.randn(E, H, I, device=dev, generator=gen).to(dtype) * 0.02
-    expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+
+    def rand(*shape):
+        return (torch.randn(*shape, device=dev, generator=gen) * 0.02).to(dtype)
+
+    w = dict(gate_up=rand(E, 2 * I, H), down=rand(E, H, I), router=rand(E, H), sh_gate_up=rand(2 * I, H),
+             sh_down=rand(H, I), sh_gate=rand(1, H))  # fmt: skip
+    elt = w["down"].element_size()
+    expert_bytes = 3 * H * I * elt
+    dense_bytes = (E * H + 3 * H * I + H) * elt  # router, shared expert, its gate: read by every batch
     if cuda:
         src = torch.empty(2**28, device=dev)
         dst = torch.empty_like(src)
@@ -80,34 +120,67 @@ def main(argv=None) -> int:
     lines = [
         f"# Fused MoE layer on {name} ({dtype})",
         "",
-        f"{E} experts of {I}, top-{K}, hidden {H}; copy bandwidth {bw / 1e9:,.0f} GB/s measured here. Command: "
-        f"`python -m perf.moe_bench {' '.join(sys.argv[1:] if argv is None else argv)}`.",
+        f"{E} experts of {I}, top-{K}, hidden {H}, one shared expert of {I}; copy bandwidth {bw / 1e9:,.0f} GB/s "
+        f"measured here. Command: `python -m perf.moe_bench {' '.join(sys.argv[1:] if argv is None else argv)}`.",
         "",
-        "| tokens | experts routed to | fused | loop over experts | fused / loop | roofline | fused / roofline | "
-        "max abs diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens | experts routed to | fused layer, graph | fused layer, eager | loop over experts "
+        "| loop / fused graph | roofline | fused graph / roofline | routed kernels, graph / their roofline "
+        "| max abs diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows: list[dict] = []
     write = report_writer(lines, a.out, rows)
     timer = wall_clock_limit(a.time_limit, write, [])
+    norm = True
     sizes = list(a.batches) + ([a.prefill] if a.prefill else [])
+    inputs = {}
     for T in sizes:
-        x = torch.randn(T, H, device=dev, generator=gen).to(dtype)
-        probs = torch.softmax(torch.randn(T, E, device=dev, generator=gen), -1)
-        top_w, top_i = torch.topk(probs, K, dim=-1)
-        top_w = top_w.to(dtype)
+        x = rand(T, H) * 50
+        top_w, top_i = moe.route(F.linear(x, w["router"]), K, norm, dtype)
+        inputs[T] = (x, top_w, top_i)
         routed = top_i.unique().numel()
-        fused, looped = (partial(fn, x, top_i, top_w, gate_up, down) for fn in (moe.routed, loop))
-        t_fused = timed(fused, a.reps, cuda)
-        t_loop = timed(looped, max(2, a.reps // 4), cuda)
-        diff = fused().float() - looped().float()
-        roof = routed * expert_bytes / bw
-        rows.append(dict(tokens=T, routed=routed, fused_s=t_fused, loop_s=t_loop, roofline_s=roof))
-        lines.append(
-            f"| {T} | {routed} | {t_fused * 1e3:.3f} ms | {t_loop * 1e3:.3f} ms | {t_fused / t_loop:.2f} | "
-            f"{roof * 1e3:.3f} ms | {t_fused / roof:.2f}x | {diff.abs().max().item():.1e} |"
+        reps = a.reps if T <= 256 else max(3, a.reps // 10)
+        t_graph = timed(partial(fused_layer, x, w, K, norm), reps, cuda, graph=cuda and T <= 256)
+        t_eager = timed(partial(fused_layer, x, w, K, norm), reps, cuda)
+        t_loop = timed(partial(loop_layer, x, w, K, norm), max(2, reps // 4), cuda)
+        t_routed = timed(
+            partial(moe.routed, x, top_i, top_w, w["gate_up"], w["down"]), reps, cuda, graph=cuda and T <= 256
         )
+        diff = (fused_layer(x, w, K, norm).float() - loop_layer(x, w, K, norm).float()).abs().max().item()
+        roof = (routed * expert_bytes + dense_bytes) / bw
+        roof_routed = routed * expert_bytes / bw
+        rows.append(
+            dict(tokens=T, routed=routed, fused_graph_s=t_graph, fused_eager_s=t_eager, loop_s=t_loop,
+                 routed_graph_s=t_routed, roofline_s=roof, routed_roofline_s=roof_routed, max_abs_diff=diff)
+        )  # fmt: skip
+        lines.append(
+            f"| {T} | {routed} | {t_graph * 1e3:.3f} ms | {t_eager * 1e3:.3f} ms | {t_loop * 1e3:.3f} ms | "
+            f"{t_loop / t_graph:.1f} | {roof * 1e3:.3f} ms | **{t_graph / roof:.2f}x** | "
+            f"{t_routed / roof_routed:.2f}x | {diff:.1e} |"
+        )
+        if T == a.prefill:
+            lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")
         write()
+    if a.sweep:
+        lines += [
+            "",
+            "## Tile settings of the routed kernels (graph-timed `routed`, us; the other kernel at default)",
+            "",
+        ]
+        for kernel, choices in SWEEP.items():
+            head = " | ".join(",".join(f"{k}={v}" for k, v in c.items()) for c in choices)
+            lines += [f"| {kernel}: tokens | {head} |", "|---:|" + "---:|" * len(choices)]
+            for T in a.batches:
+                x, top_w, top_i = inputs[T]
+                cells = []
+                for c in choices:
+                    t = timed(partial(moe.routed, x, top_i, top_w, w["gate_up"], w["down"], settings=c), a.reps,
+                              cuda, graph=cuda)  # fmt: skip
+                    rows.append(dict(sweep=kernel, tokens=T, settings=c, routed_graph_s=t))
+                    cells.append(f"{t * 1e6:.1f}")
+                lines.append(f"| {T} | " + " | ".join(cells) + " |")
+                write()
+            lines.append("")
     timer.cancel()
     lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
     write()

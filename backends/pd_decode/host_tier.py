@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from backends.common.config import ModelConfig
@@ -28,23 +29,24 @@ from .scheduler import RecoveryCosts, SwapOut, TransferJob
 CHUNK = 2048  # tokens per gather/scatter staging tensor on the device (bounds its size: ~256 MB for Llama-8B)
 
 
-def by_host_slot(device_slots: list[int], host_slots: list[int]) -> tuple[list[int], list[int]]:
-    """The pairs sorted by host slot, so that host slots form the longest runs (one DMA each): the host pool hands
-    out slots in any order once it has been freed into."""
-    order = sorted(range(len(host_slots)), key=host_slots.__getitem__)
-    return [device_slots[i] for i in order], [host_slots[i] for i in order]
+def by_host_slot(device_slots, host_slots) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs sorted by host slot (int64 arrays), so that host slots form the longest runs (one DMA each): the
+    host pool hands out slots in any order once it has been freed into. Vectorised: a swap-in of a long stream
+    sorts thousands of pairs while the GPU may be waiting for it."""
+    h = np.asarray(host_slots, dtype=np.int64)
+    order = np.argsort(h, kind="stable")
+    return np.asarray(device_slots, dtype=np.int64)[order], h[order]
 
 
-def runs(slots: list[int]) -> list[tuple[int, int, int]]:
+def runs(slots) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive slots as (offset in the list, first slot, length)."""
-    out, i = [], 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        out.append((i, slots[i], j - i))
-        i = j
-    return out
+    s = np.asarray(slots, dtype=np.int64)
+    if s.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(s) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [s.size]))
+    return [(int(a), int(s[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 class HostKV:
@@ -93,7 +95,7 @@ class HostKV:
         device_slots, host_slots = by_host_slot(job.device_slots, job.host_slots)
         for c in range(0, len(device_slots), CHUNK):
             d, h = device_slots[c : c + CHUNK], host_slots[c : c + CHUNK]
-            idx = torch.tensor(d, dtype=torch.int64).to(self.dev.device, non_blocking=True)
+            idx = torch.from_numpy(d).to(self.dev.device, non_blocking=True)
             rows = self.dev.index_select(2, idx).permute(2, 0, 1, 3, 4)  # [n, layers, 2, heads, dim]
             rows = rows.contiguous()
             for off, first, n in runs(h):
@@ -128,7 +130,7 @@ class HostKV:
             )
             for off, first, n in runs(h):
                 rows[off : off + n].copy_(self.buffer[first : first + n], non_blocking=self.cuda)
-            idx = torch.tensor(d, dtype=torch.int64).to(self.dev.device, non_blocking=True)
+            idx = torch.from_numpy(d).to(self.dev.device, non_blocking=True)
             self.dev.index_copy_(2, idx, rows.permute(1, 2, 0, 3, 4))
 
     def done(self) -> list[TransferJob]:

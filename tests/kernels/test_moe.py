@@ -62,3 +62,42 @@ def test_align_groups_pairs_by_expert_in_whole_blocks():
         assert all(int(top_i.reshape(-1)[p]) == e for p in rows)
     real = sorted(int(p) for p in pairs.tolist() if p < n)
     assert real == list(range(n))  # every pair exactly once
+
+
+@pytest.mark.parametrize("T,E,K", [(1, 256, 8), (7, 64, 4), (300, 16, 2)])
+def test_align_kernel_equals_the_pytorch_form(T, E, K):
+    g = torch.Generator().manual_seed(E + T)
+    top_i = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
+    top_i[: T // 2] = top_i[0]  # crowd one set of experts: runs longer than a block
+    P = moe.align_bound(top_i.numel(), E, moe.BLOCK_M)
+    got = moe.align(top_i, E)
+    want = moe._align_torch(top_i, E, moe.BLOCK_M, P)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_equals_softmax_then_topk(norm):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 40, generator=g).to(DEVICE, DTYPE)
+    top_w, top_i = moe.route(logits, 6, norm, DTYPE)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    want_w, want_i = torch.topk(probs, 6, dim=-1)
+    if norm:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(top_i.long(), want_i)
+    rtol = 1e-6 if DTYPE == torch.float32 else 1e-2  # softmax sums in another order: last-bit differences
+    torch.testing.assert_close(top_w.float(), want_w.to(DTYPE).float(), atol=0, rtol=rtol)
+
+
+def test_routed_adds_the_gated_shared_expert():
+    T, E, K, H, I = 6, 8, 2, 64, 32  # noqa: E741
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, H, generator=g).to(DEVICE, DTYPE)
+    top_w, top_i = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), K, dim=-1)
+    top_w, top_i = top_w.to(DEVICE, DTYPE), top_i.to(DEVICE)
+    gate_up, down = weights(E, H, I, seed=5)
+    shared = torch.randn(T, H, generator=g).to(DEVICE, DTYPE)
+    gate = torch.randn(T, 1, generator=g).to(DEVICE, DTYPE)
+    got = moe.routed(x, top_i, top_w, gate_up, down, shared=(gate, shared))
+    want = loop_reference(x, top_i, top_w, gate_up, down) + torch.sigmoid(gate.float()) * shared.float()
+    torch.testing.assert_close(got.float(), want, **TOL)
