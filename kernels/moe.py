@@ -172,36 +172,48 @@ def _down_kernel(
 
 
 @triton.jit
-def _router_kernel(Logits, TopI, TopW, E, stride_l, K_TOP: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr):
-    """Per token: softmax over the experts (fp32), the top K by repeated arg-max (highest first, the lowest index
-    on a tie), renormalised over the K when NORM; weights stored in TopW's dtype."""
+def _router_kernel(Logits, TopI, TopW, E, stride_l,
+                   K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr):  # fmt: skip
+    """Per token: softmax over the E experts (fp32), the top K by repeated arg-max (highest first, the lowest index
+    on a tie), renormalised over the K when NORM; SHARED: one more pair, expert E with weight sigmoid(logit E)."""
     t = tl.program_id(0)
     e = tl.arange(0, BE)
-    z = tl.load(Logits + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    row = Logits + t.to(tl.int64) * stride_l
+    z = tl.load(row + e, mask=e < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z, 0))
     p = p / tl.sum(p, 0)
+    K_OUT: tl.constexpr = K_TOP + SHARED
+    out = t * K_OUT
     total = 0.0
     for k in tl.static_range(K_TOP):
         best = tl.max(p, 0)
         idx = tl.min(tl.where(p == best, e, BE), 0)
-        tl.store(TopI + t * K_TOP + k, idx)
-        tl.store(TopW + t * K_TOP + k, best)
+        tl.store(TopI + out + k, idx)
+        tl.store(TopW + out + k, best)
         total += best
         p = tl.where(e == idx, -1.0, p)
     if NORM:
         for k in tl.static_range(K_TOP):
-            w = tl.load(TopW + t * K_TOP + k)
-            tl.store(TopW + t * K_TOP + k, w / total)
+            w = tl.load(TopW + out + k)
+            tl.store(TopW + out + k, w / total)
+    if SHARED:
+        g = tl.load(row + E).to(tl.float32)
+        tl.store(TopI + out + K_TOP, E)
+        tl.store(TopW + out + K_TOP, 1.0 / (1.0 + tl.exp(-g)))
 
 
-def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype):
+def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype, num_experts: int | None = None,
+          shared: bool = False):  # fmt: skip
     """The router's softmax and top-k in one launch: (top_w [T, K] in dtype, top_i [T, K] int32), as
-    torch.topk(softmax(logits, fp32)) (then / sum when norm) gives them."""
-    T, E = logits.shape
-    top_i = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
-    top_w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    torch.topk(softmax(logits[:, :E], fp32)) (then / sum when norm) gives them; E = num_experts (default: every
+    column). shared: logits[:, E] is a shared expert's gate, added as pair K (expert E, weight its sigmoid)."""
+    T = logits.shape[0]
+    E = logits.shape[1] if num_experts is None else num_experts
+    k_out = top_k + int(shared)
+    top_i = torch.empty((T, k_out), dtype=torch.int32, device=logits.device)
+    top_w = torch.empty((T, k_out), dtype=torch.float32, device=logits.device)
     if T:
-        _router_kernel[(T,)](logits, top_i, top_w, E, logits.stride(0), K_TOP=top_k, NORM=norm,
+        _router_kernel[(T,)](logits, top_i, top_w, E, logits.stride(0), K_TOP=top_k, NORM=norm, SHARED=shared,
                              BE=triton.next_power_of_2(E))  # fmt: skip
     return top_w.to(dtype), top_i
 
@@ -226,7 +238,8 @@ def _combine_kernel(PerPair, Out, Shared, Gate, H, stride_gate,
 
 # Tile settings of the two grouped GEMMs (columns per program, reduction step, warps), chosen on the H200 with
 # `python -m perf.moe_bench --sweep` (perf/results/moe_h200/).
-SETTINGS = {"bn": 64, "bk": 32, "warps": 4, "down_bn": 64, "down_bk": 32, "down_warps": 4}
+SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
+            "down_stages": 3}  # fmt: skip
 
 
 def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None) -> torch.Tensor:
@@ -246,12 +259,13 @@ def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, 
     inter = torch.empty((P, I), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(P // block_m, triton.cdiv(I, st["bn"]))](
         x, gate_up, inter, pairs, block_expert, H, I, T * K, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K_TOP=K, BM=block_m, BN=st["bn"], BK=st["bk"], num_warps=st["warps"],
+        K_TOP=K, BM=block_m, BN=st["bn"], BK=st["bk"], num_warps=st["warps"], num_stages=st["stages"],
     )  # fmt: skip
     per_pair = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
     _down_kernel[(P // block_m, triton.cdiv(H, st["down_bn"]))](
         inter, down, top_w.reshape(-1).contiguous(), per_pair, pairs, block_expert, H, I, T * K,
         down.stride(0), down.stride(1), BM=block_m, BN=st["down_bn"], BK=st["down_bk"], num_warps=st["down_warps"],
+        num_stages=st["down_stages"],
     )  # fmt: skip
     out = torch.empty_like(x)
     gate, sh = shared if shared is not None else (per_pair, per_pair)

@@ -6,7 +6,8 @@ measured in the same run.
                                 [--context 1024] [--prefill 8192] [--out FILE.md]
 
 Decode roofline of a batch of B sequences of `context` tokens: the weight bytes one step reads (every layer, the
-final norm and the LM head; not the embedding table, of which it reads B rows, nor the MTP head) + the
+final norm and the LM head; not the embedding table, of which it reads B rows, nor the MTP head; of an MoE layer
+the experts a batch of B is expected to route to, `weights_read_per_step`) + the
 full-attention layers' K/V of every context token + each sequence's state page read and written, over the
 device-to-device copy bandwidth measured here. `graph` is the GPU time of one replay (CUDA events over repeated
 replays); `loop` is the wall time per step of overlapped greedy steps as the engine and decode run them (step n+1
@@ -56,15 +57,25 @@ def cuda_time(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def weights_read_per_step(runner) -> tuple[int, int]:
-    """(bytes a decode step reads of the weights, matmul parameters of the main model)."""
-    w = runner.hybrid.w
-    skip = {"model.embed_tokens.weight"} if not runner.cfg.tie_word_embeddings else set()
+def weights_read_per_step(runner, batch: int = 1) -> tuple[int, int]:
+    """(bytes a decode step of `batch` sequences reads of the weights, matmul parameters one token uses in the
+    main model). MoE layers: the router and shared expert always, and of the routed experts the expected number a
+    batch touches under uniform routing, E x (1 - (1 - K / E)^batch), each read once (random weights route close
+    to uniformly); a token uses K of them."""
+    w, cfg = runner.hybrid.w, runner.cfg
+    skip = {"model.embed_tokens.weight"} if not cfg.tie_word_embeddings else set()
     names = [n for n in w if n not in skip and not n.startswith("mtp.")]
     nbytes = sum(w[n].numel() * w[n].element_size() for n in names)
     if "lm_head.weight" not in w:
         names.append("model.embed_tokens.weight")  # tied: the LM head reads the embedding table
     params = sum(w[n].numel() for n in names if w[n].dim() == 2)
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    for key, (gate_up, down) in runner.hybrid.experts.items():
+        if key == "mtp":
+            continue
+        per_expert = gate_up[0].numel() + down[0].numel()
+        nbytes += round(E * (1 - (1 - K / E) ** batch) * per_expert * gate_up.element_size())
+        params += K * per_expert
     return nbytes, params
 
 
@@ -182,12 +193,13 @@ def main(argv=None) -> int:
         if runner.backend != "triton":
             raise SystemExit(f"hybrid_bench: {spec} does not run the graph path (backend {runner.backend})")
         randomise(runner)
-        w_bytes, params = weights_read_per_step(runner)
+        _, params = weights_read_per_step(runner)
         kv_token = len(cfg.full_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv.buffer.element_size()
         state_page = runner.state.bytes_per_page
         name = spec.removeprefix("random:")
         for B in a.batches:
             t_graph, t_loop, t_eager = time_decode(runner, B, a, gen)
+            w_bytes, _ = weights_read_per_step(runner, B)
             roof = (w_bytes + B * (a.context * kv_token + 2 * state_page)) / bw
             rows.append(dict(model=name, batch=B, graph_s=t_graph, loop_s=t_loop, eager_s=t_eager, roofline_s=roof,
                              weight_bytes=w_bytes, state_bytes=state_page, kv_bytes_per_token=kv_token))  # fmt: skip
@@ -220,7 +232,8 @@ def main(argv=None) -> int:
                 f"{flops / t_pre / mm:.2f} |"
             )
         lines.append(
-            f"| ({name}: weights read per step {w_bytes / 1e9:.2f} GB, state page {state_page / 2**20:.1f} MiB, "
+            f"| ({name}: weights read per step {w_bytes / 1e9:.2f} GB at batch {B}, "
+            f"state page {state_page / 2**20:.1f} MiB, "
             f"K/V {kv_token // 1024} KiB per token; load + capture {t_load:.0f} s) | | | | | | | | |"
         )
         write()

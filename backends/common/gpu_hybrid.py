@@ -1,7 +1,7 @@
 """The hybrid (Qwen3-Next / Qwen3.5) model's decode step in CUDA graphs, from the Triton kernels in kernels/ and
 cuBLAS (or skinny_linear) matmuls over the fused projections of `hybrid_model.fuse_weights`. Everything else
-(prefill chunks, mixed batches, speculative verification, the MTP head, MoE layers) runs through the eager
-`HybridModel` on the same weights, KV pool and state pages.
+(prefill chunks, mixed batches, speculative verification, the MTP head) runs through the eager `HybridModel` on the
+same weights, KV pool and state pages; MoE layers run the eager model's fused MoE launches in the graph too.
 
 One graph step, per layer (a graph node each, no host work):
 
@@ -10,6 +10,8 @@ One graph step, per layer (a graph node each, no host work):
     full attention     add+RMSNorm | q|gate|k|v proj | q/k RMSNorm + partial rope + K/V store | split-KV decode
                        attention over the slot table | sigmoid gate | o_proj
     MLP                add+RMSNorm | gate|up | SiLU*up | down
+    MoE MLP            add+RMSNorm | router|shared gate | softmax+top-k | align | grouped gate|up+SiLU*up |
+                       grouped down | fixed-order combine (kernels.moe; the shared expert is one more pair)
 
 Each row's inputs add its state page to the dense path's (ids, positions, out slots, table rows, lengths);
 padding rows use a scratch KV slot and a scratch state page that no request owns."""
@@ -27,18 +29,13 @@ from .kv_store import KVStore, StateStore
 
 
 def supports(cfg) -> bool:
-    """Whether the graph step covers this model: dense MLPs (the MoE path loops over experts on the host), and
-    power-of-two head dims (the kernels' tiles)."""
+    """Whether the graph step covers this model: power-of-two head dims (the kernels' tiles), no attention biases.
+    MoE layers run kernels.moe's launches (HybridModel._fused_moe), which never wait for the host."""
 
     def pow2(n: int) -> bool:
         return n > 0 and n & (n - 1) == 0
 
-    return (
-        not any(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-        and pow2(cfg.head_dim)
-        and pow2(int(cfg.head_dim * cfg.partial_rotary_factor))
-        and not cfg.attention_bias
-    )
+    return pow2(cfg.head_dim) and pow2(int(cfg.head_dim * cfg.partial_rotary_factor)) and not cfg.attention_bias
 
 
 class GpuHybrid(DecodeGraphs):
@@ -63,7 +60,9 @@ class GpuHybrid(DecodeGraphs):
         )  # fmt: skip
         cfg = eager.cfg
         if not supports(cfg):
-            raise ValueError("GpuHybrid: MoE layers, attention biases and non-power-of-two head dims run eagerly")
+            raise ValueError("GpuHybrid: attention biases and non-power-of-two head dims run eagerly")
+        if eager.experts and eager.k_moe is None:
+            raise ValueError("GpuHybrid: an MoE model needs the eager model built with kernels=True")
         self.eager, self.cfg, self.kv, self.state = eager, cfg, kv, state
         self.device, self.dtype = eager.device, eager.dtype
         self.has_mtp, self.num_kv_layers = eager.has_mtp, eager.num_kv_layers
@@ -75,7 +74,9 @@ class GpuHybrid(DecodeGraphs):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             L = dict(ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-                     gate_up=w[p + "mlp.gate_up_proj.weight"], down=w[p + "mlp.down_proj.weight"])  # fmt: skip
+                     moe=i in eager.experts, mlp=p + "mlp.")  # fmt: skip
+            if not L["moe"]:
+                L.update(gate_up=w[p + "mlp.gate_up_proj.weight"], down=w[p + "mlp.down_proj.weight"])
             if i in eager.kv_index:
                 a = p + "self_attn."
                 L.update(full=True, kv_layer=eager.kv_index[i], qkv=w[a + "qkv_proj.weight"], o=w[a + "o_proj.weight"],
@@ -135,7 +136,10 @@ class GpuHybrid(DecodeGraphs):
             else:
                 a = self._linear_attention(x, L, inp, lin)
             x = norm(a, h, L["ln2"], eps, offset=True)
-            m = lin(self.k_act.silu_mul(lin(x, L, "gate_up")), L, "down")
+            if L["moe"]:
+                m = self.eager.mlp(x, L["mlp"], i)
+            else:
+                m = lin(self.k_act.silu_mul(lin(x, L, "gate_up")), L, "down")
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
             x = norm(m, h, nxt, eps, offset=True)
         self.graph_logits[:bs].copy_(F.linear(x, self.lm_head).float())
@@ -172,7 +176,8 @@ class GpuHybrid(DecodeGraphs):
     def _tune_groups(self) -> dict[str, list[torch.Tensor]]:
         full = [L for L in self.layers if L["full"]]
         lin = [L for L in self.layers if not L["full"]]
-        groups = {"in_proj": lin, "out": lin, "qkv": full, "o": full, "gate_up": self.layers, "down": self.layers}
+        dense = [L for L in self.layers if not L["moe"]]
+        groups = {"in_proj": lin, "out": lin, "qkv": full, "o": full, "gate_up": dense, "down": dense}
         return {name: [L[name] for L in ls] for name, ls in groups.items() if ls}
 
     def _after_capture(self) -> None:

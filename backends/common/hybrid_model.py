@@ -89,19 +89,48 @@ def fuse_weights(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
                 w[m + "gate_up_proj.weight"] = torch.cat((_rows_of(w, m + "gate_proj"), _rows_of(w, m + "up_proj")))
 
 
-def stack_experts(w: dict[str, torch.Tensor], prefix: str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [E, 2I, H], down [E, H, I]) from either the per-expert checkpoint names or the fused ones."""
-    fused = w.get(prefix + "experts.gate_up_proj")
+def stack_experts(
+    w: dict[str, torch.Tensor], prefix: str, num_experts: int, with_shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) from either the per-expert checkpoint names or the fused ones; the
+    checkpoint's own tensors leave `w` (nothing is held twice). with_shared: one more expert, index E, holding the
+    shared expert (of the same intermediate size), whose names in `w` become views of it, so that the fused MoE
+    kernels treat it as a pair of every token."""
+    fused = w.pop(prefix + "experts.gate_up_proj", None)
     if fused is not None:
-        return fused, w[prefix + "experts.down_proj"]
-    gate_up = torch.stack(
-        [
-            torch.cat((w[f"{prefix}experts.{e}.gate_proj.weight"], w[f"{prefix}experts.{e}.up_proj.weight"]))
-            for e in range(num_experts)
-        ]
-    )
-    down = torch.stack([w[f"{prefix}experts.{e}.down_proj.weight"] for e in range(num_experts)])
+        gate_up, down = fused, w.pop(prefix + "experts.down_proj")
+        if not with_shared:
+            return gate_up, down
+        experts = [(gate_up[e], down[e]) for e in range(num_experts)]
+    else:
+        experts = []
+        for e in range(num_experts):
+            x = f"{prefix}experts.{e}."
+            gu = torch.cat((w.pop(x + "gate_proj.weight"), w.pop(x + "up_proj.weight")))
+            experts.append((gu, w.pop(x + "down_proj.weight")))
+    if with_shared:
+        s = prefix + "shared_expert."
+        experts.append((w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"]))
+    g0, d0 = experts[0]
+    gate_up = torch.empty((len(experts),) + tuple(g0.shape), dtype=g0.dtype, device=g0.device)
+    down = torch.empty((len(experts),) + tuple(d0.shape), dtype=d0.dtype, device=d0.device)
+    for e, (g, d) in enumerate(experts):
+        gate_up[e].copy_(g)
+        down[e].copy_(d)
+    del experts, fused, g0, d0
+    if with_shared:
+        w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"] = gate_up[num_experts], down[num_experts]
+        return gate_up, down
     return gate_up, down
+
+
+def stack_router(w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The router's rows with the shared expert's gate row after them ([E + 1, H]); the names in `w` become views."""
+    gate, shared_gate = w[prefix + "gate.weight"], w[prefix + "shared_expert_gate.weight"]
+    router = torch.cat((gate, shared_gate))
+    n = gate.shape[0]
+    w[prefix + "gate.weight"], w[prefix + "shared_expert_gate.weight"] = router[:n], router[n:]
+    return router
 
 
 class HybridModel:
@@ -127,15 +156,26 @@ class HybridModel:
             cfg.rope_theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.float32, device=self.device) / self.rot_dim)
         )
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.experts = {}
-        for i in range(cfg.num_layers):
-            if cfg.is_moe_layer(i):
-                self.experts[i] = stack_experts(weights, f"model.layers.{i}.mlp.", cfg.num_experts)
+        # MoE layers: the experts stacked; with the kernels, the router and shared gate rows in one matrix, and the
+        # shared expert as expert E when its size is the experts' (one pair more per token, no launches of its own)
+        self.k_moe = None
+        self.fold_shared = False
+        if kernels and cfg.num_experts:
+            from kernels import moe
+
+            self.k_moe = moe
+            self.fold_shared = cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
+        self.experts, self.router = {}, {}
+        moe_prefixes = {i: f"model.layers.{i}.mlp." for i in range(cfg.num_layers) if cfg.is_moe_layer(i)}
         self.has_mtp = "mtp.fc.weight" in weights  # whatever the config says: the weights decide
         if self.has_mtp:
             self.mtp_kv_layer = len(cfg.full_layers)  # the KV store has one more layer for the MTP head
             if cfg.is_moe_layer(0) or "mtp.layers.0.mlp.gate.weight" in weights:
-                self.experts["mtp"] = stack_experts(weights, "mtp.layers.0.mlp.", cfg.num_experts)
+                moe_prefixes["mtp"] = "mtp.layers.0.mlp."
+        for key, prefix in moe_prefixes.items():
+            self.experts[key] = stack_experts(weights, prefix, cfg.num_experts, with_shared=self.fold_shared)
+            if self.k_moe is not None:
+                self.router[key] = stack_router(weights, prefix)
 
     @property
     def num_kv_layers(self) -> int:
@@ -281,6 +321,8 @@ class HybridModel:
     def mlp(self, x, p, key):
         if key not in self.experts:
             return self._gated_mlp(x, p)
+        if self.k_moe is not None:
+            return self._fused_moe(x, p, key)
         cfg = self.cfg
         gate_up, down = self.experts[key]
         logits = F.linear(x, self.w[p + "gate.weight"])
@@ -296,6 +338,19 @@ class HybridModel:
             out.index_add_(0, tok, F.linear(F.silu(g) * u, down[e]) * top_w[tok, slot, None])
         shared = self._gated_mlp(x, p + "shared_expert.")
         return out + torch.sigmoid(self._linear(x, p + "shared_expert_gate")) * shared
+
+    def _fused_moe(self, x, p, key):
+        """The MoE layer in kernels.moe's launches (no host synchronisation: CUDA-graph safe): router and shared
+        gate in one GEMM, softmax + top-k (+ the shared expert as pair K), grouped GEMMs, a fixed-order combine."""
+        cfg, moe = self.cfg, self.k_moe
+        gate_up, down = self.experts[key]
+        E = cfg.num_experts
+        logits = F.linear(x, self.router[key])  # [T, E + 1]: the last column is the shared expert's gate
+        top_w, top_i = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype, E, self.fold_shared)
+        if self.fold_shared:
+            return moe.routed(x, top_i, top_w, gate_up, down)
+        shared = self._gated_mlp(x, p + "shared_expert.")
+        return moe.routed(x, top_i, top_w, gate_up, down, shared=(logits[:, E:], shared))
 
     # ---- forward -----------------------------------------------------------------------------------------------
     def layer(self, h, i, prefix, kv, state, batch, cos, sin, kv_layer=None, mlp_key=None):

@@ -125,7 +125,7 @@ class ModelRunner:
         """A hybrid model: K/V for its full-attention layers (and the MTP head's), a state page per running
         request and per cache checkpoint. The gated delta rule runs in the Triton kernels where the backend would
         pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU); there decode
-        batches also replay CUDA graphs (`gpu_hybrid.GpuHybrid`) unless the model has MoE layers, and `backend`
+        batches also replay CUDA graphs (`gpu_hybrid.GpuHybrid`, MoE layers included), and `backend`
         reads "triton". Otherwise plain PyTorch layers, and `backend` reads "torch"."""
         from . import gpu_hybrid
         from .hybrid_model import HybridModel

@@ -150,8 +150,14 @@ def test_offset_add_rms_norm(with_res):
 
 
 # ---- the whole decode step: graphs against the PyTorch model ------------------------------------------------
+# MoE: tiny-hybrid's experts; its shared expert (48) differs from the experts (32): a launch path of its own;
+# of the experts' size it is folded in as one more pair per token
+MOE_TINY = SHAPES["tiny-hybrid"]
+MOE_FOLDED = dataclasses.replace(MOE_TINY, shared_expert_intermediate_size=MOE_TINY.moe_intermediate_size)
+
+
 def shapes():
-    out = [("tiny-dense", DENSE_TINY)]
+    out = [("tiny-dense", DENSE_TINY), ("tiny-moe", MOE_TINY), ("tiny-moe-folded", MOE_FOLDED)]
     if DEVICE == "cuda":
         small = dataclasses.replace(
             SHAPES["qwen3-next-layout"], num_layers=4, layer_types=SHAPES["tiny-hybrid"].layer_types,
@@ -265,7 +271,7 @@ def test_launch_greedy_feeds_unread_tokens_and_equals_greedy_decoding():
     assert outs == ref_out
 
 
-@pytest.mark.parametrize("name,cfg", shapes()[:1], ids=[n for n, _ in shapes()[:1]])
+@pytest.mark.parametrize("name,cfg", shapes()[:3], ids=[n for n, _ in shapes()[:3]])
 def test_eager_prefill_over_a_cached_prefix_with_a_lone_decode_equals_the_pytorch_model(name, cfg):
     """The eager path's full attention runs every span that is not one of several decodes in the paged flash
     kernel (ForwardBatch.prefill_rows): a chunk over a cached prefix, a fresh prompt and a lone single-token
@@ -285,3 +291,20 @@ def test_eager_prefill_over_a_cached_prefix_with_a_lone_decode_equals_the_pytorc
     assert batch.decode_rows() is None and batch.prefill_rows()[-1] == 15
     torch.testing.assert_close(gpu.forward(mixed), ref_forward(r, mixed), **TOL)
     assert gpu.stats == {"graph_steps": 0, "eager_steps": 2}
+
+
+def test_folded_shared_expert_is_held_once():
+    """With the kernels, the shared expert of the experts' size is expert E of the stacked weights, the router and
+    the shared gate one matrix: the checkpoint's names are views of them, the per-expert tensors are gone."""
+    cfg = MOE_FOLDED
+    w = loader.random_weights(cfg, DTYPE, DEVICE, seed=1)
+    s = "model.layers.1.mlp.shared_expert."
+    shared_before = torch.cat((w[s + "gate_proj.weight"], w[s + "up_proj.weight"]))
+    m = HybridModel(cfg, w, kernels=True)
+    gate_up, down = m.experts[1]
+    assert m.fold_shared and gate_up.shape[0] == cfg.num_experts + 1
+    p = "model.layers.1.mlp."
+    assert w[p + "shared_expert.gate_up_proj.weight"].data_ptr() == gate_up[cfg.num_experts].data_ptr()
+    assert torch.equal(gate_up[cfg.num_experts], shared_before)
+    assert w[p + "gate.weight"].data_ptr() == m.router[1].data_ptr()
+    assert not any(".experts." in name for name in w)

@@ -101,3 +101,13 @@ def test_routed_adds_the_gated_shared_expert():
     got = moe.routed(x, top_i, top_w, gate_up, down, shared=(gate, shared))
     want = loop_reference(x, top_i, top_w, gate_up, down) + torch.sigmoid(gate.float()) * shared.float()
     torch.testing.assert_close(got.float(), want, **TOL)
+
+
+def test_route_appends_the_shared_expert_as_the_last_pair():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 17, generator=g).to(DEVICE, DTYPE)  # 16 experts, then the shared expert's gate
+    top_w, top_i = moe.route(logits, 3, True, DTYPE, num_experts=16, shared=True)
+    plain_w, plain_i = moe.route(logits[:, :16].contiguous(), 3, True, DTYPE)
+    assert top_i.shape == (5, 4) and torch.equal(top_i[:, :3], plain_i) and (top_i[:, 3] == 16).all()
+    assert torch.equal(top_w[:, :3], plain_w)
+    torch.testing.assert_close(top_w[:, 3].float(), torch.sigmoid(logits[:, 16].float()).to(DTYPE).float())
