@@ -6,11 +6,14 @@ over experts and no host synchronisation (so it can be captured in a CUDA graph)
 
 - `route`: the router's softmax and top-k (renormalised or not) in one launch per batch.
 - `align`: the (token, k) pairs sorted by expert, each expert's run padded to a whole block of `block_m` rows
-  (sentinel rows past the pairs), and each block's expert (-1: an unused block): one Triton program for decode
-  batches, PyTorch device ops past `ALIGN_MAX_PAIRS`. The grid is sized by an upper bound (`align_bound`), not by
+  (sentinel rows past the pairs), and each block's expert (-1: an unused block): two Triton launches for decode
+  batches (counts and runs in one program, then the pairs scattered in parallel), PyTorch device ops past
+  `ALIGN_MAX_PAIRS`. The grid is sized by an upper bound (`align_bound`), not by
   the counts, so nothing waits for the device.
 - `_gate_up_kernel`: per (block, block of intermediate columns) the rows' gate and up projections with the block's
   expert, SiLU(gate) * up in the epilogue, stored in sorted order.
+- a few tokens (`SMALL_BATCH`): `_pair_gate_up_kernel` and `_token_down_kernel`, matrix-vector products per pair
+  and per token (the K down projections summed in pair order in the same launch): two launches, no alignment.
 - `_down_kernel`: per (block, block of hidden columns) the down projection, scaled by the routing weight, stored in
   fp32 at the pair's row; `_combine_kernel` sums the K pairs of a token in a fixed order (deterministic, no
   atomics) and adds the shared expert's sigmoid-gated output.
@@ -27,7 +30,7 @@ import triton.language as tl
 BLOCK_M = 16
 
 
-ALIGN_MAX_PAIRS = 4096  # up to here `align` is one Triton program (decode batches); past it, device ops in PyTorch
+ALIGN_MAX_PAIRS = 4096  # up to here `align` is two Triton launches (decode batches); past it, PyTorch device ops
 
 
 def align_bound(n: int, num_experts: int, block_m: int) -> int:
@@ -37,41 +40,46 @@ def align_bound(n: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_kernel(TopI, Pairs, BlockExpert, n, P, E, BM: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
-    """One program: per-expert counts, runs padded to BM rows, each pair's rank among the earlier pairs of its
-    expert (so the order is the pairs' own: deterministic), the sentinel n in the padding rows, and each block's
-    expert (-1 past the used blocks)."""
+def _align_counts_kernel(TopI, Pairs, BlockExpert, Starts, n, P, BM: tl.constexpr, BE: tl.constexpr,
+                         BP: tl.constexpr):  # fmt: skip
+    """One program: per-expert counts, runs padded to BM rows (their starts into Starts), the sentinel n in every
+    row, and each block's expert (-1 past the used blocks)."""
     e = tl.arange(0, BE)
     counts = tl.zeros((BE,), dtype=tl.int32)
-    for c in range(0, n, BN):
-        rp = c + tl.arange(0, BN)
+    for c in range(0, n, BP):
+        rp = c + tl.arange(0, BP)
         fe = tl.load(TopI + rp, mask=rp < n, other=-1).to(tl.int32)
         counts += tl.sum((fe[None, :] == e[:, None]).to(tl.int32), axis=1)
     padded = (counts + BM - 1) // BM * BM
     ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    for c in range(0, P, BN):
-        rp = c + tl.arange(0, BN)
-        tl.store(Pairs + rp, tl.zeros((BN,), dtype=tl.int32) + n, mask=rp < P)
-    tl.debug_barrier()  # the pairs below overwrite some sentinels
-    for c in range(0, n, BN):
-        rp = c + tl.arange(0, BN)
-        fe = tl.load(TopI + rp, mask=rp < n, other=-1).to(tl.int32)
-        rank = tl.zeros((BN,), dtype=tl.int32)
-        for c2 in range(0, c + BN, BN):
-            rq = c2 + tl.arange(0, BN)
-            ge = tl.load(TopI + rq, mask=rq < n, other=-2).to(tl.int32)
-            earlier = (ge[None, :] == fe[:, None]) & (rq[None, :] < rp[:, None])
-            rank += tl.sum(earlier.to(tl.int32), axis=1)
-        start = tl.sum(tl.where(e[None, :] == fe[:, None], starts[None, :], 0), axis=1)
-        tl.store(Pairs + start + rank, rp, mask=rp < n)
+    tl.store(Starts + e, ends - padded)
+    for c in range(0, P, BP):
+        rp = c + tl.arange(0, BP)
+        tl.store(Pairs + rp, tl.zeros((BP,), dtype=tl.int32) + n, mask=rp < P)
     total = tl.sum(padded, 0)
     nb = P // BM
-    for c in range(0, nb, BN):
-        rb = c + tl.arange(0, BN)
+    for c in range(0, nb, BP):
+        rb = c + tl.arange(0, BP)
         first = rb * BM
         be = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
         tl.store(BlockExpert + rb, tl.where(first < total, be, -1), mask=rb < nb)
+
+
+@triton.jit
+def _align_scatter_kernel(TopI, Pairs, Starts, n, BR: tl.constexpr):
+    """Per block of BR pairs: each pair's rank among the earlier pairs of its expert (the pairs' own order, so
+    the result is deterministic), and the pair stored at its expert's start + rank."""
+    c = tl.program_id(0) * BR
+    rp = c + tl.arange(0, BR)
+    fe = tl.load(TopI + rp, mask=rp < n, other=0).to(tl.int32)
+    rank = tl.zeros((BR,), dtype=tl.int32)
+    for c2 in range(0, c + BR, BR):
+        rq = c2 + tl.arange(0, BR)
+        ge = tl.load(TopI + rq, mask=rq < n, other=-2).to(tl.int32)
+        earlier = (ge[None, :] == fe[:, None]) & (rq[None, :] < rp[:, None])
+        rank += tl.sum(earlier.to(tl.int32), axis=1)
+    start = tl.load(Starts + fe, mask=rp < n, other=0)
+    tl.store(Pairs + start + rank, rp, mask=rp < n)
 
 
 def align(top_i: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -82,11 +90,13 @@ def align(top_i: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     n = top_i.numel()
     P = align_bound(n, num_experts, block_m)
     if n <= ALIGN_MAX_PAIRS:
-        pairs = torch.empty(P, dtype=torch.int32, device=top_i.device)
-        block_expert = torch.empty(P // block_m, dtype=torch.int32, device=top_i.device)
         be = triton.next_power_of_2(num_experts)
-        _align_kernel[(1,)](top_i.reshape(-1), pairs, block_expert, n, P, num_experts, BM=block_m, BE=be,
-                            BN=max(16, min(64, 8192 // be)), num_warps=4)  # fmt: skip
+        out = torch.empty(P + P // block_m + be, dtype=torch.int32, device=top_i.device)
+        pairs, block_expert, starts = out[:P], out[P : P + P // block_m], out[P + P // block_m :]
+        flat = top_i.reshape(-1)
+        _align_counts_kernel[(1,)](flat, pairs, block_expert, starts, n, P, BM=block_m, BE=be,
+                                   BP=max(16, min(64, 8192 // be)))  # fmt: skip
+        _align_scatter_kernel[(triton.cdiv(n, 64),)](flat, pairs, starts, n, BR=64)
         return pairs, block_expert
     return _align_torch(top_i, num_experts, block_m, P)
 
@@ -236,10 +246,64 @@ def _combine_kernel(PerPair, Out, Shared, Gate, H, stride_gate,
     tl.store(Out + row * H + rh, acc.to(Out.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _pair_gate_up_kernel(X, W, TopI, Inter, H, I, stride_x, stride_we, stride_wn,
+                         K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """Small batches: per (pair, block of intermediate columns) SiLU(gate) * up of the pair's token with its
+    expert, as a matrix-vector product (no grouping: each expert is read by the few pairs that use it)."""
+    p, nb = tl.program_id(0), tl.program_id(1)
+    e = tl.load(TopI + p).to(tl.int64)
+    x_row = X + (p // K_TOP).to(tl.int64) * stride_x
+    rn = nb * BN + tl.arange(0, BN)
+    mn = rn < I
+    w_base = W + e * stride_we
+    acc_g = tl.zeros((BN,), dtype=tl.float32)
+    acc_u = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < H
+        a = tl.load(x_row + rk, mask=mk, other=0.0).to(tl.float32)
+        m2 = mn[:, None] & mk[None, :]
+        wg = tl.load(w_base + rn[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
+        wu = tl.load(w_base + (I + rn)[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * a[None, :], axis=1)
+        acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(Inter + p.to(tl.int64) * I + rn, h.to(Inter.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def _token_down_kernel(Inter, W, TopI, TopW, Out, H, I, stride_we, stride_wn,
+                       K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """Small batches: per (token, block of hidden columns) the down projections of the token's K pairs, each
+    scaled by its routing weight and summed in pair order in fp32 (the combine, without a launch of its own)."""
+    t, nb = tl.program_id(0), tl.program_id(1)
+    rn = nb * BN + tl.arange(0, BN)
+    mn = rn < H
+    out = tl.zeros((BN,), dtype=tl.float32)
+    for k in tl.static_range(K_TOP):
+        p = t * K_TOP + k
+        e = tl.load(TopI + p).to(tl.int64)
+        w_base = W + e * stride_we
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < I
+            a = tl.load(Inter + p.to(tl.int64) * I + rk, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_base + rn[:, None] * stride_wn + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        out += acc * tl.load(TopW + p).to(tl.float32)
+    tl.store(Out + t.to(tl.int64) * H + rn, out.to(Out.dtype.element_ty), mask=mn)
+
+
+SMALL_BATCH = 2  # tokens up to which `routed` takes the matrix-vector path (two launches, no grouping)
+
+
 # Tile settings of the two grouped GEMMs (columns per program, reduction step, warps), chosen on the H200 with
 # `python -m perf.moe_bench --sweep` (perf/results/moe_h200/).
 SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
-            "down_stages": 3}  # fmt: skip
+            "down_stages": 3, "small_bn": 16, "small_bk": 256, "small_down_bn": 8, "small_down_bk": 256,
+            "small_warps": 4}  # fmt: skip
 
 
 def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None) -> torch.Tensor:
@@ -254,6 +318,8 @@ def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, 
         return torch.zeros_like(x)
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
     st = SETTINGS if settings is None else {**SETTINGS, **settings}
+    if T <= st.get("small_batch", SMALL_BATCH) and shared is None:
+        return _routed_small(x, top_i, top_w, gate_up, down, st)
     pairs, block_expert = align(top_i, E, block_m)
     P = pairs.numel()
     inter = torch.empty((P, I), dtype=x.dtype, device=x.device)
@@ -272,5 +338,25 @@ def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, 
     bh = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, bh))](
         per_pair, out, sh, gate, H, gate.stride(0), K_TOP=K, HAS_SHARED=shared is not None, BH=bh,
+    )  # fmt: skip
+    return out
+
+
+def _routed_small(x, top_i, top_w, gate_up, down, st) -> torch.Tensor:
+    """`routed` for a few tokens: per pair gate/up + SiLU-mul, then per token the K down projections and their
+    weighted sum, as matrix-vector products (no alignment, no combine launch)."""
+    T, H = x.shape
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2  # noqa: E741
+    K = top_i.shape[1]
+    inter = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
+    _pair_gate_up_kernel[(T * K, triton.cdiv(I, st["small_bn"]))](
+        x, gate_up, top_i.contiguous(), inter, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        K_TOP=K, BN=st["small_bn"], BK=st["small_bk"], num_warps=st["small_warps"],
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    _token_down_kernel[(T, triton.cdiv(H, st["small_down_bn"]))](
+        inter, down, top_i.contiguous(), top_w.contiguous(), out, H, I, down.stride(0), down.stride(1),
+        K_TOP=K, BN=st["small_down_bn"], BK=st["small_down_bk"], num_warps=st["small_warps"],
     )  # fmt: skip
     return out

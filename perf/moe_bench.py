@@ -10,8 +10,9 @@ graph and eagerly) against HybridModel.mlp's loop over experts (eager: it syncs 
 captured), in the same run. Roofline of a decode batch: the bytes the layer must read (the experts the batch routes
 to, each read once, the shared expert and the router) over the device-to-device copy bandwidth measured here.
 Prefill: one chunk of `--prefill` tokens, tokens/s of both paths. `--sweep`: the grouped GEMMs' tile settings
-(kernels.moe.SETTINGS) timed per batch size, each kernel's choices in turn. `--device cpu` (TRITON_INTERPRET=1)
-only checks that the script runs, on small shapes."""
+(kernels.moe.SETTINGS) timed per batch size, each kernel's choices in turn (`small`: the matrix-vector path of a
+few tokens; `small_batch=0` is the grouped path, for comparison). `--profile`: the graphed layer's kernels by GPU
+time. `--device cpu` (TRITON_INTERPRET=1) only checks that the script runs, on small shapes."""
 
 from __future__ import annotations
 
@@ -75,6 +76,13 @@ def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
 
 
 SWEEP = {
+    "small": [dict(small_batch=0)]
+    + [
+        dict(small_bn=bn, small_down_bn=dbn, small_bk=bk, small_down_bk=bk)
+        for bn in (8, 16, 32)
+        for dbn in (4, 8, 16)
+        for bk in (128, 256, 512)
+    ],  # fmt: skip
     "gate_up": [dict(bn=bn, bk=bk, stages=st) for bn in (32, 64) for bk in (64, 128, 256) for st in (2, 3, 4)],
     "down": [
         dict(down_bn=bn, down_bk=bk, down_stages=st) for bn in (32, 64, 128) for bk in (64, 128) for st in (2, 3, 4)
@@ -91,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--prefill", type=int, default=4096, help="tokens of one prefill chunk (0: none)")
     ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs' tile settings per batch")
+    ap.add_argument("--profile", action="store_true", help="print the graphed layer's kernels by GPU time")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-limit", type=float, default=300)
@@ -162,6 +171,13 @@ def main(argv=None) -> int:
             f"{t_loop / t_graph:.1f} | {roof * 1e3:.3f} ms | **{t_graph / roof:.2f}x** | "
             f"{t_routed / roof_routed:.2f}x | {diff:.1e} |"
         )
+        if a.profile and cuda and T <= 256:
+            from perf.hybrid_bench import profile_kernels
+
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fused_layer(x, w, K, norm)
+            profile_kernels(g.replay, f"fused MoE layer, {T} tokens, graph", reps=10)
         if T == a.prefill:
             lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")
         write()
@@ -175,6 +191,8 @@ def main(argv=None) -> int:
             head = " | ".join(",".join(f"{k}={v}" for k, v in c.items()) for c in choices)
             lines += [f"| {kernel}: tokens | {head} |", "|---:|" + "---:|" * len(choices)]
             for T in a.batches:
+                if (kernel == "small") != (T <= moe.SMALL_BATCH):
+                    continue
                 x, top_w, top_i = inputs[T]
                 cells = []
                 for c in choices:

@@ -35,6 +35,14 @@ SAMPLING_KEYS = {
 }
 
 
+# Images (and other media) are refused until multimodal serving exists: a Qwen3.5 checkpoint's vision tower is
+# skipped at load time, so a request with one would otherwise be answered as if the image were not there.
+MEDIA_KEYS = frozenset({"image", "images", "image_url", "video", "audio"})
+NOT_MULTIMODAL = (
+    "multimodal input is not served yet: this deployment serves the language model only (send text_input or input_ids)"
+)
+
+
 @dataclass
 class ClientRequest:
     rid: str
@@ -145,6 +153,8 @@ class MasterModel:
 
     # ---- request parsing ---------------------------------------------------------------------------------
     def parse(self, request) -> ClientRequest:
+        if tio.input_array(request, "image") is not None:
+            raise ParamError("image", NOT_MULTIMODAL)
         text = tio.input_str(request, "text_input")
         ids = tio.input_ids(request, "input_ids")
         if (text is None) == (ids is None):
@@ -163,6 +173,8 @@ class MasterModel:
         except (AttributeError, ValueError):
             rp = {}
         for k, v in rp.items():
+            if k in MEDIA_KEYS:
+                raise ParamError(k, NOT_MULTIMODAL)
             if k in SAMPLING_KEYS:
                 raw.setdefault(k, v)
         params = SamplingParams.from_json(json.dumps(raw))

@@ -37,8 +37,11 @@ def weights(E, H, I, seed):  # noqa: E741
     return gate_up, down
 
 
+@pytest.mark.parametrize("small_batch", [0, 8], ids=["grouped", "matrix-vector"])
 @pytest.mark.parametrize("T,E,K,H,I", [(1, 8, 2, 64, 32), (5, 8, 2, 64, 48), (37, 16, 4, 96, 32)])
-def test_routed_equals_the_loop_over_experts(T, E, K, H, I):  # noqa: E741
+def test_routed_equals_the_loop_over_experts(T, E, K, H, I, small_batch):  # noqa: E741
+    """Both paths of `routed`: grouped GEMMs after the alignment, and (a few tokens) one matrix-vector product
+    per pair and per token."""
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(DEVICE, DTYPE)
     probs = torch.softmax(torch.randn(T, E, generator=g), -1)
@@ -46,7 +49,7 @@ def test_routed_equals_the_loop_over_experts(T, E, K, H, I):  # noqa: E741
     top_w, top_i = torch.topk(probs, K, dim=-1)
     top_w, top_i = top_w.to(DEVICE, DTYPE), top_i.to(DEVICE)
     gate_up, down = weights(E, H, I, seed=T + 1)
-    got = moe.routed(x, top_i, top_w, gate_up, down)
+    got = moe.routed(x, top_i, top_w, gate_up, down, settings=dict(small_batch=small_batch))
     torch.testing.assert_close(got.float(), loop_reference(x, top_i, top_w, gate_up, down), **TOL)
 
 
@@ -64,7 +67,7 @@ def test_align_groups_pairs_by_expert_in_whole_blocks():
     assert real == list(range(n))  # every pair exactly once
 
 
-@pytest.mark.parametrize("T,E,K", [(1, 256, 8), (7, 64, 4), (300, 16, 2)])
+@pytest.mark.parametrize("T,E,K", [(1, 256, 8), (7, 64, 4), (300, 16, 2), (128, 257, 9)])
 def test_align_kernel_equals_the_pytorch_form(T, E, K):
     g = torch.Generator().manual_seed(E + T)
     top_i = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)

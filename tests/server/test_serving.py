@@ -220,6 +220,8 @@ def test_bad_input_invalid_arg_names_field(server, kw, field):
         ({"text_input": "hi", "sampling_parameters": json.dumps({"top_p": 2})}, "top_p"),
         ({"text_input": "hi", "sampling_parameters": "{oops"}, "sampling_parameters"),
         ({"text_input": "hi", "parameters": {"temperature": -1}}, "temperature"),
+        ({"text_input": "hi", "image": ["data:image/png;base64,iVBORw0KGgo="]}, "image"),
+        ({"text_input": "hi", "parameters": {"image_url": "https://example.com/cat.png"}}, "image_url"),
     ],
 )
 def test_http_bad_input_is_400_invalid_arg(server, body, field):
