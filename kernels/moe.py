@@ -6,9 +6,9 @@ over experts and no host synchronisation (so it can be captured in a CUDA graph)
 
 - `route`: the router's softmax and top-k (renormalised or not) in one launch per batch.
 - `align`: the (token, k) pairs sorted by expert, each expert's run padded to a whole block of `block_m` rows
-  (sentinel rows past the pairs), and each block's expert (-1: an unused block): two Triton launches for decode
-  batches (counts and runs in one program, then the pairs scattered in parallel), PyTorch device ops past
-  `ALIGN_MAX_PAIRS`. The grid is sized by an upper bound (`align_bound`), not by
+  (sentinel rows past the pairs), and each block's expert (-1: an unused block): a memset and two Triton launches
+  for decode batches (sentinels and counts, then runs, pairs and block experts, in parallel programs), PyTorch
+  device ops past `ALIGN_MAX_PAIRS`. The grid is sized by an upper bound (`align_bound`), not by
   the counts, so nothing waits for the device.
 - `_gate_up_kernel`: per (block, block of intermediate columns) the rows' gate and up projections with the block's
   expert, SiLU(gate) * up in the epilogue, stored in sorted order.
@@ -30,7 +30,7 @@ import triton.language as tl
 BLOCK_M = 16
 
 
-ALIGN_MAX_PAIRS = 4096  # up to here `align` is two Triton launches (decode batches); past it, PyTorch device ops
+ALIGN_MAX_PAIRS = 4096  # up to here `align` runs in Triton (decode batches); past it, PyTorch device ops
 
 
 def align_bound(n: int, num_experts: int, block_m: int) -> int:
@@ -40,46 +40,43 @@ def align_bound(n: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_counts_kernel(TopI, Pairs, BlockExpert, Starts, n, P, BM: tl.constexpr, BE: tl.constexpr,
-                         BP: tl.constexpr):  # fmt: skip
-    """One program: per-expert counts, runs padded to BM rows (their starts into Starts), the sentinel n in every
-    row, and each block's expert (-1 past the used blocks)."""
-    e = tl.arange(0, BE)
-    counts = tl.zeros((BE,), dtype=tl.int32)
-    for c in range(0, n, BP):
-        rp = c + tl.arange(0, BP)
-        fe = tl.load(TopI + rp, mask=rp < n, other=-1).to(tl.int32)
-        counts += tl.sum((fe[None, :] == e[:, None]).to(tl.int32), axis=1)
-    padded = (counts + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, 0)
-    tl.store(Starts + e, ends - padded)
-    for c in range(0, P, BP):
-        rp = c + tl.arange(0, BP)
-        tl.store(Pairs + rp, tl.zeros((BP,), dtype=tl.int32) + n, mask=rp < P)
-    total = tl.sum(padded, 0)
-    nb = P // BM
-    for c in range(0, nb, BP):
-        rb = c + tl.arange(0, BP)
-        first = rb * BM
-        be = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + rb, tl.where(first < total, be, -1), mask=rb < nb)
+def _align_count_kernel(TopI, Counts, Pairs, n, P, BR: tl.constexpr):
+    """Per block of BR rows: the sentinel n in the sorted list's rows, and the block's pairs counted per expert
+    (integer atomics: the counts do not depend on their order)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    tl.store(Pairs + r, tl.zeros((BR,), dtype=tl.int32) + n, mask=r < P)
+    fe = tl.load(TopI + r, mask=r < n, other=0).to(tl.int32)
+    tl.atomic_add(Counts + fe, tl.full((BR,), 1, tl.int32), mask=r < n)
 
 
 @triton.jit
-def _align_scatter_kernel(TopI, Pairs, Starts, n, BR: tl.constexpr):
-    """Per block of BR pairs: each pair's rank among the earlier pairs of its expert (the pairs' own order, so
-    the result is deterministic), and the pair stored at its expert's start + rank."""
-    c = tl.program_id(0) * BR
-    rp = c + tl.arange(0, BR)
-    fe = tl.load(TopI + rp, mask=rp < n, other=0).to(tl.int32)
-    rank = tl.zeros((BR,), dtype=tl.int32)
-    for c2 in range(0, c + BR, BR):
-        rq = c2 + tl.arange(0, BR)
-        ge = tl.load(TopI + rq, mask=rq < n, other=-2).to(tl.int32)
-        earlier = (ge[None, :] == fe[:, None]) & (rq[None, :] < rp[:, None])
-        rank += tl.sum(earlier.to(tl.int32), axis=1)
-    start = tl.load(Starts + fe, mask=rp < n, other=0)
-    tl.store(Pairs + start + rank, rp, mask=rp < n)
+def _align_scatter_kernel(TopI, Counts, Pairs, BlockExpert, n, nb,
+                          BM: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, BQ: tl.constexpr,
+                          BB: tl.constexpr):  # fmt: skip
+    """Each program: the runs' starts from the counts (each expert's run padded to BM rows); BR pairs each stored
+    at its expert's start + its rank among the earlier pairs of that expert (the pairs' own order: the list is
+    deterministic); and the expert of BB blocks (-1 past the used ones)."""
+    i = tl.program_id(0)
+    e = tl.arange(0, BE)
+    padded = (tl.load(Counts + e) + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    c = i * BR
+    if c < n:
+        rp = c + tl.arange(0, BR)
+        fe = tl.load(TopI + rp, mask=rp < n, other=0).to(tl.int32)
+        rank = tl.zeros((BR,), dtype=tl.int32)
+        for c2 in range(0, c + BR, BQ):
+            rq = c2 + tl.arange(0, BQ)
+            ge = tl.load(TopI + rq, mask=rq < n, other=-2).to(tl.int32)
+            earlier = (ge[None, :] == fe[:, None]) & (rq[None, :] < rp[:, None])
+            rank += tl.sum(earlier.to(tl.int32), axis=1)
+        start = tl.sum(tl.where(e[None, :] == fe[:, None], starts[None, :], 0), axis=1)
+        tl.store(Pairs + start + rank, rp, mask=rp < n)
+    rb = i * BB + tl.arange(0, BB)
+    first = rb * BM
+    be = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+    tl.store(BlockExpert + rb, tl.where(first < tl.sum(padded, 0), be, -1), mask=rb < nb)
 
 
 def align(top_i: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -91,12 +88,16 @@ def align(top_i: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     P = align_bound(n, num_experts, block_m)
     if n <= ALIGN_MAX_PAIRS:
         be = triton.next_power_of_2(num_experts)
-        out = torch.empty(P + P // block_m + be, dtype=torch.int32, device=top_i.device)
-        pairs, block_expert, starts = out[:P], out[P : P + P // block_m], out[P + P // block_m :]
+        nb = P // block_m
+        pairs = torch.empty(P + nb, dtype=torch.int32, device=top_i.device)
+        pairs, block_expert = pairs[:P], pairs[P:]
+        counts = torch.zeros(be, dtype=torch.int32, device=top_i.device)
         flat = top_i.reshape(-1)
-        _align_counts_kernel[(1,)](flat, pairs, block_expert, starts, n, P, BM=block_m, BE=be,
-                                   BP=max(16, min(64, 8192 // be)))  # fmt: skip
-        _align_scatter_kernel[(triton.cdiv(n, 64),)](flat, pairs, starts, n, BR=64)
+        _align_count_kernel[(triton.cdiv(P, 256),)](flat, counts, pairs, n, P, BR=256)
+        br, bb = 32, max(16, min(64, 8192 // be))
+        grid = max(triton.cdiv(n, br), triton.cdiv(nb, bb))
+        _align_scatter_kernel[(grid,)](flat, counts, pairs, block_expert, n, nb, BM=block_m, BE=be, BR=br, BQ=256,
+                                       BB=bb)  # fmt: skip
         return pairs, block_expert
     return _align_torch(top_i, num_experts, block_m, P)
 
@@ -302,7 +303,7 @@ SMALL_BATCH = 2  # tokens up to which `routed` takes the matrix-vector path (two
 # Tile settings of the two grouped GEMMs (columns per program, reduction step, warps), chosen on the H200 with
 # `python -m perf.moe_bench --sweep` (perf/results/moe_h200/).
 SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
-            "down_stages": 3, "small_bn": 16, "small_bk": 256, "small_down_bn": 8, "small_down_bk": 256,
+            "down_stages": 3, "small_bn": 8, "small_bk": 512, "small_down_bn": 4, "small_down_bk": 512,
             "small_warps": 4}  # fmt: skip
 
 

@@ -78,10 +78,11 @@ def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
 SWEEP = {
     "small": [dict(small_batch=0)]
     + [
-        dict(small_bn=bn, small_down_bn=dbn, small_bk=bk, small_down_bk=bk)
-        for bn in (8, 16, 32)
-        for dbn in (4, 8, 16)
-        for bk in (128, 256, 512)
+        dict(small_bn=bn, small_down_bn=dbn, small_bk=bk, small_down_bk=bk, small_warps=wp)
+        for bn in (4, 8, 16)
+        for dbn in (2, 4, 8)
+        for bk in (512, 1024)
+        for wp in (4, 8)
     ],  # fmt: skip
     "gate_up": [dict(bn=bn, bk=bk, stages=st) for bn in (32, 64) for bk in (64, 128, 256) for st in (2, 3, 4)],
     "down": [
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
         if T == a.prefill:
             lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")
         write()
+    best: dict[tuple[str, int], tuple[float, dict]] = {}
     if a.sweep:
         lines += [
             "",
@@ -205,9 +207,23 @@ def main(argv=None) -> int:
                         continue
                     rows.append(dict(sweep=kernel, tokens=T, settings=c, routed_graph_s=t))
                     cells.append(f"{t * 1e6:.1f}")
+                    if t < best.get((kernel, T), (float("inf"),))[0]:
+                        best[(kernel, T)] = (t, c)
                 lines.append(f"| {T} | " + " | ".join(cells) + " |")
                 write()
             lines.append("")
+    if best:
+        lines += ["## The layer with the sweep's best settings (graph)", "",
+                  "| tokens | fused layer | fused / roofline | settings |", "|---:|---:|---:|---|"]  # fmt: skip
+        for T in a.batches:
+            groups = ["small"] if T <= moe.SMALL_BATCH else ["gate_up", "down"]
+            st = {k: v for g in groups if (g, T) in best for k, v in best[(g, T)][1].items()}
+            x = inputs[T][0]
+            t = timed(partial(fused_layer, x, w, K, norm, st), a.reps, cuda, graph=cuda)
+            roof = next(r["roofline_s"] for r in rows if r.get("tokens") == T and "roofline_s" in r)
+            rows.append(dict(tuned=True, tokens=T, settings=st, fused_graph_s=t, roofline_s=roof))
+            lines.append(f"| {T} | {t * 1e3:.3f} ms | **{t / roof:.2f}x** | `{st}` |")
+            write()
     timer.cancel()
     lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
     write()
