@@ -97,7 +97,8 @@ def test_engine_with_the_kernels_equals_the_pytorch_path():
     for backend in ("torch", "triton"):
         eng = Engine("random:tiny-hybrid", dtype="float32", device=DEVICE, kv_tokens=2048, chunk_size=64,
                      backend=backend)  # fmt: skip
-        assert (eng.runner.model.kd is not None) == (backend == "triton")
+        model = eng.runner.model  # with the kernels: the graph step (GpuHybrid) over the eager model
+        assert (getattr(model, "eager", model).kd is not None) == (backend == "triton")
         outs[backend] = [o.output_ids for o in eng.generate(prompts, params)]
         outs[backend] += [o.output_ids for o in eng.generate(prompts[::-1], params)]  # now with prefix hits
         assert eng.scheduler.num_cached_tokens > 0
