@@ -120,7 +120,6 @@ def stack_experts(
     del experts, fused, g0, d0
     if with_shared:
         w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"] = gate_up[num_experts], down[num_experts]
-        return gate_up, down
     return gate_up, down
 
 
