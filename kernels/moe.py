@@ -300,11 +300,12 @@ def _token_down_kernel(Inter, W, TopI, TopW, Out, H, I, stride_we, stride_wn,
 SMALL_BATCH = 2  # tokens up to which `routed` takes the matrix-vector path (two launches, no grouping)
 
 
-# Tile settings of the two grouped GEMMs (columns per program, reduction step, warps), chosen on the H200 with
+# Launch settings: the two grouped GEMMs' tiles (columns per program, reduction step, warps, stages), the
+# matrix-vector path's (small_*) and the batch up to which that path is taken, chosen on the H200 with
 # `python -m perf.moe_bench --sweep` (perf/results/moe_h200/).
 SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
-            "down_stages": 3, "small_bn": 8, "small_bk": 512, "small_down_bn": 4, "small_down_bk": 512,
-            "small_warps": 4}  # fmt: skip
+            "down_stages": 3, "small_batch": SMALL_BATCH, "small_bn": 8, "small_bk": 512, "small_down_bn": 4,
+            "small_down_bk": 512, "small_warps": 4}  # fmt: skip
 
 
 def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None) -> torch.Tensor:
@@ -319,7 +320,7 @@ def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, 
         return torch.zeros_like(x)
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
     st = SETTINGS if settings is None else {**SETTINGS, **settings}
-    if T <= st.get("small_batch", SMALL_BATCH) and shared is None:
+    if T <= st["small_batch"] and shared is None:
         return _routed_small(x, top_i, top_w, gate_up, down, st)
     pairs, block_expert = align(top_i, E, block_m)
     P = pairs.numel()
@@ -347,8 +348,7 @@ def _routed_small(x, top_i, top_w, gate_up, down, st) -> torch.Tensor:
     """`routed` for a few tokens: per pair gate/up + SiLU-mul, then per token the K down projections and their
     weighted sum, as matrix-vector products (no alignment, no combine launch)."""
     T, H = x.shape
-    E, two_i, _ = gate_up.shape
-    I = two_i // 2  # noqa: E741
+    I = gate_up.shape[1] // 2  # noqa: E741
     K = top_i.shape[1]
     inter = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
     _pair_gate_up_kernel[(T * K, triton.cdiv(I, st["small_bn"]))](
