@@ -315,14 +315,16 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
 # ---- the decode step of a linear-attention layer, fused for CUDA graphs (backends.common.gpu_hybrid) ----------
 @triton.jit
 def _conv_step_kernel(
-    X, W, S, Out, Pages, stride_x, stride_o, s_page, C,
+    X, W, S, Out, Pages, OutPages, stride_x, stride_o, s_page, C,
     KM1: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Depthwise causal conv over one new input per sequence, then SiLU. X [B, >= C] (the projection's first C
-    columns), W [C, KM1 + 1], S: conv state rows [pages, C, KM1] (page stride s_page), Out [B, C] float32. Every
-    load comes before any store, so the loads are not ordered behind the stores."""
+    columns), W [C, KM1 + 1], S: conv state rows [pages, C, KM1] (page stride s_page), read at Pages[b] and the
+    new state written at OutPages[b]; Out [B, C] float32. Every load comes before any store, so the loads are not
+    ordered behind the stores."""
     b, cb = tl.program_id(0), tl.program_id(1)
     page = tl.load(Pages + b).to(tl.int64)
+    out_page = tl.load(OutPages + b).to(tl.int64)
     offs = cb * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
     taps = tl.arange(0, KM1 + 1)  # KM1 + 1 is a power of two (the conv kernel: 4)
@@ -335,14 +337,16 @@ def _conv_step_kernel(
     nxt = tl.where(taps[None, :] == KM1 - 1, x[:, None], nxt)
     w = tl.load(W + offs[:, None] * (KM1 + 1) + taps[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
     acc = tl.sum(tl.where(taps[None, :] == KM1, x[:, None], prev) * w, 1)
-    tl.store(sp, nxt, mask=tmask)
+    tl.store(S + out_page * s_page + offs[:, None] * KM1 + taps[None, :], nxt, mask=tmask)
     tl.store(Out + b.to(tl.int64) * stride_o + offs, acc / (1.0 + tl.exp(-acc)), mask=mask)
 
 
-def conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, pages: torch.Tensor, out=None):
+def conv_step(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, pages: torch.Tensor, out=None, out_pages=None
+):
     """x: [B, >= C] (its first C columns are the conv inputs, any dtype); weight [C, K] with K a power of two;
-    conv_state [pages, C, K-1] float32, a view with unit stride inside a page, updated in place at rows `pages`
-    [B]. Returns float32 [B, C]."""
+    conv_state [pages, C, K-1] float32, a view with unit stride inside a page, read at rows `pages` [B] and
+    updated at rows `out_pages` (default: `pages`, in place). Returns float32 [B, C]."""
     B = x.shape[0]
     C, K = weight.shape
     assert conv_state.stride(2) == 1 and conv_state.stride(1) == K - 1 and x.stride(1) == 1 and K & (K - 1) == 0
@@ -352,7 +356,8 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, p
         return out
     block = 256
     _conv_step_kernel[(B, triton.cdiv(C, block))](
-        x, weight, conv_state, out, pages, x.stride(0), out.stride(0), conv_state.stride(0), C,
+        x, weight, conv_state, out, pages, pages if out_pages is None else out_pages, x.stride(0), out.stride(0),
+        conv_state.stride(0), C,
         KM1=K - 1, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return out
@@ -360,15 +365,17 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, p
 
 @triton.jit
 def _gated_delta_step_kernel(
-    Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages,
+    Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages,
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
-    loaded, updated, stored and read out in turn; then the gated RMSNorm over all DV outputs."""
+    loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
+    all DV outputs."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     page = tl.load(Pages + b).to(tl.int64)
+    out_page = tl.load(OutPages + b).to(tl.int64)
     kh = h // R  # the key head this value head reads (q and k repeat_interleave'd by R)
     rk = tl.arange(0, BK)
     mk = rk < DK
@@ -389,12 +396,12 @@ def _gated_delta_step_kernel(
         rv = vb * BV + tl.arange(0, BV)
         mv = rv < DV
         v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
-        sp = S + page * s_page + h * s_head + rk[:, None] * s_k + rv[None, :]
+        tile = h * s_head + rk[:, None] * s_k + rv[None, :]
         m2 = mk[:, None] & mv[None, :]
-        s = tl.load(sp, mask=m2, other=0.0) * decay
+        s = tl.load(S + page * s_page + tile, mask=m2, other=0.0) * decay
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
-        tl.store(sp, s, mask=m2)
+        tl.store(S + out_page * s_page + tile, s, mask=m2)
         o = tl.sum(s * q[:, None], axis=0).to(dt)  # the core output, rounded as the PyTorch model rounds it
         tl.store(orow + rv, o, mask=mv)
         of = o.to(tl.float32)
@@ -420,10 +427,12 @@ def step_block_v(batch: int) -> int:
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
+    out_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
-    update of the state page in place, the read-out and the gated RMSNorm with z.
+    update of the state page (read at `pages`, written at `out_pages`, default in place), the read-out and the
+    gated RMSNorm with z.
 
     mixed: [B, 2 * Hk * DK + HV * DV] float32 (conv output: q, k, v of every head); proj: [B, >= a_off + HV] (the
     projection, columns [z (HV * DV) | b (HV) | a (HV)] from z_off = mixed's width); state [pages, HV, DK, DV]
@@ -441,7 +450,7 @@ def gated_delta_step(
     bk = triton.next_power_of_2(DK)
     bv = min(triton.next_power_of_2(DV), block_v)
     _gated_delta_step_kernel[(B, HV)](
-        mixed, proj, a_log, dt_bias, norm_w, out, state, pages,
+        mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
         DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
         num_warps=num_warps,

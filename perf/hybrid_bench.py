@@ -3,7 +3,7 @@ roofline, the eager path on the same batch, and the prefill of one long prompt a
 measured in the same run.
 
     python -m perf.hybrid_bench [--models random:qwen3-next-layout random:qwen3.5-9b] [--batches 1 32 128]
-                                [--context 1024] [--prefill 8192] [--out FILE.md]
+                                [--context 1024] [--prefill 8192] [--speculative] [--out FILE.md]
 
 Decode roofline of a batch of B sequences of `context` tokens: the weight bytes one step reads (every layer, the
 final norm and the LM head; not the embedding table, of which it reads B rows, nor the MTP head; of an MoE layer
@@ -16,7 +16,10 @@ launched before step n's tokens are read, ids of -1), host work included. K/V an
 Prefill: one prompt in one forward pass (eager path: the projections in cuBLAS, the chunked delta rule in Triton,
 full attention in the paged Triton flash kernel), after a warm-up prompt; model FLOPs = 2 x matmul parameters x
 tokens + causal attention (4 x T^2 / 2 x heads x head dim per full layer), against an 8192^3 bf16 matmul timed here.
-`--profile` also lists the prefill's kernels by GPU time."""
+`--profile` also lists the prefill's kernels by GPU time.
+
+`--speculative`: the speculative step's graphs at each batch (every sequence verifies its input token and a draft,
+then the MTP head drafts the next), GPU time per replay against the decode step's and the same roofline."""
 
 from __future__ import annotations
 
@@ -150,6 +153,26 @@ def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
     return t_graph, t_loop, t_eager
 
 
+def time_speculative(runner, B: int, a, gen) -> tuple[float, float]:
+    """(verification graph replay, verification + MTP head replays) seconds for a batch of B sequences that each
+    verify an input token and one draft (`--speculative mtp`'s step)."""
+    from backends.common.batch import Span
+
+    model = runner.model
+    seqs = decode_rows(runner, B, a.context, a.reps, gen)
+    spans = [Span([7 + i, 9 + i], a.context, sl, key, pg, logits_all=True, save_page=runner.scratch_page(i))
+             for i, (sl, pg, key) in enumerate(seqs)]  # fmt: skip
+    if not runner.launch_verify(spans):
+        raise SystemExit(f"hybrid_bench: batch {B} does not verify in a graph")
+    bs = model.graph_size(B)
+    verify = model.verify_graphs[bs].replay
+    t_verify = cuda_time(verify, a.reps)
+    t_both = cuda_time(lambda: (verify(), model.mtp_graphs[bs].replay()), a.reps) if model.mtp_graphs else None
+    for _, _, key in seqs:
+        runner.forget(key)
+    return t_verify, t_both
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["random:qwen3-next-layout", "random:qwen3.5-9b"])
@@ -159,6 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 32], help="also time the eager path")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement (0: none)")
     ap.add_argument("--profile", action="store_true", help="print each batch's kernels by GPU time")
+    ap.add_argument("--speculative", action="store_true",
+                    help="also time the speculative step's graphs (verify an input and a draft per sequence, then "
+                         "the MTP head) against the decode step")  # fmt: skip
     ap.add_argument("--time-limit", type=float, default=540)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -181,7 +207,7 @@ def main(argv=None) -> int:
         "| tokens/s (loop) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    prefill_lines = []
+    prefill_lines, spec_lines = [], []
     gen = torch.Generator().manual_seed(0)
     for spec in a.models:
         t0 = time.perf_counter()
@@ -192,6 +218,8 @@ def main(argv=None) -> int:
         cfg = runner.cfg
         if runner.backend != "triton":
             raise SystemExit(f"hybrid_bench: {spec} does not run the graph path (backend {runner.backend})")
+        if a.speculative:
+            runner.prepare_speculative("mtp" if runner.has_mtp else "ngram")
         randomise(runner)
         _, params = weights_read_per_step(runner)
         kv_token = len(cfg.full_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv.buffer.element_size()
@@ -208,6 +236,12 @@ def main(argv=None) -> int:
                 f"| {name} | {B} | {t_graph * 1e3:.2f} ms | {t_loop * 1e3:.2f} ms | {roof * 1e3:.2f} ms | "
                 f"{t_graph / roof:.2f}x | {t_loop / roof:.2f}x | {eager} | {B / t_loop:,.0f} |"
             )
+            if a.speculative:
+                t_verify, t_both = time_speculative(runner, B, a, gen)
+                rows[-1].update(verify_s=t_verify, verify_mtp_s=t_both)
+                both = f"{t_both * 1e3:.2f} ms ({t_both / t_graph:.2f}x)" if t_both is not None else "-"
+                spec_lines.append(f"| {name} | {B} | {t_graph * 1e3:.2f} ms | {t_verify * 1e3:.2f} ms "
+                                  f"({t_verify / t_graph:.2f}x) | {both} | {t_verify / roof:.2f}x |")  # fmt: skip
             write()
         if a.prefill:
             page = max(a.batches)
@@ -239,6 +273,11 @@ def main(argv=None) -> int:
         write()
         del runner
         torch.cuda.empty_cache()
+    if spec_lines:
+        lines += ["", "Speculative step (`--speculative`): each sequence verifies its input token and one draft "
+                  "(2 query rows), then the MTP head drafts from both; two tokens per sequence when the draft is "
+                  "kept.", "", "| model | batch | decode step | verify | verify + MTP | verify / roofline |",
+                  "|---|---:|---:|---:|---:|---:|", *spec_lines]  # fmt: skip
     if prefill_lines:
         lines += ["", "| model | prompt | prefill | tokens/s | model FLOP rate | of matmul rate |",
                   "|---|---:|---:|---:|---:|---:|", *prefill_lines]  # fmt: skip

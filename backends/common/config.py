@@ -5,7 +5,7 @@ gated full-attention layers, dense or mixture-of-experts MLPs)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # config.json model types this project loads: the Llama family, the hybrids (Qwen3-Next and Qwen3.5's language
@@ -383,6 +383,8 @@ SHAPES["tiny-hybrid"] = ModelConfig(
     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2, mtp_layers=1,
 )  # fmt: skip
+# The same with dense MLPs: the CPU tests of the graph path (Triton's interpreter runs MoE layers slowly).
+SHAPES["tiny-hybrid-dense"] = replace(SHAPES["tiny-hybrid"], num_experts=0)
 # Qwen3.5-9B's language model: transformers' Qwen3_5TextConfig defaults (5.17) are that model's layout (32 layers,
 # 3:1 linear/full, hidden 4,096, dense MLP of 12,288, gated attention 16 x 256 over 4 KV heads, 32 value heads of
 # 128 over 16 key heads, vocabulary 248,320, rope on a quarter of each head) with its one MTP layer. The text

@@ -155,9 +155,11 @@ class DecodeGraphs:
         self.dev_tokens[:bs].copy_(tokens)
         self.next_tok.index_put_((inp[3],), tokens)  # padding rows all write row 0, which no sequence owns
 
-    def _argmax(self, bs: int) -> torch.Tensor:
-        """int32 argmax of each of the first bs logits rows, the first index among equal maxima (as torch.argmax)."""
-        vals, idx = self._logits_padded[:bs].view(bs, 128, self.argmax_chunk).max(-1)
+    def _argmax(self, bs: int, padded: torch.Tensor | None = None) -> torch.Tensor:
+        """int32 argmax of each of the first bs logits rows (of `padded`, default the decode graphs' logits), the
+        first index among equal maxima (as torch.argmax)."""
+        padded = self._logits_padded if padded is None else padded
+        vals, idx = padded[:bs].view(bs, 128, self.argmax_chunk).max(-1)
         best = vals.argmax(-1, keepdim=True)  # the first chunk holding the maximum
         return (best * self.argmax_chunk + idx.gather(1, best)).view(bs).to(torch.int32)
 
@@ -179,7 +181,9 @@ class DecodeGraphs:
         n = max(sizes)
         dev = self.device
         self._pad = self.pad_column()
-        self.qidx = torch.arange(n, dtype=torch.int32, device=dev)
+        # query row indices; twice the largest batch for speculative verification (two rows per sequence), sized
+        # here once: a graph keeps the address it was captured with
+        self.qidx = torch.arange(2 * n, dtype=torch.int32, device=dev)
         # logits rows padded with -inf to whole chunks for a two-stage argmax: torch's one-row argmax over the
         # vocabulary runs in a single block (27 µs at batch 1 on an H200)
         V = self.cfg.vocab_size
@@ -209,7 +213,7 @@ class DecodeGraphs:
             return
         if not self.linear_fixed and os.environ.get("TRITON_PD_LINEAR_TUNE", "1") != "0":
             self._tune_linear([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .batch import Span, build_batch
 from .decode_graphs import DecodeGraphs
+from .decode_graphs import _EagerGraph as _EagerBody
 from .hybrid_model import HybridModel
 from .kv_store import KVStore, StateStore
 
@@ -93,7 +94,20 @@ class GpuHybrid(DecodeGraphs):
         self._init_graphs(max_batch, max_ctx or min(cfg.max_position_embeddings, kv.num_slots), scratch_slot,
                           linear_choice)  # fmt: skip
         self.cos, self.sin = rope.rope_cache(eager.inv_freq, self.max_ctx, self.device)
-        self.attn_counters = torch.zeros(max_batch * cfg.num_kv_heads, dtype=torch.int32, device=self.device)
+        # two query rows per sequence in a speculative verification graph
+        self.attn_counters = torch.zeros(2 * max_batch * cfg.num_kv_heads, dtype=torch.int32, device=self.device)
+        self.verify_graphs: dict[int, object] = {}
+        self.mtp_graphs: dict[int, object] = {}
+        if self.has_mtp:
+            m = "mtp.layers.0."
+            self.mtp_layer = dict(
+                ln1=w[m + "input_layernorm.weight"], ln2=w[m + "post_attention_layernorm.weight"],
+                moe="mtp" in eager.experts, mlp=m + "mlp.", kv_layer=eager.mtp_kv_layer,
+                qkv=w[m + "self_attn.qkv_proj.weight"], o=w[m + "self_attn.o_proj.weight"],
+                q_norm=w[m + "self_attn.q_norm.weight"], k_norm=w[m + "self_attn.k_norm.weight"],
+            )  # fmt: skip
+            if not self.mtp_layer["moe"]:
+                self.mtp_layer.update(gate_up=w[m + "mlp.gate_up_proj.weight"], down=w[m + "mlp.down_proj.weight"])
         if graph_sizes:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
 
@@ -120,30 +134,44 @@ class GpuHybrid(DecodeGraphs):
         inp = self.graph_inputs[bs]  # [6, bs] int32: ids, positions, out slots, table rows, lengths, state pages
         ids = self._graph_ids(inp)
         self.table.table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        norm = self.k_norm.add_rms_norm
-        choice = {n: self.linear_choice.get((n, bs)) for n in ("in_proj", "out", "qkv", "o", "gate_up", "down")}
+        x = self._layers(ids, inp, bs, self._linear_attention)
+        self.graph_logits[:bs].copy_(F.linear(x, self.lm_head).float())
+        self._store_tokens(bs, inp)
+
+    def _lin(self, rows: int):
+        """The projection function of a graph with `rows` query rows (skinny_linear where tuning chose it)."""
+        choice = {n: self.linear_choice.get((n, rows)) for n in ("in_proj", "out", "qkv", "o", "gate_up", "down")}
 
         def lin(x, L, name):
             return self.k_lin.linear(x, L[name], choice[name])
 
+        return lin
+
+    def _layers(self, ids, inp, rows: int, linear_attention) -> torch.Tensor:
+        """Every layer over `rows` query rows; returns the final-norm hidden states [rows, hidden]."""
+        eps = self.cfg.rms_norm_eps
+        norm = self.k_norm.add_rms_norm
+        lin = self._lin(rows)
         h = F.embedding(ids, self.embed)
         x = norm(h, None, self.layers[0]["ln1"], eps, offset=True)
         for i, L in enumerate(self.layers):
             if L["full"]:
-                a = self._full_attention(x, L, inp, bs, lin)
+                a = self._full_attention(x, L, inp, rows, lin)
             else:
-                a = self._linear_attention(x, L, inp, lin)
-            x = norm(a, h, L["ln2"], eps, offset=True)
-            if L["moe"]:
-                m = self.eager.mlp(x, L["mlp"], i)
-            else:
-                m = lin(self.k_act.silu_mul(lin(x, L, "gate_up")), L, "down")
+                a = linear_attention(x, L, inp, lin)
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
-            x = norm(m, h, nxt, eps, offset=True)
-        self.graph_logits[:bs].copy_(F.linear(x, self.lm_head).float())
-        self._store_tokens(bs, inp)
+            x = self._mlp(a, h, L, i, lin, nxt)
+        return x
+
+    def _mlp(self, a, h, L, key, lin, nxt) -> torch.Tensor:
+        """h += a; h += the MLP of rmsnorm(h); returns rmsnorm(h) with weight nxt (the next layer's input norm)."""
+        eps, norm = self.cfg.rms_norm_eps, self.k_norm.add_rms_norm
+        x = norm(a, h, L["ln2"], eps, offset=True)
+        if L["moe"]:
+            m = self.eager.mlp(x, L["mlp"], key)
+        else:
+            m = lin(self.k_act.silu_mul(lin(x, L, "gate_up")), L, "down")
+        return norm(m, h, nxt, eps, offset=True)
 
     def _linear_attention(self, x, L, inp, lin):
         cfg, j, pages = self.cfg, L["j"], inp[5]
@@ -156,6 +184,7 @@ class GpuHybrid(DecodeGraphs):
         return lin(core, L, "out")
 
     def _full_attention(self, x, L, inp, bs, lin):
+        """bs: the number of query rows (inp's columns)."""
         cfg = self.cfg
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kl = L["kv_layer"]
@@ -171,6 +200,191 @@ class GpuHybrid(DecodeGraphs):
         )  # fmt: skip
         gated = attn.view(-1, H * D) * torch.sigmoid(qkv[:, H * D : 2 * H * D])
         return lin(gated, L, "o")
+
+    # ----- speculative verification in graphs -----
+    # A verification graph of bs sequences has 2 * bs query rows: column i is sequence i's input token, column
+    # bs + i its draft (a padding column where it has none). Its input rows are the decode graph's five, then the
+    # state page each column reads and the one it writes: the input token reads the request's page and writes its
+    # scratch page (the state after the input: the rollback point), the draft reads that and writes the request's
+    # page, so the request's page ends after the draft as in the eager path; without a draft the input token
+    # updates its page in place. The MTP graph of bs sequences runs the MTP head over the same 2 * bs columns (the
+    # token after each verified position, the verify graph's hidden state there) and takes each row's argmax.
+    def capture_speculative(self, mtp: bool = True) -> None:
+        """Capture the verification graphs (and with mtp the MTP head's) for every decode graph size."""
+        sizes = sorted(self.graphs)
+        if not sizes or self.verify_graphs:
+            return
+        n, dev = 2 * max(sizes), self.device
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        self._spec_padded = torch.full((n, 128 * self.argmax_chunk), float("-inf"), dtype=torch.float32, device=dev)
+        self.spec_logits = self._spec_padded[:, :V]  # the verify graph's logits, then the MTP graph's
+        self.spec_hidden = torch.zeros(n, H, dtype=self.dtype, device=dev)
+        self.verify_tokens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.mtp_tokens = torch.zeros(n, dtype=torch.int32, device=dev)
+        pin = dev.type == "cuda"
+        self.spec_host_tok = torch.zeros(2, n, dtype=torch.int32, pin_memory=pin)
+        vpad = np.append(self.pad_column(), np.int32(self.pad_page))  # read page, write page
+        self._vpad, self._mpad = vpad, self._pad[:5]
+        self.verify_inputs = {bs: torch.from_numpy(np.repeat(vpad[:, None], 2 * bs, 1).copy()).to(dev) for bs in sizes}
+        self.mtp_inputs = {bs: torch.from_numpy(np.repeat(self._mpad[:, None], 2 * bs, 1).copy()).to(dev)
+                           for bs in sizes}  # fmt: skip
+        self._spec_host = {bs: torch.zeros(7 + 5, 2 * bs, dtype=torch.int32, pin_memory=pin) for bs in sizes}
+        self._spec_event = torch.cuda.Event() if pin else None
+        self.stats.update(verify_steps=0, mtp_steps=0)
+        bodies = [(self.verify_graphs, self._verify_body)]
+        if mtp and self.has_mtp:
+            bodies.append((self.mtp_graphs, self._mtp_body))
+        if dev.type != "cuda":
+            for graphs, body in bodies:
+                graphs.update({bs: _EagerBody(body, bs) for bs in sizes})
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in sorted(sizes, reverse=True):
+                for graphs, body in bodies:
+                    body(bs)  # compiles this size's kernels outside the capture
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self._graph_pool, stream=stream):
+                        body(bs)
+                    graphs[bs] = g
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def verify_graphable(self, spans) -> bool:
+        return (
+            bool(self.verify_graphs)
+            and self.fits_graph(len(spans))
+            and all(
+                s.state_page >= 0
+                and (len(s.token_ids) == 1 and s.save_page < 0 or len(s.token_ids) == 2 and s.save_page >= 0)
+                for s in spans
+            )
+        )
+
+    @torch.inference_mode()
+    def launch_verify(self, spans) -> bool:
+        """Replay the verification graph for spans of one token (no draft) or two (input and draft, with a save
+        page); False when the batch is not a graph batch (the caller runs the eager path)."""
+        if not self.verify_graphable(spans):
+            return False
+        B = len(spans)
+        bs = self.graph_size(B)
+        rows, wr, wc, ws = self.table.prepare(spans, skip_last=True)
+        if self._spec_event is not None:
+            self._spec_event.synchronize()  # the previous step's input copies have run (they have: it was read)
+        h = self._spec_host[bs].numpy()
+        v = h[:7]
+        v[:] = self._vpad[:, None]
+        for i, (s, row) in enumerate(zip(spans, rows)):
+            n0 = s.start
+            v[:, i] = (s.token_ids[0], n0, s.slots[n0], row, n0 + 1, s.state_page, s.state_page)
+            if len(s.token_ids) == 2:
+                v[6, i] = s.save_page
+                v[:, bs + i] = (s.token_ids[1], n0 + 1, s.slots[n0 + 1], row, n0 + 2, s.save_page, s.state_page)
+        self.verify_inputs[bs].copy_(self._spec_host[bs][:7], non_blocking=True)
+        if self._spec_event is not None:
+            self._spec_event.record()
+        if wr:
+            self._apply_writes(*self.uploader.upload([wr, wc, ws], self.device))
+        self.verify_graphs[bs].replay()
+        self.stats["verify_steps"] += 1
+        self._spec = (spans, bs, rows)
+        return True
+
+    def verify_rows(self) -> list[int]:
+        """The launched verification's logits rows in the eager path's order: each span's input, then its draft."""
+        spans, bs, _ = self._spec
+        return [r for i, s in enumerate(spans) for r in ((i, bs + i) if len(s.token_ids) == 2 else (i,))]
+
+    def verify_logits(self) -> torch.Tensor:
+        """float32 logits of the launched verification, rows as `verify_rows`."""
+        return self.spec_logits[torch.tensor(self.verify_rows(), device=self.device)]
+
+    def verify_argmax(self) -> list[list[int]]:
+        """Per span, the argmax token after its input (and after its draft, for a span with one)."""
+        spans, bs, _ = self._spec
+        tok = self._read(self.verify_tokens, 2 * bs, 0)
+        return [[tok[i], tok[bs + i]] if len(s.token_ids) == 2 else [tok[i]] for i, s in enumerate(spans)]
+
+    @torch.inference_mode()
+    def launch_mtp(self, nexts: list[list[int] | None] | None = None) -> None:
+        """The MTP head over the launched verification's columns. nexts[i]: the tokens sequence i sampled after
+        its input (and after its draft, when kept), or None to skip the sequence; nexts None: every row takes the
+        verification's own argmax (a greedy batch, launched before the verification is read)."""
+        spans, bs, rows = self._spec
+        h = self._spec_host[bs].numpy()
+        m = h[7:]
+        m[:] = self._mpad[:, None]
+        for i, (s, row) in enumerate(zip(spans, rows)):
+            nx = [-1, -1] if nexts is None else nexts[i]
+            if nx is None:
+                continue
+            n0 = s.start
+            m[:, i] = (nx[0], n0, s.slots[n0], row, n0 + 1)
+            if len(nx) == 2 and len(s.token_ids) == 2:
+                m[:, bs + i] = (nx[1], n0 + 1, s.slots[n0 + 1], row, n0 + 2)
+        self.mtp_inputs[bs].copy_(self._spec_host[bs][7:], non_blocking=True)
+        if self._spec_event is not None:
+            self._spec_event.record()
+        self.mtp_graphs[bs].replay()
+        self.stats["mtp_steps"] += 1
+
+    def mtp_drafts(self, kept: list[bool]) -> list[int]:
+        """Per span, the MTP head's draft for the token after next: from its draft's column where kept[i]."""
+        spans, bs, _ = self._spec
+        tok = self._read(self.mtp_tokens, 2 * bs, 1)
+        return [tok[bs + i] if k else tok[i] for i, k in enumerate(kept)]
+
+    def _read(self, dev_tokens: torch.Tensor, n: int, which: int) -> list[int]:
+        host = self.spec_host_tok[which, :n]
+        host.copy_(dev_tokens[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return host.tolist()
+
+    def _verify_body(self, bs: int) -> None:
+        inp = self.verify_inputs[bs]  # [7, 2 bs]: the decode graph's five rows, read pages, write pages
+        R = 2 * bs
+        self.table.table.index_put_((inp[3], inp[1]), inp[2])
+        x = self._layers(inp[0], inp, R, lambda x, L, inp, lin: self._linear_attention_verify(x, L, inp, lin, bs))
+        self.spec_hidden[:R].copy_(x)
+        self.spec_logits[:R].copy_(F.linear(x, self.lm_head).float())
+        self.verify_tokens[:R].copy_(self._argmax(R, self._spec_padded))
+
+    def _linear_attention_verify(self, x, L, inp, lin, bs):
+        """The input tokens' columns, then the drafts' (each continuing from the state its input column wrote)."""
+        cfg, j = self.cfg, L["j"]
+        proj = lin(x, L, "in_proj")
+        conv, ssm = self.state.conv(j), self.state.ssm(j)
+        mixed = torch.empty(2 * bs, cfg.conv_dim, dtype=torch.float32, device=self.device)
+        core = torch.empty(2 * bs, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
+                           device=self.device)  # fmt: skip
+        halves = (slice(0, bs), slice(bs, 2 * bs))
+        for h in halves:
+            self.k_dr.conv_step(proj[h], L["conv"], conv, inp[5, h], out=mixed[h], out_pages=inp[6, h])
+        for h in halves:
+            self.k_dr.gated_delta_step(
+                mixed[h], proj[h], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, h], cfg.linear_num_key_heads,
+                cfg.rms_norm_eps, out=core[h], block_v=self.k_dr.step_block_v(bs), out_pages=inp[6, h],
+            )  # fmt: skip
+        return lin(core, L, "out")
+
+    def _mtp_body(self, bs: int) -> None:
+        inp = self.mtp_inputs[bs]  # [5, 2 bs]: ids (-1: the verification's argmax), positions, slots, rows, lengths
+        R = 2 * bs
+        cfg, w, L = self.cfg, self.eager.w, self.mtp_layer
+        eps, norm, lin = cfg.rms_norm_eps, self.k_norm.add_rms_norm, self._lin(R)
+        ids = torch.where(inp[0] >= 0, inp[0], self.verify_tokens[:R])
+        e = norm(F.embedding(ids, self.embed), None, w["mtp.pre_fc_norm_embedding.weight"], eps, offset=True)
+        hid = norm(self.spec_hidden[:R], None, w["mtp.pre_fc_norm_hidden.weight"], eps, offset=True)
+        h = F.linear(torch.cat((e, hid), dim=-1), w["mtp.fc.weight"])
+        x = norm(h, None, L["ln1"], eps, offset=True)
+        a = self._full_attention(x, L, inp, R, lin)
+        x = self._mlp(a, h, L, "mtp", lin, w["mtp.norm.weight"])
+        self.spec_logits[:R].copy_(F.linear(x, self.lm_head).float())
+        self.mtp_tokens[:R].copy_(self._argmax(R, self._spec_padded))
 
     # ----- capture -----
     def _tune_groups(self) -> dict[str, list[torch.Tensor]]:

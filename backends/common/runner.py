@@ -170,6 +170,18 @@ class ModelRunner:
         """The MTP head over spans whose tokens are the main model's next tokens (see HybridModel.mtp_logits)."""
         return self.hybrid.mtp_logits(build_batch(spans, self.device), hidden, self.kv)
 
+    def prepare_speculative(self, mode: str) -> None:
+        """Decode speculates (`backends.common.speculative`): a hybrid model on the graph path captures its
+        verification graphs (and its MTP head's, for mode "mtp"), so speculative steps do not run eagerly."""
+        if mode != "off" and self.hybrid is not None and self.backend == "triton":
+            self.model.capture_speculative(mtp=mode == "mtp")
+
+    def launch_verify(self, spans: list[Span]) -> bool:
+        """Replay the verification graph for a speculative step (spans of an input token and at most one draft);
+        False where the step runs eagerly. The launched step's results: `model.verify_logits()`,
+        `model.verify_argmax()`, then `model.launch_mtp(...)` and `model.mtp_drafts(...)`."""
+        return self.hybrid is not None and self.backend == "triton" and self.model.launch_verify(spans)
+
     def apply_state_ops(self, ops: list[tuple[int, int]]) -> None:
         """Run the state-page copies the scheduler queued (see StatePages), before anything reads the pages."""
         if ops:

@@ -106,6 +106,7 @@ class DecodeModel:
             state=StatePages(self.runner.num_state_pages) if state is not None else None,
             speculative=(spec := check_mode(p.get("speculative", "off"), self.runner.has_mtp)) != "off",
         )
+        self.runner.prepare_speculative(spec)
         self.steps = DecodeSteps(
             self.runner, self.sched, self.eos, self._after_token, overlap=p.get("decode_overlap", "on") == "on",
             speculative=spec,

@@ -120,16 +120,38 @@ class DecodeSteps:
             spans.append(Span(toks, n - 1, r.slots, r.rid, r.state_page, logits_all=d is not None, save_page=save))
             drafts.append(d)
         mtp = self.speculative == "mtp"
-        logits, hidden = runner.forward_hidden(spans) if mtp else (runner.forward(spans), None)
-        firsts, row = [], 0
-        for d in drafts:
-            firsts.append(row)
-            row += 1 if d is None else 2
-        t1 = sample_requests(logits[firsts], reqs, self.eos)
-        acc = [i for i, (d, t) in enumerate(zip(drafts, t1)) if d is not None and d == t]
-        t2 = dict(zip(acc, sample_requests(logits[[firsts[i] + 1 for i in acc]], [reqs[i] for i in acc], self.eos,
-                                           ahead=[1] * len(acc)))) if acc else {}  # fmt: skip
-        mtp_rows = []  # (request, tokens after the input, hidden rows)
+        # a hybrid model on the graph path verifies in a graph; a greedy batch's MTP head is launched right behind
+        # it (on the verification's own argmax), so such a step waits for the device once
+        graph = runner.launch_verify(spans)
+        model = runner.model if graph else None
+        mtp_graph = graph and mtp and bool(model.mtp_graphs)
+        if graph and mtp and not mtp_graph:
+            raise RuntimeError("speculative mtp: verification graphs without the MTP head's (prepare_speculative)")
+        greedy = graph and greedy_unbanned(reqs, self.eos)
+        hidden = None
+        if greedy:
+            if mtp_graph:
+                model.launch_mtp(None)
+            toks = model.verify_argmax()
+            t1 = [t[0] for t in toks]
+            acc = [i for i, (d, t) in enumerate(zip(drafts, t1)) if d is not None and d == t]
+            t2 = {i: toks[i][1] for i in acc}
+        else:
+            if graph:
+                logits = model.verify_logits()
+            elif mtp:
+                logits, hidden = runner.forward_hidden(spans)
+            else:
+                logits = runner.forward(spans)
+            firsts, row = [], 0
+            for d in drafts:
+                firsts.append(row)
+                row += 1 if d is None else 2
+            t1 = sample_requests(logits[firsts], reqs, self.eos)
+            acc = [i for i, (d, t) in enumerate(zip(drafts, t1)) if d is not None and d == t]
+            t2 = dict(zip(acc, sample_requests(logits[[firsts[i] + 1 for i in acc]], [reqs[i] for i in acc],
+                                               self.eos, ahead=[1] * len(acc)))) if acc else {}  # fmt: skip
+        mtp_rows = []  # (batch index, tokens after the input)
         for i, (r, d) in enumerate(zip(reqs, drafts)):
             if d is not None:
                 self.num_drafts += 1
@@ -137,7 +159,7 @@ class DecodeSteps:
                     state.copy(r.state_page, spans[i].save_page)
             self.sched.after_decode(r, t1[i])
             self.on_token(r, t1[i], len(r.output_ids))
-            toks, rows = [t1[i]], [firsts[i]]
+            toks = [t1[i]]
             if i in t2 and r.state is ReqState.RUNNING:
                 self.num_accepted += 1
                 if state is not None:
@@ -145,19 +167,38 @@ class DecodeSteps:
                 self.sched.after_decode(r, t2[i])
                 self.on_token(r, t2[i], len(r.output_ids))
                 toks.append(t2[i])
-                rows.append(firsts[i] + 1)
             r.draft = None
             if r.state is ReqState.RUNNING:
                 if mtp:
-                    mtp_rows.append((r, toks, rows))
+                    mtp_rows.append((i, toks))
                 else:
                     r.draft = ngram_draft(r.all_ids)
-        if mtp_rows:
-            mspans = [Span(toks, r.num_tokens - 1 - len(toks), r.slots, r.rid) for r, toks, _ in mtp_rows]
-            h = hidden[[x for _, _, rows in mtp_rows for x in rows]]
-            drafts = runner.mtp_logits(mspans, h).argmax(dim=-1).tolist()
-            for (r, _, _), d in zip(mtp_rows, drafts):
-                r.draft = int(d)
+        if not mtp_rows:
+            return
+        if mtp_graph:
+            if not greedy:
+                nexts: list[list[int] | None] = [None] * len(reqs)
+                for i, toks in mtp_rows:
+                    nexts[i] = toks
+                model.launch_mtp(nexts)
+            kept = [False] * len(reqs)
+            for i, toks in mtp_rows:
+                kept[i] = len(toks) == 2
+            new = model.mtp_drafts(kept)
+            for i, _ in mtp_rows:
+                reqs[i].draft = new[i]
+            return
+        firsts, row = [], 0
+        for d in drafts:
+            firsts.append(row)
+            row += 1 if d is None else 2
+        mspans, hrows = [], []
+        for i, toks in mtp_rows:
+            r = reqs[i]
+            mspans.append(Span(toks, r.num_tokens - 1 - len(toks), r.slots, r.rid))
+            hrows.extend(firsts[i] + j for j in range(len(toks)))
+        for (i, _), d in zip(mtp_rows, runner.mtp_logits(mspans, hidden[hrows]).argmax(dim=-1).tolist()):
+            reqs[i].draft = int(d)
 
     def drop(self) -> None:
         """Forget the unread step (the loop failed its requests)."""

@@ -5,6 +5,7 @@ the draft, rejected ones roll both back, and the tokens are plain decoding's, gr
 from __future__ import annotations
 
 import pytest
+import torch
 
 from backends.common.batch import Span
 from backends.common.engine import Engine
@@ -27,14 +28,37 @@ def prompts():
     return [[(13 * i + 7 * j) % 250 + 3 for j in range(20 + 9 * i)] for i in range(3)]
 
 
-@pytest.mark.parametrize("right", ["all", "even", "none"])
-@pytest.mark.parametrize("p", range(len(PARAMS)))
-def test_kept_and_rejected_drafts_give_plain_decodings_tokens(right, p):
-    params = PARAMS[p]
-    want = [o.output_ids for o in Engine("random:tiny-hybrid", device="cpu").generate(prompts(), params)]
-    runner = ModelRunner("random:tiny-hybrid", device="cpu", kv_tokens=2048, max_batch=8)
+# the PyTorch path with prompt-lookup drafts; the graph path (CUDA graphs, or on the CPU Triton's interpreter
+# replaying the same bodies) with the MTP head's verification and drafting graphs
+PATHS = {"eager": ("random:tiny-hybrid", "torch", "ngram"), "graphs": ("random:tiny-hybrid-dense", "triton", "mtp")}
+
+
+# Triton's interpreter takes minutes for the graph path's 40 tokens: on the CPU it runs the case with kept and
+# rejected drafts, greedy and seeded, over fewer tokens; on a GPU every case and all 40
+CASES = [(r, p, "eager") for r in ("all", "even", "none") for p in range(len(PARAMS))] + [
+    pytest.param(r, p, "graphs", marks=pytest.mark.slow)
+    for r in (("all", "even", "none") if torch.cuda.is_available() else ("even",))
+    for p in range(len(PARAMS))
+]  # fmt: skip
+N_OUT_INTERPRETED = 10
+
+
+@pytest.mark.parametrize(("right", "p", "path"), CASES)
+def test_kept_and_rejected_drafts_give_plain_decodings_tokens(right, p, path, monkeypatch):
+    model, backend, mode = PATHS[path]
+    n_out = N_OUT if path == "eager" or torch.cuda.is_available() else N_OUT_INTERPRETED
+    params = SamplingParams(**{**PARAMS[p].to_dict(), "max_tokens": n_out})
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    # plain decoding on the same device (random weights are drawn on it); on a GPU its decode graphs, with cuBLAS
+    # for every projection in both runs (the timed choice may pick another kernel per row count)
+    monkeypatch.setenv("TRITON_PD_LINEAR_TUNE", "0")
+    ref = Engine(model, device=device, backend=backend if device == "cuda" else "torch")
+    want = [o.output_ids for o in ref.generate(prompts(), params)]
+    del ref
+    runner = ModelRunner(model, device=device, kv_tokens=2048, max_batch=4, backend=backend)
+    runner.prepare_speculative(mode)
     sched = DecodeScheduler(KVPool(2048), state=StatePages(runner.num_state_pages), speculative=True)
-    steps = DecodeSteps(runner, sched, runner.cfg.eos_token_ids, lambda r, t, n: None, speculative="ngram")
+    steps = DecodeSteps(runner, sched, runner.cfg.eos_token_ids, lambda r, t, n: None, speculative=mode)
     reqs = [InferReq(f"r{i}", ids, SamplingParams(**params.to_dict())) for i, ids in enumerate(prompts())]
     for r in reqs:
         sched.add(r)
@@ -42,7 +66,7 @@ def test_kept_and_rejected_drafts_give_plain_decodings_tokens(right, p):
     kept = 0
     for _ in range(200):
         for r in reqs:  # the draft for the token the next step samples first: output number len(output_ids)
-            if r.state is ReqState.RUNNING and len(r.output_ids) < N_OUT:
+            if r.state is ReqState.RUNNING and len(r.output_ids) < n_out:
                 k = len(r.output_ids)
                 good = right == "all" or (right == "even" and k % 2 == 0)
                 r.draft = expected[r.rid][k] if good else (expected[r.rid][k] + 1) % runner.cfg.vocab_size
@@ -59,13 +83,16 @@ def test_kept_and_rejected_drafts_give_plain_decodings_tokens(right, p):
             steps.step(plan.decode)
             kept += steps.num_accepted - before
         for r in reqs:
-            if r.state is ReqState.RUNNING and len(r.output_ids) >= N_OUT:
-                del r.output_ids[N_OUT:]
+            if r.state is ReqState.RUNNING and len(r.output_ids) >= n_out:
+                del r.output_ids[n_out:]
                 sched.finish(r, "length")
         assert sched.check_invariants(liveness=False) == []
         if all(r.state is ReqState.FINISHED for r in reqs):
             break
     assert [r.output_ids for r in reqs] == want
     assert (kept > 0) == (right != "none") and steps.num_drafts > 0
+    if path == "graphs":  # every step after the first verified in a graph; the MTP head drafted in one
+        stats = runner.model.stats
+        assert stats["verify_steps"] > 0 and stats["mtp_steps"] > 0 and stats["eager_steps"] <= 3
     free, live, ckpts = sched.state_accounting()
     assert live == 0 and free + ckpts == runner.num_state_pages

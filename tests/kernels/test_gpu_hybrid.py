@@ -308,3 +308,64 @@ def test_folded_shared_expert_is_held_once():
     assert torch.equal(gate_up[cfg.num_experts], shared_before)
     assert w[p + "gate.weight"].data_ptr() == m.router[1].data_ptr()
     assert not any(".experts." in name for name in w)
+
+
+def test_verify_and_mtp_graphs_equal_the_pytorch_model():
+    """Speculative steps in graphs (GpuHybrid.capture_speculative): two sequences verify an input token and a
+    draft, one has no draft (a padding column). Logits of every verified row, the MTP head's logits over the
+    tokens after them, K/V (the MTP layer's included), the request pages (state after the draft, or after the
+    input) and the save pages (state after the input: the rollback point) equal the PyTorch model's eager
+    speculative pass; a rejected draft rolled back from its save page continues exactly."""
+    cfg = DENSE_TINY
+    r, gpu = build(cfg)
+    model, kv_ref, st_ref = r
+    gpu.capture_speculative(mtp=True)
+    assert sorted(gpu.verify_graphs) == sorted(gpu.mtp_graphs) == [1, 2, 4]
+    g = gen(12)
+    lens = [21, 9, 33]
+    toks = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    slots = [list(range(150 * i + 5, 150 * i + 5 + n)) for i, n in enumerate(lens)]
+    pages, saves = [2, 6, 0], [9, 10, 11]
+    first = [Span(t, 0, s, f"v{i}", p) for i, (t, s, p) in enumerate(zip(toks, slots, pages))]
+    torch.testing.assert_close(gpu.forward(first), ref_forward(r, first), **TOL)
+    nxt = [int(torch.randint(3, cfg.vocab_size, (1,), generator=g)) for _ in lens]
+    dev = torch.device(DEVICE)
+    for step in range(3):
+        spans = []
+        for i in range(3):
+            n0 = len(toks[i])
+            draft = None if i == 1 else int(torch.randint(3, cfg.vocab_size, (1,), generator=g))
+            new = [nxt[i]] + ([draft] if draft is not None else [])
+            slots[i].extend(range(150 * i + 5 + len(slots[i]), 150 * i + 5 + n0 + len(new)))
+            spans.append(Span(new, n0, slots[i], f"v{i}", pages[i], logits_all=draft is not None,
+                              save_page=saves[i] if draft is not None else -1))  # fmt: skip
+        assert gpu.launch_verify(spans)
+        batch = build_batch(spans, dev)
+        ref_logits, ref_hidden = model.forward_hidden(batch, kv_ref, st_ref)
+        torch.testing.assert_close(gpu.verify_logits(), ref_logits, **TOL)
+        assert gpu.verify_rows() == [0, 4, 1, 2, 6]  # graph size 4: drafts in columns 4 + i
+        argmax = gpu.verify_argmax()
+        assert [t for a in argmax for t in a] == ref_logits.argmax(-1).tolist()
+        for p in pages + [saves[0], saves[2]]:
+            torch.testing.assert_close(gpu.state.buffer[p], st_ref.buffer[p], atol=2e-3, rtol=2e-3)
+        if step == 0:  # both drafts rejected; the MTP head launched on the verification's own argmax
+            after, kept = [a[:1] for a in argmax], [False] * 3
+            gpu.launch_mtp(None)
+        else:  # sequence 0's draft kept (as if it were the token sampled after its input), 2's rejected
+            after, kept = [[spans[0].token_ids[1], argmax[0][1]], argmax[1], argmax[2][:1]], [True, False, False]
+            gpu.launch_mtp(after)
+        mspans = [Span(a, s.start, s.slots[: s.start + len(a)], s.key) for a, s in zip(after, spans)]
+        hrows = [0, 1, 2, 3] if kept[0] else [0, 2, 3]  # the hidden rows at the positions the MTP head reads
+        ref_mtp = model.mtp_logits(build_batch(mspans, dev), ref_hidden[hrows], kv_ref)
+        torch.testing.assert_close(gpu.spec_logits[[4 if kept[0] else 0, 1, 2]], ref_mtp, **TOL)
+        drafts = gpu.mtp_drafts(kept)
+        assert drafts == ref_mtp.argmax(-1).tolist()
+        for i, a in enumerate(after):
+            toks[i].extend(spans[i].token_ids[:1] + a[:-1])
+            nxt[i] = a[-1]
+            if len(spans[i].token_ids) == 2 and not kept[i]:
+                for st in (gpu.state, st_ref):  # the rejected draft rolls back to the state after its input
+                    st.apply([(pages[i], saves[i])])
+    used = [s for sl in slots for s in sl]
+    torch.testing.assert_close(gpu.kv.buffer[:, :, used].float(), kv_ref.buffer[:, :, used].float(), **TOL)
+    assert gpu.stats["verify_steps"] == gpu.stats["mtp_steps"] == 3
