@@ -167,6 +167,7 @@ class Deployment:
     rotation_quantum: float
     decode_overlap: str  # "on": step n+1 launched before step n's tokens are read (GPU graphs, greedy)
     state_pages: int = 0  # hybrid models: state pages per instance (0: the runner's default)
+    rotation_prefetch: str = "off"  # "on": the next paused request's KV copied back ahead of its turn
     speculative: str = "off"  # decode's drafts: off, ngram (prompt lookup) or mtp (the model's MTP head)
     role: str = "all"  # which models this server runs: all three, or one role of a multi-server deployment
     decode_urls: str = ""  # master role: decode servers' gRPC addresses
@@ -242,6 +243,7 @@ class Deployment:
             fault_injection=a.fault_injection,
             stall_seconds=a.stall_seconds,
             rotation_quantum=a.rotation_quantum,
+            rotation_prefetch=getattr(a, "rotation_prefetch", "off"),
             decode_overlap=a.decode_overlap,
             state_pages=getattr(a, "state_pages", 0) or 0,
             speculative=_speculative(getattr(a, "speculative", "off"), cfg),
@@ -291,6 +293,7 @@ class Deployment:
             "STALL_SECONDS": str(self.stall_seconds),
             "HOST_KV_TOKENS": str(self.host_kv_tokens),
             "ROTATION_QUANTUM": str(self.rotation_quantum),
+            "ROTATION_PREFETCH": self.rotation_prefetch,
             "DECODE_OVERLAP": self.decode_overlap,
             "STATE_PAGES": str(self.state_pages),
             "SPECULATIVE": self.speculative,

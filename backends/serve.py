@@ -127,6 +127,14 @@ def register(sub) -> None:
         "paused, so no answer stalls for long. 0: a paused request waits until there is room",
     )
     p.add_argument(
+        "--rotation-prefetch",
+        choices=["on", "off"],
+        default="off",
+        help="rotating with a host tier (dense models): the next paused request's KV is copied back ahead of its "
+        "turn into free or evictable slots, so that at its turn decode waits only for the rest (experimental: "
+        "not yet shown to pay on an H200)",
+    )
+    p.add_argument(
         "--decode-overlap",
         choices=["on", "off"],
         default="on",

@@ -4,6 +4,7 @@
     plain   --rotation-quantum 0 --host-kv-tokens 0   a paused stream waits until the running ones finish
     host    --rotation-quantum 0                      same, recovering from host memory instead of prefill
     rotate  (defaults: --rotation-quantum 0.1, host tier on)   paused and running streams take turns
+    rotate-prefetch  rotate with --rotation-prefetch on: the next one's KV is copied back ahead of its turn
     roomy   plain on a pool that holds all of a phase's streams: nothing pauses (the throughput reference)
 
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
@@ -39,6 +40,7 @@ POLICIES = {
     "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],
     "host": ["--rotation-quantum", "0"],
     "rotate": [],
+    "rotate-prefetch": ["--rotation-prefetch", "on"],  # the next one's KV copied back ahead of its turn
 }
 POLICIES["roomy"] = POLICIES["plain"]  # on a pool that holds every stream of a phase
 LOOP_PARTS = ("wait", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
@@ -52,6 +54,7 @@ COUNTERS = {
     "stale": "pd_stale_messages_total",
     "epoch_max": "pd_recovery_epoch_max",
     "swapped_in": 'pd_host_swapped_tokens_total{direction="in"',
+    "prefetched": 'pd_host_swapped_tokens_total{direction="prefetch"',
     "host_full": 'pd_host_swap_skipped_total{reason="host_full"',
     "swap_in_s": "pd_host_swap_in_seconds_sum",
     "swap_in_n": "pd_host_swap_in_seconds_count",
@@ -219,6 +222,10 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
         ),
         ("highest epoch / stale messages", lambda r: f"{r['epoch_max']:.0f} / {r['stale']:.0f}"),
         ("host-full skips", lambda r: f"{r['host_full']:.0f}"),
+        (
+            "tokens swapped in / of them ahead of a turn",
+            lambda r: f"{r.get('swapped_in', 0):,.0f} / {r.get('prefetched', 0):,.0f}",
+        ),
         (
             "swap-in mean (ms) / decode idle while swapping (s)",
             lambda r: (

@@ -32,6 +32,9 @@ from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
 from .steps import DecodeSteps, drop_after
 
+# --rotation-prefetch: slots per running request left free for its growth until the prefetched request's turn
+# (a quantum of 0.1 s is about 10-25 decode steps; speculation can take two slots a step)
+PREFETCH_MARGIN = 64
 LAND_TIMEOUT_S = 60.0  # after prefill's answer, how long its rows may take to arrive over the network transport
 
 
@@ -100,6 +103,7 @@ class DecodeModel:
             host_pool=KVPool(host_tokens) if host_tokens > 0 else None,
             host_pages=KVPool(host_pages) if host_pages > 0 else None,
             quantum=float(p.get("rotation_quantum", "0")),
+            prefetch_margin=PREFETCH_MARGIN if p.get("rotation_prefetch", "off") == "on" else None,
             costs=default_costs(
                 self.runner.cfg, self.runner.kv.bytes_per_slot, gpu, state.bytes_per_page if state is not None else 0
             ),  # fmt: skip
@@ -161,7 +165,7 @@ class DecodeModel:
         self.c_rotations = m.counter("pd_rotations_total", "Running requests paused to give a paused one its turn")
         self.c_swapped = {
             d: m.counter("pd_host_swapped_tokens_total", "Tokens of KV copied to or from host memory", direction=d)
-            for d in ("out", "in")
+            for d in ("out", "in", "prefetch")
         }
         self.c_host_skips = {
             r: m.counter("pd_host_swap_skipped_total", "Pauses or recoveries that did not use host memory", reason=r)

@@ -26,6 +26,10 @@ missing K/V and the whole page, so the request resumes at exactly the paused pos
 Rotation (`quantum` > 0): when a request has been paused for `quantum` seconds and does not fit, requests that have
 run for at least `quantum` since they last resumed are paused to make room for it, and paused requests recover
 strictly in the order they paused, so no stream waits more than a few quanta while the pool is over-committed.
+With a host tier, the next paused request's positions are copied back ahead of its turn into slots that are free
+or hold evictable cache (`Plan.swap_ins`, jobs with `prefetch`): it stays paused, and when the copy answers those
+positions go to the cache like a paused request's own KV, so at its turn they are a local hit and only the rest is
+swapped in while decode waits. Dense models only: a hybrid model's cache hit needs a state checkpoint at its end.
 
 Liveness: a request never holds more than `max_len` tokens (the pool's size, or less), so whenever nothing runs
 and no transfer is in flight, every cached slot is evictable and the head of the queue fits. `add` refuses a
@@ -79,6 +83,9 @@ class TransferJob:
     host_slots: list[int] = field(default_factory=list)  # source "host": host slots of positions [start, end)
     state_page: int = ZERO  # hybrid models: the request's page, into which prefill writes the state at `end`
     host_page: int = ZERO  # hybrid models, source "host": the host state page holding the state at `end`
+    # source "host": positions copied back ahead of a paused request's turn; it stays paused and the positions go
+    # to the cache when the copy answers (see the module doc)
+    prefetch: bool = False
 
     @property
     def num_positions(self) -> int:
@@ -174,7 +181,13 @@ class DecodeScheduler:
         speculative: bool = False,
         checkpoint_every: int = 32,
         recompute_max: int = 128,
+        prefetch_margin: int | None = 64,
+        prefetch_min: int = 64,
     ):
+        """prefetch_margin: with rotation and a host tier, the next paused request's positions are copied back
+        ahead of its turn into free slots, leaving this many free per running request for their growth until
+        then (None: no prefetch); prefetch_min: a smaller prefetch (unless it is all that is missing) is not worth
+        a copy's overhead."""
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if on_oom not in ("pause", "restart"):
@@ -201,6 +214,9 @@ class DecodeScheduler:
         self.host_pages = host_pages if self.host_pool is not None and state is not None else None
         self.host: dict[str, HostCopy] = {}
         self.quantum = quantum if on_oom == "pause" else 0.0
+        self.prefetch_margin, self.prefetch_min = prefetch_margin, prefetch_min
+        self.num_prefetches = 0
+        self._prefetched: dict[str, float] = {}  # rid -> the pause (its paused_at) its one prefetch was made in
         self.costs = costs or RecoveryCosts()
         self.clock = clock
         self.reqs: dict[str, InferReq] = {}  # every request not yet FINISHED, by rid
@@ -211,7 +227,7 @@ class DecodeScheduler:
         self.num_recoveries = {"local": 0, "host": 0, "prefill": 0, "recompute": 0}
         self.num_checkpoints = 0  # hybrid models: state checkpoints taken by running requests
         self.num_rotations = 0
-        self.swapped_tokens = {"out": 0, "in": 0}
+        self.swapped_tokens = {"out": 0, "in": 0, "prefetch": 0}  # "prefetch": also counted in "in"
         # why a pause kept no host copy ("host_full") or a recovery skipped it ("host_partial": the copy lacks
         # positions after a host-full pause; "prefill_cheaper": the cost model chose prefill)
         self.host_skips = {"host_full": 0, "host_partial": 0, "prefill_cheaper": 0}
@@ -312,10 +328,13 @@ class DecodeScheduler:
             job is None
             or req is None
             or req.epoch != epoch
-            or req.state not in (ReqState.WAITING_KV, ReqState.RECOVERING)
+            or req.state not in ((ReqState.PAUSED,) if job.prefetch else (ReqState.WAITING_KV, ReqState.RECOVERING))
         ):
             self.num_stale += 1  # a message from another round: it changes nothing
             return Completion(req, stale=True)
+        if job.prefetch:  # still paused: the copied positions become its cached KV (a failed copy: given back)
+            self.kv.release(req, keep_in_cache=ok, priority=PAUSED_PRIORITY)
+            return Completion(req)
         if not ok:
             self.reqs.pop(rid)
             self._drop_host(rid)
@@ -333,9 +352,12 @@ class DecodeScheduler:
         return Completion(req, recovered=True, path=job.source)
 
     def _inflight_of(self, req: InferReq) -> TransferJob | None:
-        return (
-            self.inflight.get((req.rid, req.epoch)) if req.state in (ReqState.WAITING_KV, ReqState.RECOVERING) else None
-        )
+        """The transfer writing the request's slots now: its prompt's, its recovery's, or (paused) a prefetch."""
+        waits = (ReqState.WAITING_KV, ReqState.RECOVERING, ReqState.PAUSED)
+        return self.inflight.get((req.rid, req.epoch)) if req.state in waits else None
+
+    def _prefetching(self, req: InferReq) -> bool:
+        return req.state is ReqState.PAUSED and (req.rid, req.epoch) in self.inflight
 
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan:
@@ -345,6 +367,7 @@ class DecodeScheduler:
         self._reserve_decode_slots(plan)
         self._rotate(plan)
         self._recover_paused(plan)
+        self._prefetch(plan)
         if not self.by_state(ReqState.PAUSED):  # paused requests take precedence over new admissions
             self._admit_waiting(plan)
         self._ensure_progress(plan)
@@ -371,7 +394,11 @@ class DecodeScheduler:
         """A request that holds max_len tokens can take no more: it ends with "length" (as at the model's context)
         instead of waiting for a slot that cannot exist. Decode's finish check normally ends it one step earlier."""
         for req in list(self.reqs.values()):
-            if req.state in (ReqState.RUNNING, ReqState.PAUSED) and req.num_tokens >= self.max_len:
+            if (
+                req.state in (ReqState.RUNNING, ReqState.PAUSED)
+                and req.num_tokens >= self.max_len
+                and not self._prefetching(req)
+            ):
                 self.finish(req, "length")
                 plan.ended.append(req)
 
@@ -465,6 +492,10 @@ class DecodeScheduler:
         """Try every paused request in order. Without rotation one that does not fit does not block later ones;
         with rotation the order is strict (first paused, first resumed), which is what bounds every wait."""
         for req in self._paused_in_order():
+            if self._prefetching(req):
+                if self.quantum > 0:
+                    return
+                continue
             need_kv = req.num_tokens - 1  # positions [0, L-1); the last token is the next decode input
             self.kv.match(req, need_kv)
             missing = need_kv - len(req.slots)
@@ -500,6 +531,45 @@ class DecodeScheduler:
                 plan.recomputes.append(self._transfer(req, need_kv, sample=False, source="recompute"))
             else:
                 plan.transfers.append(self._transfer(req, need_kv, sample=False))
+
+    def _prefetch(self, plan: Plan) -> None:
+        """Rotating with a host tier (dense models): once the next paused request has waited half a quantum and
+        still does not fit, copy its missing positions back, as many as fit in the free and evictable slots beside
+        the reserve and `prefetch_margin` per request that runs or soon will, so that at its turn decode waits
+        only for the rest. Once per pause (positions evicted again before its turn are not fetched twice), at
+        least `prefetch_min` positions; it evicts cached entries as a recovery would (its own prefix is locked
+        first) and never pauses anybody."""
+        if self.quantum <= 0 or self.host_pool is None or self.state is not None or self.prefetch_margin is None:
+            return
+        paused = self._paused_in_order()
+        if not paused or self.clock() - paused[0].paused_at < self.quantum / 2:
+            return
+        head = paused[0]
+        if self._prefetched.get(head.rid) == head.paused_at:
+            return
+        need_kv = head.num_tokens - 1
+        copy = self.host.get(head.rid)
+        if copy is None or len(copy.slots) < need_kv:
+            return
+        soon = self._reserve() // max(1, self.reserve_per_running)
+        self.kv.match(head, need_kv)
+        room = self._available() - self._reserve() - self.prefetch_margin * soon
+        n = min(need_kv - len(head.slots), room)
+        own = self._alloc(n) if n >= min(self.prefetch_min, need_kv - len(head.slots)) and n > 0 else None
+        if own is None:
+            self.kv.release(head, keep_in_cache=False)
+            return
+        head.slots += own
+        head.epoch += 1
+        self.max_epoch = max(self.max_epoch, head.epoch)
+        self._prefetched[head.rid] = head.paused_at
+        job = self._transfer(head, len(head.slots), sample=False, source="host")
+        job.host_slots, job.prefetch = copy.slots[job.start : len(head.slots)], True
+        copy.used_at = self.clock()
+        self.num_prefetches += 1
+        self.swapped_tokens["in"] += n
+        self.swapped_tokens["prefetch"] += n
+        plan.swap_ins.append(job)
 
     def _resume(self, req: InferReq) -> None:
         self._move(req, ReqState.RUNNING)
@@ -593,6 +663,9 @@ class DecodeScheduler:
         return None if got is None else got[0]
 
     def _drop_host(self, rid: str) -> None:
+        """The request ends (or its host copy is reclaimed): its host copy, if any, is freed."""
+        if rid not in self.reqs:
+            self._prefetched.pop(rid, None)
         copy = self.host.pop(rid, None)
         if copy is not None:
             self.host_pool.free(copy.slots)
@@ -617,6 +690,8 @@ class DecodeScheduler:
         if not paused or now - paused[0].paused_at < self.quantum:
             return
         head = paused[0]
+        if self._prefetching(head):  # its slots are being written: its turn comes once the copy has answered
+            return
         need_kv = head.num_tokens - 1
         self.kv.match(head, need_kv)
         deficit = need_kv - len(head.slots) + 1 - (self._available() - self._reserve())
@@ -693,7 +768,8 @@ class DecodeScheduler:
         if any(self.pool.is_free(s) for s in held):
             out.append("ownership: a request holds a free slot")
         for r in self.reqs.values():
-            if r.state in (ReqState.WAITING, ReqState.PAUSED) and (r.slots or r.last_node is not None):
+            holds = r.slots or r.last_node is not None
+            if r.state in (ReqState.WAITING, ReqState.PAUSED) and holds and not self._prefetching(r):
                 out.append(f"{r.rid}: {r.state.value} but holds KV")
             top = r.num_tokens + (1 if self.speculative else 0)
             if r.state is ReqState.RUNNING and not r.num_tokens - 1 <= len(r.slots) <= top:
