@@ -536,7 +536,7 @@ class DecodeScheduler:
         """Rotating with a host tier (dense models): once the next paused request has waited half a quantum and
         still does not fit, copy its missing positions back, as many as fit in the free and evictable slots beside
         the reserve and `prefetch_margin` per request that runs or soon will, so that at its turn decode waits
-        only for the rest. Once per pause (positions evicted again before its turn are not fetched twice), at
+        only for the rest. One try per pause (positions evicted again before its turn are not fetched twice), at
         least `prefetch_min` positions; it evicts cached entries as a recovery would (its own prefix is locked
         first) and never pauses anybody."""
         if self.quantum <= 0 or self.host_pool is None or self.state is not None or self.prefetch_margin is None:
@@ -552,6 +552,12 @@ class DecodeScheduler:
         if copy is None or len(copy.slots) < need_kv:
             return
         soon = self._reserve() // max(1, self.reserve_per_running)
+        # the room before the match is an upper bound (it counts the head's own cached prefix as evictable)
+        if self._available() - self._reserve() - self.prefetch_margin * soon < min(self.prefetch_min, need_kv):
+            return
+        # one try per pause, taken or not: a match walks thousands of positions of the tree, too dear for every
+        # step (on an H200 it tripled the scheduler's time)
+        self._prefetched[head.rid] = head.paused_at
         self.kv.match(head, need_kv)
         room = self._available() - self._reserve() - self.prefetch_margin * soon
         n = min(need_kv - len(head.slots), room)
@@ -562,7 +568,6 @@ class DecodeScheduler:
         head.slots += own
         head.epoch += 1
         self.max_epoch = max(self.max_epoch, head.epoch)
-        self._prefetched[head.rid] = head.paused_at
         job = self._transfer(head, len(head.slots), sample=False, source="host")
         job.host_slots, job.prefetch = copy.slots[job.start : len(head.slots)], True
         copy.used_at = self.clock()

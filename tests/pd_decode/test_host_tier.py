@@ -337,6 +337,28 @@ def test_prefetch_moves_most_of_a_turns_swap_in_ahead_of_it():
     assert used == 0 and free + cached == 100
 
 
+def test_prefetch_tries_once_per_pause():
+    """A prefetch matches the request's tokens in the tree (thousands of positions on a real pool): one try per
+    pause, taken or not, never one per step (on an H200 that tripled the scheduler's time)."""
+    counts = {}
+    for margin in (None, 4):
+        sim = Sim(pool=100, host=400, quantum=0.05, max_tokens=90, prefetch_margin=margin, prefetch_min=8)
+        calls = [0]
+        match = sim.s.kv.match
+
+        def counted(req, limit, match=match, calls=calls):
+            calls[0] += 1
+            match(req, limit)
+
+        sim.s.kv.match = counted
+        for i in range(3):
+            sim.add(f"s{i}", 5, base=100 * i)
+        sim.run()
+        counts[margin] = (calls[0], sim.s.num_pauses, sim.s.num_prefetches)
+    (plain_calls, _, _), (calls, pauses, prefetches) = counts[None], counts[4]
+    assert prefetches > 0 and calls - plain_calls <= pauses, counts
+
+
 def test_cancel_during_prefetch_keeps_its_slots_until_the_copy_answers():
     sim = Sim(pool=100, host=400, quantum=0.05, max_tokens=90, prefetch_margin=4, prefetch_min=8)
     for i in range(3):
