@@ -240,16 +240,21 @@ def first_swap_in(sim):
     pytest.fail("no swap-in")
 
 
-def test_cancel_during_swap_in_keeps_its_slots_until_the_copy_answers():
-    sim = Sim(pool=60, host=200, max_tokens=40)
-    job = first_swap_in(sim)
+def cancel_during_copy(sim, job, pool: int, host: int) -> None:
+    """Cancel job's request while its copy is in flight: its slots stay held (an orphan) until the copy answers,
+    then everything is free again."""
     req = sim.s.cancel(job.rid)
     assert req.state is ReqState.FINISHED and (job.rid, job.epoch) in sim.s.orphans
     assert all(not sim.s.pool.is_free(d) for d in job.dst_slots)  # the copy may still be writing them
     sim.run()
-    assert not sim.s.orphans and sim.s.host_accounting() == (200, 0)
+    assert not sim.s.orphans and sim.s.host_accounting() == (host, 0)
     free, used, cached = sim.s.accounting()
-    assert used == 0 and free + cached == 60
+    assert used == 0 and free + cached == pool
+
+
+def test_cancel_during_swap_in_keeps_its_slots_until_the_copy_answers():
+    sim = Sim(pool=60, host=200, max_tokens=40)
+    cancel_during_copy(sim, first_swap_in(sim), pool=60, host=200)
 
 
 def seed_like(quantum, host, **kw):
@@ -372,15 +377,9 @@ def test_cancel_during_prefetch_keeps_its_slots_until_the_copy_answers():
         pytest.fail("no prefetch")
     job = jobs[0]
     assert sim.s.reqs[job.rid].state is ReqState.PAUSED
-    req = sim.s.cancel(job.rid)
-    assert req.state is ReqState.FINISHED and (job.rid, job.epoch) in sim.s.orphans
-    assert all(not sim.s.pool.is_free(d) for d in job.dst_slots)  # the copy may still be writing them
-    sim.run()
-    assert not sim.s.orphans and sim.s.host_accounting() == (400, 0)
-    free, used, cached = sim.s.accounting()
-    assert used == 0 and free + cached == 100
+    cancel_during_copy(sim, job, pool=100, host=400)
     ref = reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
-    assert {k: v for k, v in sim.done.items()} == {k: v for k, v in ref.items() if k != job.rid}
+    assert sim.done == {k: v for k, v in ref.items() if k != job.rid}
 
 
 def test_rotation_without_host_tier_recovers_through_prefill_or_cache():
