@@ -16,8 +16,9 @@ answer (and the first bar: from the first token on), time to first token, wall t
 throughput loss of a policy is against `plain` and, when run, `roomy`, measured in the same run), pauses, rotations,
 recoveries by path, the highest epoch and stale messages; after close-all, decode's counts and whether a new request
 works. Every phase has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the
-results written so far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1` with the
-default CPU model (smollm2) runs the same shape in a few minutes on a laptop-class CPU.
+results written so far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1 --model
+smollm2` (the default model, random:llama3.1-8b, does not fit a small CPU machine) runs the same shape in a few
+minutes on a laptop-class CPU.
 """
 
 from __future__ import annotations
