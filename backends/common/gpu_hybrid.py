@@ -134,7 +134,7 @@ class GpuHybrid(DecodeGraphs):
         inp = self.graph_inputs[bs]  # [6, bs] int32: ids, positions, out slots, table rows, lengths, state pages
         ids = self._graph_ids(inp)
         self.table.table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot
-        x = self._layers(ids, inp, bs, self._linear_attention)
+        x = self._layers(ids, inp, bs)
         self.graph_logits[:bs].copy_(F.linear(x, self.lm_head).float())
         self._store_tokens(bs, inp)
 
@@ -147,8 +147,9 @@ class GpuHybrid(DecodeGraphs):
 
         return lin
 
-    def _layers(self, ids, inp, rows: int, linear_attention) -> torch.Tensor:
-        """Every layer over `rows` query rows; returns the final-norm hidden states [rows, hidden]."""
+    def _layers(self, ids, inp, rows: int, halves: int | None = None) -> torch.Tensor:
+        """Every layer over `rows` query rows; returns the final-norm hidden states [rows, hidden]. halves: see
+        `_linear_attention`."""
         eps = self.cfg.rms_norm_eps
         norm = self.k_norm.add_rms_norm
         lin = self._lin(rows)
@@ -158,7 +159,7 @@ class GpuHybrid(DecodeGraphs):
             if L["full"]:
                 a = self._full_attention(x, L, inp, rows, lin)
             else:
-                a = linear_attention(x, L, inp, lin)
+                a = self._linear_attention(x, L, inp, lin, halves)
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
             x = self._mlp(a, h, L, i, lin, nxt)
         return x
@@ -173,14 +174,25 @@ class GpuHybrid(DecodeGraphs):
             m = lin(self.k_act.silu_mul(lin(x, L, "gate_up")), L, "down")
         return norm(m, h, nxt, eps, offset=True)
 
-    def _linear_attention(self, x, L, inp, lin):
-        cfg, j, pages = self.cfg, L["j"], inp[5]
-        proj = lin(x, L, "in_proj")  # [B, conv_dim | z | b | a]
-        mixed = self.k_dr.conv_step(proj, L["conv"], self.state.conv(j), pages)
-        core = self.k_dr.gated_delta_step(
-            mixed, proj, L["a_log"], L["dt_bias"], L["norm"], self.state.ssm(j), pages, cfg.linear_num_key_heads,
-            cfg.rms_norm_eps, block_v=self.k_dr.step_block_v(x.shape[0]),
-        )  # fmt: skip
+    def _linear_attention(self, x, L, inp, lin, halves: int | None = None):
+        """The conv and delta-rule step of every row, each on its state page inp[5] in place; with halves (a
+        verification graph of that many sequences) rows [0, halves) first, then the drafts' rows, each reading page
+        inp[5] and writing page inp[6], so a draft continues from the state its input's row wrote."""
+        cfg, j, n = self.cfg, L["j"], x.shape[0]
+        proj = lin(x, L, "in_proj")  # [n, conv_dim | z | b | a]
+        conv, ssm = self.state.conv(j), self.state.ssm(j)
+        parts = [slice(0, n)] if halves is None else [slice(0, halves), slice(halves, n)]
+        writes = [None] * len(parts) if halves is None else [inp[6, p] for p in parts]
+        mixed = torch.empty(n, cfg.conv_dim, dtype=torch.float32, device=self.device)
+        core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
+                           device=self.device)  # fmt: skip
+        for p, w in zip(parts, writes):
+            self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
+        for p, w in zip(parts, writes):
+            self.k_dr.gated_delta_step(
+                mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
+                cfg.rms_norm_eps, out=core[p], block_v=self.k_dr.step_block_v(p.stop - p.start), out_pages=w,
+            )  # fmt: skip
         return lin(core, L, "out")
 
     def _full_attention(self, x, L, inp, bs, lin):
@@ -348,28 +360,10 @@ class GpuHybrid(DecodeGraphs):
         inp = self.verify_inputs[bs]  # [7, 2 bs]: the decode graph's five rows, read pages, write pages
         R = 2 * bs
         self.table.table.index_put_((inp[3], inp[1]), inp[2])
-        x = self._layers(inp[0], inp, R, lambda x, L, inp, lin: self._linear_attention_verify(x, L, inp, lin, bs))
+        x = self._layers(inp[0], inp, R, halves=bs)
         self.spec_hidden[:R].copy_(x)
         self.spec_logits[:R].copy_(F.linear(x, self.lm_head).float())
         self.verify_tokens[:R].copy_(self._argmax(R, self._spec_padded))
-
-    def _linear_attention_verify(self, x, L, inp, lin, bs):
-        """The input tokens' columns, then the drafts' (each continuing from the state its input column wrote)."""
-        cfg, j = self.cfg, L["j"]
-        proj = lin(x, L, "in_proj")
-        conv, ssm = self.state.conv(j), self.state.ssm(j)
-        mixed = torch.empty(2 * bs, cfg.conv_dim, dtype=torch.float32, device=self.device)
-        core = torch.empty(2 * bs, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
-                           device=self.device)  # fmt: skip
-        halves = (slice(0, bs), slice(bs, 2 * bs))
-        for h in halves:
-            self.k_dr.conv_step(proj[h], L["conv"], conv, inp[5, h], out=mixed[h], out_pages=inp[6, h])
-        for h in halves:
-            self.k_dr.gated_delta_step(
-                mixed[h], proj[h], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, h], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core[h], block_v=self.k_dr.step_block_v(bs), out_pages=inp[6, h],
-            )  # fmt: skip
-        return lin(core, L, "out")
 
     def _mtp_body(self, bs: int) -> None:
         inp = self.mtp_inputs[bs]  # [5, 2 bs]: ids (-1: the verification's argmax), positions, slots, rows, lengths

@@ -129,6 +129,10 @@ class DecodeSteps:
             raise RuntimeError("speculative mtp: verification graphs without the MTP head's (prepare_speculative)")
         greedy = graph and greedy_unbanned(reqs, self.eos)
         hidden = None
+        firsts, row = [], 0  # each span's first logits row on the eager path: its input's (a draft's follows)
+        for d in drafts:
+            firsts.append(row)
+            row += 1 if d is None else 2
         if greedy:
             if mtp_graph:
                 model.launch_mtp(None)
@@ -143,10 +147,6 @@ class DecodeSteps:
                 logits, hidden = runner.forward_hidden(spans)
             else:
                 logits = runner.forward(spans)
-            firsts, row = [], 0
-            for d in drafts:
-                firsts.append(row)
-                row += 1 if d is None else 2
             t1 = sample_requests(logits[firsts], reqs, self.eos)
             acc = [i for i, (d, t) in enumerate(zip(drafts, t1)) if d is not None and d == t]
             t2 = dict(zip(acc, sample_requests(logits[[firsts[i] + 1 for i in acc]], [reqs[i] for i in acc],
@@ -188,10 +188,6 @@ class DecodeSteps:
             for i, _ in mtp_rows:
                 reqs[i].draft = new[i]
             return
-        firsts, row = [], 0
-        for d in drafts:
-            firsts.append(row)
-            row += 1 if d is None else 2
         mspans, hrows = [], []
         for i, toks in mtp_rows:
             r = reqs[i]
