@@ -478,8 +478,12 @@ class DecodeScheduler:
 
     def _reserve(self) -> int:
         """Slots kept back, when recovering or admitting, for the next tokens of requests that run or soon will."""
+        return self.reserve_per_running * self._running_soon()
+
+    def _running_soon(self) -> int:
+        """Requests that run or soon will: running, recovering, or waiting for their prompt's K/V."""
         soon = (ReqState.RUNNING, ReqState.RECOVERING, ReqState.WAITING_KV)
-        return self.reserve_per_running * sum(1 for r in self.reqs.values() if r.state in soon)
+        return sum(1 for r in self.reqs.values() if r.state in soon)
 
     def _paused_in_order(self) -> list[InferReq]:
         """Paused requests in the order they recover: oldest arrival first, or, when rotating, oldest pause."""
@@ -551,15 +555,15 @@ class DecodeScheduler:
         copy = self.host.get(head.rid)
         if copy is None or len(copy.slots) < need_kv:
             return
-        soon = self._reserve() // max(1, self.reserve_per_running)
+        keep = (self.reserve_per_running + self.prefetch_margin) * self._running_soon()
         # the room before the match is an upper bound (it counts the head's own cached prefix as evictable)
-        if self._available() - self._reserve() - self.prefetch_margin * soon < min(self.prefetch_min, need_kv):
+        if self._available() - keep < min(self.prefetch_min, need_kv):
             return
         # one try per pause, taken or not: a match walks thousands of positions of the tree, too dear for every
         # step (on an H200 it tripled the scheduler's time)
         self._prefetched[head.rid] = head.paused_at
         self.kv.match(head, need_kv)
-        room = self._available() - self._reserve() - self.prefetch_margin * soon
+        room = self._available() - keep
         n = min(need_kv - len(head.slots), room)
         own = self._alloc(n) if n >= min(self.prefetch_min, need_kv - len(head.slots)) and n > 0 else None
         if own is None:
