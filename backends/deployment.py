@@ -168,6 +168,7 @@ class Deployment:
     decode_overlap: str  # "on": step n+1 launched before step n's tokens are read (GPU graphs, greedy)
     state_pages: int = 0  # hybrid models: state pages per instance (0: the runner's default)
     rotation_prefetch: str = "off"  # "on": the next paused request's KV copied back ahead of its turn
+    rotation_wait: float = 0.3  # seconds the longest-paused request waits before it takes its turn (>= quantum)
     speculative: str = "off"  # decode's drafts: off, ngram (prompt lookup) or mtp (the model's MTP head)
     role: str = "all"  # which models this server runs: all three, or one role of a multi-server deployment
     decode_urls: str = ""  # master role: decode servers' gRPC addresses
@@ -201,6 +202,12 @@ class Deployment:
             kv_tokens = max(1024, kv_tokens - state_bytes(cfg, getattr(a, "state_pages", 0), a.max_batch) // per_token)
         if getattr(a, "exit_timeout", EXIT_TIMEOUT_S) < 0:
             raise ValueError("--exit-timeout: must be >= 0 seconds")
+        for flag, value in (
+            ("--rotation-quantum", a.rotation_quantum),
+            ("--rotation-wait", getattr(a, "rotation_wait", 0)),
+        ):
+            if value < 0:
+                raise ValueError(f"{flag}: must be >= 0 seconds, got {value}")
         host_kv = a.host_kv_tokens
         if host_kv is None:
             host_kv = 0 if cfg.is_hybrid else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
@@ -244,6 +251,7 @@ class Deployment:
             stall_seconds=a.stall_seconds,
             rotation_quantum=a.rotation_quantum,
             rotation_prefetch=getattr(a, "rotation_prefetch", "off"),
+            rotation_wait=getattr(a, "rotation_wait", 0.3),
             decode_overlap=a.decode_overlap,
             state_pages=getattr(a, "state_pages", 0) or 0,
             speculative=_speculative(getattr(a, "speculative", "off"), cfg),
@@ -294,6 +302,7 @@ class Deployment:
             "HOST_KV_TOKENS": str(self.host_kv_tokens),
             "ROTATION_QUANTUM": str(self.rotation_quantum),
             "ROTATION_PREFETCH": self.rotation_prefetch,
+            "ROTATION_WAIT": str(self.rotation_wait),
             "DECODE_OVERLAP": self.decode_overlap,
             "STATE_PAGES": str(self.state_pages),
             "SPECULATIVE": self.speculative,

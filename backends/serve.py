@@ -127,6 +127,14 @@ def register(sub) -> None:
         "paused, so no answer stalls for long. 0: a paused request waits until there is room",
     )
     p.add_argument(
+        "--rotation-wait",
+        type=float,
+        default=0.3,
+        help="seconds: rotating, the longest-paused request takes its turn once it has waited this long (never "
+        "less than --rotation-quantum). With k requests paused a turn lasts about max(quantum, wait / k), so a "
+        "few streams taking turns pay for fewer turns while each still waits about this long; 0: a quantum",
+    )
+    p.add_argument(
         "--rotation-prefetch",
         choices=["on", "off"],
         default="off",

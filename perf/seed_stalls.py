@@ -3,7 +3,9 @@
 
     plain   --rotation-quantum 0 --host-kv-tokens 0   a paused stream waits until the running ones finish
     host    --rotation-quantum 0                      same, recovering from host memory instead of prefill
-    rotate  (defaults: --rotation-quantum 0.1, host tier on)   paused and running streams take turns
+    rotate  (defaults: --rotation-quantum 0.1 --rotation-wait 0.3, host tier on)   paused and running streams
+            take turns; a paused one takes its turn once it has waited 0.3 s
+    rotate-quantum   rotate with --rotation-wait 0: a turn every quantum (the behaviour before --rotation-wait)
     rotate-prefetch  rotate with --rotation-prefetch on: the next one's KV is copied back ahead of its turn
     roomy   plain on a pool that holds all of a phase's streams: nothing pauses (the throughput reference)
 
@@ -41,6 +43,7 @@ POLICIES = {
     "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],
     "host": ["--rotation-quantum", "0"],
     "rotate": [],
+    "rotate-quantum": ["--rotation-wait", "0"],  # a turn every quantum
     "rotate-prefetch": ["--rotation-prefetch", "on"],  # the next one's KV copied back ahead of its turn
 }
 POLICIES["roomy"] = POLICIES["plain"]  # on a pool that holds every stream of a phase
@@ -311,7 +314,7 @@ def main(argv=None) -> int:
         print(f"[seed] {pol}: starting a server", flush=True)
         host = (
             ["--host-kv-tokens", str(a.host_kv_tokens)]
-            if a.host_kv_tokens is not None and pol in ("host", "rotate")
+            if a.host_kv_tokens is not None and pol.startswith(("host", "rotate"))
             else []
         )
         # roomy: twice the largest phase's tokens (close-all sends the first phase's streams again)

@@ -103,6 +103,7 @@ class DecodeModel:
             host_pool=KVPool(host_tokens) if host_tokens > 0 else None,
             host_pages=KVPool(host_pages) if host_pages > 0 else None,
             quantum=float(p.get("rotation_quantum", "0")),
+            turn_wait=float(p.get("rotation_wait", "0.3")),
             prefetch_margin=PREFETCH_MARGIN if p.get("rotation_prefetch", "off") == "on" else None,
             costs=default_costs(
                 self.runner.cfg, self.runner.kv.bytes_per_slot, gpu, state.bytes_per_page if state is not None else 0

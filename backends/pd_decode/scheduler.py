@@ -23,9 +23,11 @@ Hybrid models (`state` and `host_pages`): a host copy also owns a host state pag
 its positions; each swap-out copies the live page there with the new positions, and a host recovery brings back the
 missing K/V and the whole page, so the request resumes at exactly the paused position.
 
-Rotation (`quantum` > 0): when a request has been paused for `quantum` seconds and does not fit, requests that have
-run for at least `quantum` since they last resumed are paused to make room for it, and paused requests recover
-strictly in the order they paused, so no stream waits more than a few quanta while the pool is over-committed.
+Rotation (`quantum` > 0): when a request has been paused for `turn_wait` seconds (at least `quantum`) and does not
+fit, requests that have run for at least `quantum` since they last resumed are paused to make room for it, and
+paused requests recover strictly in the order they paused. With k requests paused, a turn lasts about
+max(quantum, turn_wait / k) and a paused stream waits about max(turn_wait, k * quantum) while the pool is
+over-committed: few streams taking turns pay for few turns, and many still get one quantum each.
 With a host tier, the next paused request's positions are copied back ahead of its turn into slots that are free
 or hold evictable cache (`Plan.swap_ins`, jobs with `prefetch`): it stays paused, and when the copy answers those
 positions go to the cache like a paused request's own KV, so at its turn they are a local hit and only the rest is
@@ -175,6 +177,7 @@ class DecodeScheduler:
         host_pool: KVPool | None = None,
         host_pages: KVPool | None = None,
         quantum: float = 0.0,
+        turn_wait: float = 0.0,
         costs: RecoveryCosts | None = None,
         clock: Callable[[], float] = time.monotonic,
         state: StatePages | None = None,
@@ -187,7 +190,8 @@ class DecodeScheduler:
         """prefetch_margin: with rotation and a host tier, the next paused request's positions are copied back
         ahead of its turn into free slots, leaving this many free per running request for their growth until
         then (None: no prefetch); prefetch_min: a smaller prefetch (unless it is all that is missing) is not worth
-        a copy's overhead."""
+        a copy's overhead. turn_wait: with rotation, how long the longest-paused request waits before it takes
+        running requests' place (never less than `quantum`)."""
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if on_oom not in ("pause", "restart"):
@@ -214,6 +218,7 @@ class DecodeScheduler:
         self.host_pages = host_pages if self.host_pool is not None and state is not None else None
         self.host: dict[str, HostCopy] = {}
         self.quantum = quantum if on_oom == "pause" else 0.0
+        self.turn_wait = max(self.quantum, turn_wait) if self.quantum > 0 else 0.0
         self.prefetch_margin, self.prefetch_min = prefetch_margin, prefetch_min
         self.num_prefetches = 0
         self._prefetched: dict[str, float] = {}  # rid -> the pause (its paused_at) its one prefetch was made in
@@ -537,7 +542,7 @@ class DecodeScheduler:
                 plan.transfers.append(self._transfer(req, need_kv, sample=False))
 
     def _prefetch(self, plan: Plan) -> None:
-        """Rotating with a host tier (dense models): once the next paused request has waited half a quantum and
+        """Rotating with a host tier (dense models): half a quantum before the next paused request's turn, if it
         still does not fit, copy its missing positions back, as many as fit in the free and evictable slots beside
         the reserve and `prefetch_margin` per request that runs or soon will, so that at its turn decode waits
         only for the rest. One try per pause (positions evicted again before its turn are not fetched twice), at
@@ -546,7 +551,7 @@ class DecodeScheduler:
         if self.quantum <= 0 or self.host_pool is None or self.state is not None or self.prefetch_margin is None:
             return
         paused = self._paused_in_order()
-        if not paused or self.clock() - paused[0].paused_at < self.quantum / 2:
+        if not paused or self.clock() - paused[0].paused_at < self.turn_wait - self.quantum / 2:
             return
         head = paused[0]
         if self._prefetched.get(head.rid) == head.paused_at:
@@ -689,14 +694,14 @@ class DecodeScheduler:
 
     # ---- rotation ------------------------------------------------------------------------------------------
     def _rotate(self, plan: Plan) -> None:
-        """Give the longest-paused request its turn: once it has waited a quantum and does not fit, pause requests
-        that have run a quantum since they resumed (longest first) until it does. Nobody is paused when the
+        """Give the longest-paused request its turn: once it has waited `turn_wait` and does not fit, pause
+        requests that have run a quantum since they resumed (longest first) until it does. Nobody is paused when the
         eligible ones would not free enough: that would cost a turn and bring nothing."""
         if self.quantum <= 0:
             return
         paused = self._paused_in_order()
         now = self.clock()
-        if not paused or now - paused[0].paused_at < self.quantum:
+        if not paused or now - paused[0].paused_at < self.turn_wait:
             return
         head = paused[0]
         if self._prefetching(head):  # its slots are being written: its turn comes once the copy has answered

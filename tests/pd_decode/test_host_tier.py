@@ -282,6 +282,24 @@ def test_rotation_bounds_the_largest_gap_and_keeps_answers_identical():
     assert fair.s.host_accounting() == (400, 0)
 
 
+def test_a_longer_turn_wait_pays_for_fewer_turns_within_its_bound():
+    """--rotation-wait: the longest-paused request takes its turn once it has waited turn_wait (never less than a
+    quantum). With two paused, a turn then lasts about turn_wait / 2 instead of a quantum: fewer turns, fewer
+    tokens swapped back in, the largest gap about turn_wait (plus up to a quantum for a victim that has just
+    resumed), and the same answers."""
+    ref = reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
+    quick = seed_like(quantum=0.05, host=400)
+    clamped = seed_like(quantum=0.05, host=400, turn_wait=0.01)  # below a quantum: a quantum
+    longer = seed_like(quantum=0.05, host=400, turn_wait=0.2)
+    assert quick.done == ref and clamped.done == ref and longer.done == ref
+    assert clamped.s.num_rotations == quick.s.num_rotations
+    assert longer.s.num_rotations <= 0.6 * quick.s.num_rotations, (longer.s.num_rotations, quick.s.num_rotations)
+    assert longer.s.swapped_tokens["in"] <= 0.7 * quick.s.swapped_tokens["in"]
+    gap = max(longer.max_gap(r) for r in ref)
+    assert 0.2 <= gap <= 0.2 + 0.05 + 0.015, gap
+    assert longer.s.host_accounting() == (400, 0)
+
+
 @pytest.mark.parametrize("host", [None, 400])
 def test_hybrid_rotation_bounds_the_largest_gap_as_for_a_dense_model(host):
     """A running hybrid request moves its K/V into the cache every 32 tokens (its state checkpoints), so most of
