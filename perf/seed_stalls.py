@@ -272,7 +272,15 @@ def report(summary: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--policies", nargs="+", default=["plain", "rotate"], choices=list(POLICIES))
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=["plain", "rotate"],
+        help=f"which policies to run, in order: {', '.join(POLICIES)} or one named by --define",
+    )
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=ARGS",
+                    help="a policy of your own: `triton-pd serve` options, e.g. 'wait04=--rotation-wait 0.4' "
+                    "(a name starting with host or rotate also gets --host-kv-tokens)")  # fmt: skip
     ap.add_argument("--model", default="random:llama3.1-8b")
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument("--host-kv-tokens", type=int, default=None,
@@ -289,6 +297,15 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", nargs="+", default=[p[0] for p in PHASES], choices=[p[0] for p in PHASES],
                     help="which phases to run (close-all always runs)")  # fmt: skip
     a = ap.parse_args(argv)
+    policies = dict(POLICIES)
+    for d in a.define:
+        name, sep, args = d.partition("=")
+        if not sep or not name:
+            ap.error(f"--define: expected NAME=ARGS, got {d!r}")
+        policies[name] = shlex.split(args)
+    for pol in a.policies:
+        if pol not in policies:
+            ap.error(f"--policies: unknown policy {pol!r} (choose from {', '.join(policies)})")
     from backends.common import loader
 
     VOCAB[0] = loader.load_config(loader.resolve(a.model)).vocab_size
@@ -319,7 +336,7 @@ def main(argv=None) -> int:
         )
         # roomy: twice the largest phase's tokens (close-all sends the first phase's streams again)
         kv = max(pool, 2 * max(n * (prompt + sc(n_out)) for _, n, n_out in PHASES)) if pol == "roomy" else pool
-        args = ["--model", a.model, "--kv-tokens", str(kv), *POLICIES[pol], *host, *shlex.split(a.serve_args)]
+        args = ["--model", a.model, "--kv-tokens", str(kv), *policies[pol], *host, *shlex.split(a.serve_args)]
         try:
             log = out / (f"server-{pol}.log" if a.layout == "one" else f"servers-{pol}")
             server = start_deployment(a.layout, args, log, a.prefill_serve_args, a.decode_serve_args)

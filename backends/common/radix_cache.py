@@ -21,6 +21,21 @@ from .kv_pool import KVPool
 from .state_pages import ZERO, StatePages
 
 
+def _common_prefix(key: Sequence[int], tokens: Sequence[int], i: int) -> int:
+    """How many leading entries of key equal tokens[i:]. Slices are compared in C first (a paused request's
+    history of thousands of tokens matches whole edges); element by element only to find where an edge diverges."""
+    n = min(len(key), len(tokens) - i)
+    seg = tokens[i : i + n]
+    if not isinstance(seg, list):
+        seg = list(seg)
+    if key[:n] == seg:
+        return n
+    m = 0
+    while key[m] == seg[m]:  # they differ somewhere before n
+        m += 1
+    return m
+
+
 class Node:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "priority", "state")
 
@@ -109,10 +124,8 @@ class RadixCache:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            n = 0
             key = child.key
-            while n < len(key) and i + n < len(tokens) and key[n] == tokens[i + n]:
-                n += 1
+            n = _common_prefix(key, tokens, i)
             if n < len(key):
                 child = self._split(child, n)
             slots.extend(child.value)
@@ -127,9 +140,8 @@ class RadixCache:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            key, n = child.key, 0
-            while n < len(key) and i + n < len(tokens) and key[n] == tokens[i + n]:
-                n += 1
+            key = child.key
+            n = _common_prefix(key, tokens, i)
             if n < len(key):
                 break  # a checkpoint sits at a node's end: this one's is past the match
             node, i = child, i + n
@@ -180,10 +192,8 @@ class RadixCache:
                 self.cached_size += len(leaf.key)
                 node = leaf
                 break
-            n = 0
             key = child.key
-            while n < len(key) and i + n < len(tokens) and key[n] == tokens[i + n]:
-                n += 1
+            n = _common_prefix(key, tokens, i)
             if n < len(key):
                 child = self._split(child, n)
             node, i = child, i + n
@@ -219,6 +229,13 @@ class RadixCache:
                 if not node.children:
                     self._add_evictable(node)
             node = node.parent
+
+    def locked_bound(self, tokens: Sequence[int]) -> int:
+        """At most how many locked slots a match of tokens can return: 0 when the edge it would start with is
+        unlocked (a lock holds a node's whole path up to the root, so nothing under an unlocked node is locked),
+        else every locked slot. Without a walk of the tokens."""
+        child = self.root.children.get(tokens[0]) if len(tokens) else None
+        return self.protected_size if child is not None and child.lock_ref > 0 else 0
 
     def locked_only_by(self, node: Node | None) -> int:
         """Slots on the path from `node` up that one lock alone protects (lock_ref 1): what the request holding

@@ -506,6 +506,13 @@ class DecodeScheduler:
                     return
                 continue
             need_kv = req.num_tokens - 1  # positions [0, L-1); the last token is the next decode input
+            # a match trades evictable entries for positions one to one: only entries that others lock can make
+            # room, so when even those could not, skip the walk of a history of thousands of tokens (on an H200 a
+            # prefetched head was matched at every step)
+            if need_kv + 1 - self.radix.locked_bound(req.all_ids) > self._available() - self._reserve():
+                if self.quantum > 0:
+                    return
+                continue
             self.kv.match(req, need_kv)
             missing = need_kv - len(req.slots)
             # the missing positions, plus the next token's slot, must fit beside the running requests' reserve

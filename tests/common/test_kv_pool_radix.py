@@ -255,3 +255,23 @@ def test_eviction_on_a_full_cache_does_not_scan_every_leaf():
     # ordering the leaves afresh on each call (what evict() did) takes at least one comparison per leaf per call:
     # 200 x 3,000; the kept heap needs O(log n) per entry pushed or popped
     assert Counted.comparisons < 200 * leaves / 20, Counted.comparisons
+
+
+def test_match_of_any_sequence_type_and_the_locked_bound():
+    """A match compares whole edges as slices: a tuple of tokens matches as its list does, an edge that diverges
+    part-way is split where it does, and `locked_bound` is 0 unless the match would start on a locked edge."""
+    pool = KVPool(64)
+    radix = RadixCache(pool)
+    a = list(range(10, 30))
+    assert radix.insert(a, pool.alloc(20)) == 0
+    slots, node = radix.match_prefix(tuple(a[:12] + [99]))
+    assert slots == radix.match_prefix(a[:12] + [99])[0] and len(slots) == 12 and node.key == a[:12]
+    assert len(radix.match_prefix(a + [5])[0]) == 20 and radix.match_prefix([7, 8])[0] == []
+    assert radix.locked_bound(a) == 0 and radix.locked_bound([]) == 0
+    b = [50, 51, 52]
+    radix.insert(b, pool.alloc(3))
+    _, nb = radix.match_prefix(b)
+    radix.lock(nb)
+    assert radix.locked_bound(a) == 0 and radix.locked_bound(b + [1]) == radix.protected_size == 3
+    radix.unlock(nb)
+    assert radix.locked_bound(b) == 0
