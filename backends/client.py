@@ -6,27 +6,28 @@ import json
 import queue
 import sys
 
-import numpy as np
-
 from .common.request import SamplingParams
+from .common.wire import TRITON_DTYPES, MasterRequest
 
 
 class ClientError(Exception):
     pass
 
 
-def _inputs(grpcclient, prompt: str, params: SamplingParams, chat: bool, stream: bool):
-    def t(name, arr, dtype):
-        x = grpcclient.InferInput(name, list(arr.shape), dtype)
+def infer_inputs(grpcclient, tensors: dict) -> list:
+    """tritonclient InferInputs for named numpy arrays (a wire message's `encode()`)."""
+    out = []
+    for name, arr in tensors.items():
+        x = grpcclient.InferInput(name, list(arr.shape), TRITON_DTYPES[arr.dtype])
         x.set_data_from_numpy(arr)
-        return x
+        out.append(x)
+    return out
 
-    return [
-        t("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-        t("stream", np.array([stream]), "BOOL"),
-        t("apply_chat_template", np.array([chat]), "BOOL"),
-        t("sampling_parameters", np.array([json.dumps(_params(params)).encode()], dtype=np.object_), "BYTES"),
-    ]
+
+def _inputs(grpcclient, prompt: str, params: SamplingParams, chat: bool, stream: bool):
+    return infer_inputs(
+        grpcclient, MasterRequest(text=prompt, params=_params(params), stream=stream, chat=chat).encode()
+    )
 
 
 def _params(p: SamplingParams) -> dict:

@@ -242,23 +242,16 @@ def _send(url: str, rec: Record, prompt: list[int], t0: float, timeout: float, s
     for a stream the server does not end."""
     import queue as q_
 
-    import numpy as np
     import tritonclient.grpc as grpcclient
+
+    from backends.client import infer_inputs
+    from backends.common.wire import MasterRequest
 
     q: q_.Queue = q_.Queue()
     client = grpcclient.InferenceServerClient(url)
     params = {"max_tokens": rec.output_len, "temperature": 0, "ignore_eos": True}
 
-    def inp(name, arr, dtype):
-        x = grpcclient.InferInput(name, list(arr.shape), dtype)
-        x.set_data_from_numpy(arr)
-        return x
-
-    inputs = [
-        inp("input_ids", np.array(prompt, dtype=np.int64), "INT64"),
-        inp("stream", np.array([True]), "BOOL"),
-        inp("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
-    ]
+    inputs = infer_inputs(grpcclient, MasterRequest(ids=list(prompt), params=params).encode())
     finished = False
     try:
         client.start_stream(callback=lambda result, error: q.put((time.monotonic(), result, error)))

@@ -1,8 +1,8 @@
 """The messages between the deployment's models: one dataclass per contract, encoded into named tensors once by its
 sender and decoded (and validated) once by its receiver.
 
-    master ──DecodeRequest──► decode ──PrefillRequest──► prefill
-    master ◄─DecodeResponse── decode ◄─PrefillResponse── prefill
+    client ──MasterRequest──► master ──DecodeRequest──► decode ──PrefillRequest──► prefill
+                              master ◄─DecodeResponse── decode ◄─PrefillResponse── prefill
 
 Tensors here are plain numpy arrays keyed by name (`Tensors`); `triton_io` turns them into Triton tensors and reads
 them back through a `Getter`, so every contract is testable without Triton. Nothing is pickled: ids are int64, text
@@ -84,6 +84,43 @@ def check_key(get: Getter, expected: str) -> None:
         raise ParamError(KEY_FIELD, "this is an internal model of the deployment: requests must carry its internal_key")
     if _get_text(get, KEY_FIELD) != expected:
         raise ParamError(KEY_FIELD, "internal_key does not match this deployment")
+
+
+# ---- client -> master ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class MasterRequest:
+    """A client's request to the deployment's public model: a prompt as text or token ids, sampling parameters
+    as a JSON object, streaming or not. The one builder of pd_master's inputs (`backends.client`, the replay bench
+    and the server tests); pd_master reads them field by field, so that a malformed one is refused by name."""
+
+    MODEL = "pd_master"
+    OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+
+    text: str | None = None
+    ids: list[int] | None = None
+    params: dict = field(default_factory=dict)
+    stream: bool = True
+    chat: bool = False  # apply the model's chat template to text
+    exclude_input: bool | None = None  # None: the server's default
+    raw_params: str | None = None  # sent as is instead of params (a client that writes its own JSON)
+
+    def encode(self) -> Tensors:
+        out: Tensors = {}
+        if self.text is not None:
+            out["text_input"] = _text(self.text)
+        if self.ids is not None:
+            out["input_ids"] = _ints(self.ids)
+        out["stream"] = _flag(self.stream)
+        if self.chat:
+            out["apply_chat_template"] = _flag(True)
+        if self.exclude_input is not None:
+            out["exclude_input_in_output"] = _flag(self.exclude_input)
+        params = self.raw_params if self.raw_params is not None else json.dumps(self.params)
+        out["sampling_parameters"] = _text(params)
+        return out
+
+
+TRITON_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
 
 
 # ---- master -> decode ---------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-import numpy as np
 import tritonclient.grpc as grpcclient
+
+from backends.client import infer_inputs
+from backends.common.wire import MasterRequest
 
 
 @dataclass
@@ -23,26 +25,9 @@ class Result:
     chunks: list[list[int]] = field(default_factory=list)
 
 
-def _inp(name, arr, dtype):
-    x = grpcclient.InferInput(name, list(arr.shape), dtype)
-    x.set_data_from_numpy(arr)
-    return x
-
-
 def build_inputs(text=None, ids=None, params=None, stream=True, exclude_input=None, chat=False, raw_params=None):
-    inputs = []
-    if text is not None:
-        inputs.append(_inp("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"))
-    if ids is not None:
-        inputs.append(_inp("input_ids", np.array(ids, dtype=np.int64), "INT64"))
-    inputs.append(_inp("stream", np.array([stream]), "BOOL"))
-    if chat:
-        inputs.append(_inp("apply_chat_template", np.array([True]), "BOOL"))
-    if exclude_input is not None:
-        inputs.append(_inp("exclude_input_in_output", np.array([exclude_input]), "BOOL"))
-    sp = raw_params if raw_params is not None else json.dumps(params or {})
-    inputs.append(_inp("sampling_parameters", np.array([sp.encode()], dtype=np.object_), "BYTES"))
-    return inputs
+    msg = MasterRequest(text, ids, params or {}, stream, chat, exclude_input, raw_params)
+    return infer_inputs(grpcclient, msg.encode())
 
 
 class StreamClient:
