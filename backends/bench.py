@@ -1,4 +1,4 @@
-"""`triton-pd bench replay | compare | to-perf-analyzer`: trace replay benchmarks (the work is in perf/replay.py)."""
+"""`triton-pd bench replay | compare | to-perf-analyzer`: trace replay benchmarks (the work is in replay.py)."""
 
 from __future__ import annotations
 
@@ -79,8 +79,7 @@ def register(sub) -> None:
 
 
 def _prepare(a):
-    from perf import replay as rp
-
+    from . import replay as rp
     from .common import loader
 
     cfg = loader.load_config(loader.resolve(a.model))

@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.replay import scrape  # noqa: E402
+from backends.replay import scrape  # noqa: E402
 
 POLICIES = {
     "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],

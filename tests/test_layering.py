@@ -1,5 +1,6 @@
 """The package's layering, read from the source (lazy imports inside functions included): backends/common/
-depends on nothing above it, the roles do not import each other, and no two modules import each other."""
+depends on nothing above it, kernels/ on nothing in backends/, the package on nothing in perf/, the roles do not
+import each other, and no two modules import each other."""
 
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def test_kernels_import_nothing_from_the_backends():
     assert not bad, f"kernels/ imports from backends/: {sorted(bad)}"
 
 
+def test_the_installed_package_imports_nothing_from_perf():
+    """backends/ and kernels/ are what `pip install` installs; perf/ holds scripts run from a checkout (the trace
+    replay behind `triton-pd bench` lives in backends/replay.py)."""
+    files = [p for d in ("backends", "kernels") for p in (ROOT / d).rglob("*.py")]
+    bad = {(module_name(p), d) for p in files for d in imports(p) if d.split(".")[0] == "perf"}
+    assert not bad, f"the package imports perf/: {sorted(bad)}"
+
+
 def test_roles_do_not_import_each_other():
     bad = set()
     for m, deps in graph().items():
@@ -98,3 +107,4 @@ def test_the_graph_sees_known_edges():
     assert "backends.common.batch" in g["backends.common.runner"]  # from .batch import Span (module level)
     assert "backends.common.gpu_model" in g["backends.common.runner"]  # lazy, inside ModelRunner.__init__
     assert "backends.common.wire" in g["backends.pd_decode.model"]  # absolute
+    assert "perf.limits" in imports(ROOT / "perf" / "hybrid_bench.py")  # perf/ imports are seen too

@@ -155,7 +155,7 @@ def test_still_serves_and_nothing_is_left(slow):
 def test_replay_ends_on_stuck_streams_and_cancels_them(slow):
     """The replay benchmark never waits for ever: silent streams are counted 'stuck' and cancelled, the run's
     wall-clock limit ends the rest as 'unfinished', and the server is left with nothing."""
-    from perf import replay as rp
+    from backends import replay as rp
 
     reqs = [rp.TraceRequest(0.0, 12, 8), rp.TraceRequest(0.1, 12, 8)]
     prompts = [ids(12, 5000), ids(12, 6000)]
@@ -174,7 +174,7 @@ def test_replay_ends_on_stuck_streams_and_cancels_them(slow):
 def test_replay_counts_a_stream_that_goes_silent_as_stuck(slow):
     """Tokens flow, then nothing: a request paused with its KV dropped waits 3 s for prefill's recovery, longer
     than stuck_after. The stream is cancelled and counted 'stuck'; the other finishes."""
-    from perf import replay as rp
+    from backends import replay as rp
 
     reqs = [rp.TraceRequest(0.0, 150, 120), rp.TraceRequest(0.0, 150, 300)]
     prompts = [ids(150, 7000), ids(150, 8000)]
