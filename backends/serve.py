@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .deployment import EXIT_TIMEOUT_S, Deployment, gpu_count
-from .supervisor import Supervisor
+from .supervisor import Supervisor, ports_in_use
 from .tritonserver import Ports, command, environment, layout_for, render
 
 
@@ -242,9 +242,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ValueError as e:  # options that contradict each other or the model (the message names the option)
         print(f"triton-pd: error: {e}", file=sys.stderr)
         return 2
+    ports = Ports(a.http_port, a.grpc_port, a.metrics_port)
+    busy = ports_in_use({"--http-port": ports.http, "--grpc-port": ports.grpc, "--metrics-port": ports.metrics})
+    if busy:  # tritonserver would load every model, then fail to bind while another server answers on the port
+        print(f"triton-pd: error: {', '.join(busy)}: already in use by another process", file=sys.stderr)
+        return 2
     repo = render(dep.workdir, dep.template_values(), dep.models)
     layout = layout_for(dep.workdir, a.tritonserver, a.backend_dir)
-    ports = Ports(a.http_port, a.grpc_port, a.metrics_port)
     log_path = dep.workdir / "tritonserver.log"
     print(f"[triton-pd] {dep.summary()}", flush=True)
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)

@@ -30,7 +30,8 @@ class Supervisor:
         self.regions: set[str] = set()
         self.died: str | None = None
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent(os.getpid()))  # fmt: skip
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
@@ -59,7 +60,7 @@ class Supervisor:
                 if m not in shown and _ok(f"{url}/v2/models/{m}/ready"):
                     shown.add(m)
                     print(f"[triton-pd] {m} ready ({time.monotonic() - t0:.0f} s)", flush=True)
-            if len(shown) == len(self.models) and _ok(f"{url}/v2/health/ready"):
+            if len(shown) == len(self.models) and _ok(f"{url}/v2/health/ready") and self.proc.poll() is None:
                 self._scan()
                 return True
             if time.monotonic() - t0 > timeout:
@@ -119,6 +120,45 @@ class Supervisor:
             self.proc.wait()
         signal_group(self.proc, signal.SIGKILL)
         cleanup(deployment_id, mailbox, sorted(self.regions))
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM):
+    """For Popen's preexec_fn: the child gets `sig` when the process that started it dies, however it dies (a
+    SIGKILL, an OOM kill), so a launcher never leaves a tritonserver holding its ports (Linux prctl; elsewhere a
+    no-op). SIGTERM: tritonserver then stops its stubs and removes their shared memory, as on Ctrl-C. If the
+    parent is already gone when the child gets there, the child exits at once. libc is looked up here, in the
+    parent: the forked child only makes the call."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def set_signal() -> None:
+        if prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0 and os.getppid() != parent:
+            os._exit(1)
+
+    return set_signal
+
+
+def ports_in_use(ports: dict[str, int]) -> list[str]:
+    """The options whose port another process listens on (`--http-port 8000`), checked by binding it as
+    tritonserver will (all interfaces, SO_REUSEADDR: a closed connection's TIME_WAIT does not count)."""
+    import socket
+
+    busy = []
+    for flag, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                busy.append(f"{flag} {port}")
+    return busy
 
 
 def _ok(url: str) -> bool:

@@ -114,3 +114,23 @@ def test_serve_roles_refuse_incomplete_deployments(args, needle, tmp_path, capsy
                *[str(key) if a == "KEY" else a for a in args]])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--metrics-port"])
+def test_serve_refuses_a_port_in_use_naming_it(flag, tmp_path, capsys):
+    """Before anything starts: tritonserver would load every model, then fail to bind, while the process that
+    holds the port answered the launcher's readiness probe (seen with four role servers on one host)."""
+    import socket
+
+    from backends.cli import main
+    from backends.server_process import free_ports
+
+    ports = dict(zip(("--http-port", "--grpc-port", "--metrics-port"), free_ports(3)))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", ports[flag]))
+        holder.listen()
+        rc = main(["serve", "--model", "random:tiny-test", "--workdir", str(tmp_path / "w"),
+                   *[str(x) for kv in ports.items() for x in kv]])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{flag} {ports[flag]}: already in use" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "w" / "tritonserver.log").exists()  # nothing was started

@@ -137,3 +137,28 @@ def test_master_or_decode_stub_death_stops_the_server(role):
         c.cancel()
     finally:
         s.stop()
+
+
+def test_a_killed_launcher_takes_its_tritonserver_and_stubs_with_it():
+    """However `triton-pd serve` dies (SIGKILL here, as an OOM kill or a hard stop would), the kernel sends its
+    tritonserver SIGTERM (a parent-death signal), which stops the stubs too: nothing is left holding the ports.
+    Before, tritonserver ran on in a session of its own and held its ports for minutes."""
+    from backends.supervisor import ports_in_use, process_alive, python_stubs
+
+    s = Server("--kv-tokens", "512", "--exit-timeout", "2", name="orphan")
+    try:
+        out = subprocess.run(["pgrep", "-P", str(s.proc.pid), "tritonserver"], capture_output=True, text=True)
+        (server_pid,) = [int(p) for p in out.stdout.split()]
+        stubs = [pid for pid, _ in python_stubs(server_pid).values()]
+        assert len(stubs) == 3, stubs
+        ports = {"http": s.http, "grpc": s.grpc, "metrics": s.metrics}
+        assert len(ports_in_use(ports)) == 3
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(timeout=10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60 and any(process_alive(p) for p in [server_pid, *stubs]):
+            time.sleep(0.2)
+        assert not [p for p in [server_pid, *stubs] if process_alive(p)], "left running after the launcher died"
+        assert ports_in_use(ports) == []
+    finally:
+        s.stop()
