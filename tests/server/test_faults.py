@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -150,7 +152,8 @@ def test_a_killed_launcher_takes_its_tritonserver_and_stubs_with_it():
         out = subprocess.run(["pgrep", "-P", str(s.proc.pid), "tritonserver"], capture_output=True, text=True)
         (server_pid,) = [int(p) for p in out.stdout.split()]
         stubs = [pid for pid, _ in python_stubs(server_pid).values()]
-        assert len(stubs) == 3, stubs
+        regions = [Path("/dev/shm", r) for _, r in python_stubs(server_pid).values()]
+        assert len(stubs) == 3 and all(r.exists() for r in regions), (stubs, regions)
         ports = {"http": s.http, "grpc": s.grpc, "metrics": s.metrics}
         assert len(ports_in_use(ports)) == 3
         os.kill(s.proc.pid, signal.SIGKILL)
@@ -160,5 +163,11 @@ def test_a_killed_launcher_takes_its_tritonserver_and_stubs_with_it():
             time.sleep(0.2)
         assert not [p for p in [server_pid, *stubs] if process_alive(p)], "left running after the launcher died"
         assert ports_in_use(ports) == []
+        assert not [r for r in regions if r.exists()]  # a clean stop: tritonserver removed its stubs' memory
     finally:
         s.stop()
+        # what the killed launcher would have removed on its way out: the deployment's mailbox
+        config = (s.workdir / "models" / "pd_master" / "config.pbtxt").read_text()
+        mailbox = re.search(r'"mailbox_dir" value: \{ string_value: "([^"]+)"', config)
+        if mailbox:
+            shutil.rmtree(mailbox.group(1), ignore_errors=True)
