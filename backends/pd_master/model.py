@@ -18,6 +18,7 @@ from backends.common.mailbox import Mailbox
 from backends.common.metrics import Metrics
 from backends.common.remote import DecodeServers, parse_urls
 from backends.common.request import ParamError, SamplingParams
+from backends.common.tokenizer import TemplateError
 from backends.common.wire import DecodeRequest, DecodeResponse
 
 from .text import IncrementalDetokenizer, StopStrings
@@ -182,7 +183,10 @@ class MasterModel:
         exclude = tio.input_bool(request, "exclude_input_in_output", bool(rp.get("exclude_input_in_output", False)))
         chat = tio.input_bool(request, "apply_chat_template", bool(rp.get("apply_chat_template", False)))
         if text is not None:
-            ids = self.tokenizer.encode_chat(text) if chat else self.tokenizer.encode(text)
+            try:
+                ids = self.tokenizer.encode_chat(text) if chat else self.tokenizer.encode(text)
+            except TemplateError as e:  # e.g. a random-weight model: no chat template to apply
+                raise ParamError("apply_chat_template", str(e)) from None
             field_name = "text_input"
         else:
             field_name = "input_ids"
