@@ -98,6 +98,9 @@ class Supervisor:
                 return self.proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
+            if self.stopping and kill_at is None:
+                # a client that keeps a gRPC stream open holds Triton 2.51's shutdown past its exit timeout
+                kill_at = time.monotonic() + self.exit_timeout + 10
             if kill_at is not None and time.monotonic() > kill_at:
                 signal_group(self.proc, signal.SIGKILL)  # its shutdown waits for requests the dead stub never ends
             if self.died is None and not self.stopping:

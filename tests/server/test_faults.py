@@ -171,3 +171,19 @@ def test_a_killed_launcher_takes_its_tritonserver_and_stubs_with_it():
         mailbox = re.search(r'"mailbox_dir" value: \{ string_value: "([^"]+)"', config)
         if mailbox:
             shutil.rmtree(mailbox.group(1), ignore_errors=True)
+
+
+def test_a_client_holding_a_stream_open_does_not_hold_the_stop_for_ever():
+    """Triton 2.51's shutdown waits for a gRPC stream a client keeps open, past its exit timeout (measured: the
+    launcher was still waiting after 60 s). The launcher kills it `--exit-timeout` + 10 s after the stop began."""
+    s = Server("--kv-tokens", "512", "--exit-timeout", "2", name="held")
+    try:
+        c = StreamClient(s.grpc_url, text="hi", params={"max_tokens": 2, "ignore_eos": True})
+        assert c.read(timeout=60).error is None  # answered; the client never closes its stream
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=40) == 0
+        assert time.monotonic() - t0 < 2 + 10 + 8, time.monotonic() - t0
+        c.cancel()
+    finally:
+        s.stop()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from backends.common.request import SamplingParams
 from backends.common.wire import TRITON_DTYPES, DecodeRequest, PrefillRequest
-from tests.server.client import StreamClient, http_post
+from tests.server.client import StreamClient, grpc_generate, http_post
 from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server]
@@ -61,7 +61,9 @@ prompt_ids = st.one_of(
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    s = Server("--model", "random:tiny-test", "--kv-tokens", "2048", "--max-batch", "16", name="fuzz")
+    s = Server(
+        "--model", "random:tiny-test", "--kv-tokens", "2048", "--max-batch", "16", "--exit-timeout", "2", name="fuzz"
+    )
     yield s
     s.stop()
 
@@ -229,7 +231,7 @@ def test_fuzzed_internal_requests_without_the_key_are_refused(fuzz_server, reque
 
 def test_a_chat_template_request_to_a_model_without_one_names_the_field(fuzz_server):
     """Found by the fuzz: the tokenizer's TemplateError escaped pd_master as an internal error with a traceback."""
-    r = StreamClient(fuzz_server.grpc_url, text="hi", chat=True, params={"max_tokens": 2}).read(timeout=60)
+    r = grpc_generate(fuzz_server.grpc_url, timeout=60, text="hi", chat=True, params={"max_tokens": 2})
     assert r.error is not None and "apply_chat_template" in r.error and names_a_field(r.error), r.error
     status, text = http_post(fuzz_server.http_url, "/v2/models/pd_master/generate",
                              {"text_input": "hi", "apply_chat_template": True})  # fmt: skip
@@ -240,5 +242,5 @@ def test_after_the_fuzz_the_server_serves_and_holds_nothing(fuzz_server):
     """Runs after the fuzz tests of this module (file order): counts back to 0, and a plain request works."""
     fuzz_server.assert_released(timeout=30)
     assert fuzz_server.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=30) == 0
-    r = StreamClient(fuzz_server.grpc_url, text="hello", params={"max_tokens": 4, "ignore_eos": True}).read(timeout=60)
+    r = grpc_generate(fuzz_server.grpc_url, timeout=60, text="hello", params={"max_tokens": 4, "ignore_eos": True})
     assert r.error is None and len(r.ids) == 4
