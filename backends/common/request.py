@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import secrets
 from dataclasses import dataclass, field, fields
 
@@ -90,14 +91,50 @@ class SamplingParams:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ParamError("sampling_parameters", f"unknown key(s) {', '.join(unknown)}")
-        for name in ("max_tokens", "top_k", "min_tokens", "seed"):  # accept 16.0 from loose JSON writers
-            v = raw.get(name)
-            if isinstance(v, float) and v.is_integer():
-                raw[name] = int(v)
+        for name, v in raw.items():
+            raw[name] = _coerce(name, v)
         return cls(**raw).validate()
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_INT_KEYS = ("max_tokens", "top_k", "min_tokens", "seed")
+_FLOAT_KEYS = ("temperature", "top_p")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _int(name: str, v: str) -> int:
+    try:
+        return int(v.strip())
+    except ValueError:
+        raise ParamError(name, f"must be an integer, got {v!r}") from None
+
+
+def _coerce(name: str, v):
+    """A value as Triton's vLLM backend takes it: numbers and booleans may come as strings ("16", "0.7", "true":
+    genai-perf sends {"max_tokens": "16"}), and whole floats as integers (16.0). Anything else is left for
+    `validate` to refuse, naming the key."""
+    if name in _INT_KEYS:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, str):
+            return _int(name, v)
+    elif name in _FLOAT_KEYS and isinstance(v, str):
+        try:
+            f = float(v.strip())
+        except ValueError:
+            raise ParamError(name, f"must be a number, got {v!r}") from None
+        if not math.isfinite(f):
+            raise ParamError(name, f"must be a finite number, got {v!r}")
+        return f
+    elif name == "ignore_eos" and isinstance(v, str):
+        if v.strip().lower() in _TRUE + _FALSE:
+            return v.strip().lower() in _TRUE
+        raise ParamError(name, f"must be a boolean (true or false), got {v!r}")
+    elif name == "stop_token_ids" and isinstance(v, list):
+        return [_int(name, t) if isinstance(t, str) else t for t in v]
+    return v
 
 
 class ReqState(enum.Enum):

@@ -168,3 +168,24 @@ def test_stream_sender_merges_pending_parts_and_sends_nothing_after_final():
     assert sorted(finals) == ["a", "b"] and a.closed and b.closed
     ids_a = [t for rid, resp in sent if rid == "a" for t in resp.output_ids]
     assert ids_a == [1, 2, 3]  # however the thread batched them: in order, no duplicate, nothing after final
+
+
+def test_sampling_values_as_strings_convert_as_the_vllm_backend_takes_them():
+    """genai-perf sends {"max_tokens": "16"}; Triton's vLLM backend converts such strings, and so do we. A string
+    that does not convert is refused naming its key."""
+    p = SamplingParams.from_json(
+        json.dumps(
+            {"max_tokens": "16", "temperature": "0", "top_p": " 0.5", "top_k": "-1", "seed": "7", "min_tokens": "2",
+             "ignore_eos": "True", "stop_token_ids": ["5", 6]}
+        )
+    )  # fmt: skip
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.min_tokens) == (16, 0.0, 0.5, -1, 7, 2)
+    assert p.ignore_eos is True and p.stop_token_ids == [5, 6]
+    assert SamplingParams.from_json('{"ignore_eos": "false", "max_tokens": 8.0}').ignore_eos is False
+    for key, value in [
+        ("max_tokens", "16.5"), ("max_tokens", "lots"), ("temperature", "warm"), ("temperature", "nan"),
+        ("top_p", "inf"), ("ignore_eos", "maybe"), ("stop_token_ids", ["x"]), ("seed", "-1"), ("max_tokens", "0"),
+    ]:  # fmt: skip
+        with pytest.raises(ParamError) as e:
+            SamplingParams.from_json(json.dumps({key: value}))
+        assert e.value.field == key, (key, value)

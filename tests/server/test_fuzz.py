@@ -79,7 +79,13 @@ def names_a_field(message: str) -> bool:
 
 def bounded(p: dict) -> dict:
     """A valid request must end soon: cap the answer (the fuzz is about what is refused, not long answers)."""
-    if isinstance(p.get("max_tokens"), int) and not isinstance(p["max_tokens"], bool) and p["max_tokens"] > 24:
+    m = p.get("max_tokens")
+    if isinstance(m, str):  # numbers as strings are taken too ("16", as Triton's vLLM backend takes them)
+        try:
+            m = int(m.strip())
+        except ValueError:
+            return p
+    if isinstance(m, int) and not isinstance(m, bool) and m > 24:
         p = {**p, "max_tokens": 24}
     return p
 
