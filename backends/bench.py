@@ -196,5 +196,5 @@ def cmd_to_pa(a) -> int:
     out = Path(a.out)
     inp, iv = rp.to_perf_analyzer(reqs, prompts, out)
     print(f"wrote {inp} and {iv}; drive the server with:")
-    print(rp.PERF_ANALYZER_CMD.format(url=a.url, inp=inp, iv=iv, n=len(reqs), out=out))
+    print(rp.perf_analyzer_command(a.url, inp, iv, len(reqs), out))
     return 0

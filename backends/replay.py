@@ -17,6 +17,7 @@ import math
 import random
 import signal
 import statistics
+import sys
 import threading
 import time
 import urllib.request
@@ -596,9 +597,18 @@ def to_perf_analyzer(reqs: list[TraceRequest], prompts: list[list[int]], out: Pa
 
 
 PERF_ANALYZER_CMD = (
-    "perf_analyzer -m pd_master -u {url} -i grpc --streaming --input-data {inp} --request-intervals {iv} "
+    "{triton_pd} perf-analyzer -m pd_master -u {url} -i grpc --streaming --input-data {inp} --request-intervals {iv} "
     "--request-count {n} --profile-export-file {out}/pa_profile.json"
 )
+
+
+def perf_analyzer_command(url: str, inp: Path, iv: Path, n: int, out: Path) -> str:
+    """The command line that drives a server with perf_analyzer from these files, runnable as printed (through
+    `triton-pd perf-analyzer`, which resolves perf_analyzer's CUDA runtime library)."""
+    exe = Path(sys.executable).parent / "triton-pd"
+    triton_pd = str(exe) if exe.exists() else "triton-pd"
+    return PERF_ANALYZER_CMD.format(triton_pd=triton_pd, url=url, inp=inp.resolve(), iv=iv.resolve(), n=n,
+                                    out=out.resolve())  # fmt: skip
 
 
 def median(xs):

@@ -233,3 +233,24 @@ def test_http_bad_input_is_400_invalid_arg(server, body, field):
 def test_serves_after_bad_input(server):
     res = grpc_generate(server.grpc_url, text="Hello", params=greedy(3))
     assert res.error is None and len(res.ids) == 3
+
+
+def test_perf_analyzer_runs_as_printed(server, tmp_path):
+    """`bench to-perf-analyzer`'s files and the command it prints drive the server with Triton's perf_analyzer
+    (through `triton-pd perf-analyzer`, which resolves the CUDA runtime library the binary links): exit status 0,
+    every request counted, and decode holds nothing afterwards."""
+    import shlex
+    import subprocess
+
+    from backends import replay
+
+    reqs = [replay.TraceRequest(arrival=0.05 * i, input_len=6, output_len=4) for i in range(6)]
+    prompts = [[72 + i, 101, 108, 108, 111, 32] for i in range(6)]
+    inp, iv = replay.to_perf_analyzer(reqs, prompts, tmp_path)
+    cmd = replay.perf_analyzer_command(server.grpc_url, inp, iv, len(reqs), tmp_path)
+    assert " perf-analyzer -m pd_master " in cmd
+    r = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Request count: 6" in r.stdout, r.stdout[-2000:]
+    assert json.loads((tmp_path / "pa_profile.json").read_text())["experiments"][0]["requests"]
+    server.assert_released(timeout=10)
