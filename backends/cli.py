@@ -1,4 +1,4 @@
-"""`triton-pd`: the project's command line (generate, serve, key, bench, bundle, perf-analyzer)."""
+"""`triton-pd`: the project's command line (generate, serve, repository, key, bench, bundle, perf-analyzer)."""
 
 from __future__ import annotations
 
@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
-    from . import bench, bundle, perf_analyzer, serve
+    from . import bench, bundle, perf_analyzer, repository, serve
 
-    for mod in (serve, bench, bundle, perf_analyzer):
+    for mod in (serve, repository, bench, bundle, perf_analyzer):
         mod.register(sub)
     serve.register_key(sub)
     return parser

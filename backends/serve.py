@@ -19,6 +19,34 @@ def register(sub) -> None:
         help="serve a model with prefill/decode disaggregation on tritonserver",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_deployment_options(p)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    add_server_options(p)
+    p.add_argument("--workdir", default=None, help="deployment folder (default: .run/serve-<http port>)")
+    p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every model to be ready")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.set_defaults(func=cmd_serve)
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    """How tritonserver is run: the binary, its backends and the Python backend's shared memory."""
+    p.add_argument(
+        "--tritonserver",
+        default=None,
+        help="tritonserver binary (default: the one bundled in the nvidia-pytriton wheel)",
+    )
+    p.add_argument(
+        "--backend-dir",
+        default=None,
+        help="Triton backends folder holding python/ (default: laid out from nvidia-pytriton)",
+    )
+    p.add_argument("--shm-mb", type=int, default=256, help="Python backend shared-memory pool per model instance")
+
+
+def add_deployment_options(p: argparse.ArgumentParser) -> None:
+    """What a deployment is: the model, its pools and limits, the roles (shared by serve and repository)."""
     p.add_argument("--model", default="smollm2", help="smollm2, a Hugging Face folder, a .gguf file or random:<shape>")
     p.add_argument("--dtype", default=None, help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument(
@@ -215,24 +243,6 @@ def register(sub) -> None:
         help="--role decode with dist: the host name or address prefill servers reach this server's KV receiver "
         "at (default: this host's name); its port is picked free per decode instance and sent with each job",
     )
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument(
-        "--tritonserver",
-        default=None,
-        help="tritonserver binary (default: the one bundled in the nvidia-pytriton wheel)",
-    )
-    p.add_argument(
-        "--backend-dir",
-        default=None,
-        help="Triton backends folder holding python/ (default: laid out from nvidia-pytriton)",
-    )
-    p.add_argument("--workdir", default=None, help="deployment folder (default: .run/serve-<http port>)")
-    p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every model to be ready")
-    p.add_argument("--shm-mb", type=int, default=256, help="Python backend shared-memory pool per model instance")
-    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -247,7 +257,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if busy:  # tritonserver would load every model, then fail to bind while another server answers on the port
         print(f"triton-pd: error: {', '.join(busy)}: already in use by another process", file=sys.stderr)
         return 2
-    repo = render(dep.workdir, dep.template_values(), dep.models)
+    repo = render(dep.workdir / "models", dep.template_values(), dep.models)
     layout = layout_for(dep.workdir, a.tritonserver, a.backend_dir)
     log_path = dep.workdir / "tritonserver.log"
     print(f"[triton-pd] {dep.summary()}", flush=True)

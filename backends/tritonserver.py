@@ -61,12 +61,15 @@ def layout_for(workdir: Path, tritonserver: str | None, backend_dir: str | None)
     return layout
 
 
-def render(workdir: Path, values: dict[str, str], models: tuple[str, ...] = MODELS) -> Path:
-    """model_repository/ (the models this server runs) with the deployment's values, as workdir/models."""
-    repo = workdir / "models"
-    if repo.exists():
+def render(repo: Path, values: dict[str, str], models: tuple[str, ...] = MODELS, clean: bool = True) -> Path:
+    """model_repository/ (the models this server runs) with the deployment's values, as the model repository
+    `repo`: every ${NAME} of the config.pbtxt files filled in, each model's entry point copied. clean: remove
+    `repo` first (else only the models' own folders are replaced)."""
+    if clean and repo.exists():
         shutil.rmtree(repo)
     for name in models:
+        if (repo / name).exists():
+            shutil.rmtree(repo / name)
         src = PROJECT_ROOT / "model_repository" / name
         (repo / name / "1").mkdir(parents=True)
         shutil.copy2(src / "1" / "model.py", repo / name / "1" / "model.py")

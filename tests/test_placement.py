@@ -88,7 +88,7 @@ def test_deployment_values_fill_every_template_and_reach_the_configs(tmp_path):
     assert dep.request_timeout == -1 and dep.prefill_groups == "{ count: 1 kind: KIND_CPU }"
     dep.write_key()
     assert len(dep.key_file.read_text()) == 48 and (dep.key_file.stat().st_mode & 0o077) == 0
-    repo = render(tmp_path, dep.template_values())  # string.Template.substitute: a missing value raises
+    repo = render(tmp_path / "models", dep.template_values())  # string.Template.substitute: a missing value raises
     configs = {m: (repo / m / "config.pbtxt").read_text() for m in MODELS}
     assert all("${" not in c for c in configs.values())
     assert '"kv_tokens" value: { string_value: "1000" }' in configs["pd_decode"]
