@@ -23,6 +23,13 @@ def register(sub) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=0,
+        help="also serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on this port, "
+        "over pd_master's gRPC port (backends/openai_frontend.py; --role all or master); 0: none",
+    )
     add_server_options(p)
     p.add_argument("--workdir", default=None, help="deployment folder (default: .run/serve-<http port>)")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every model to be ready")
@@ -253,7 +260,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"triton-pd: error: {e}", file=sys.stderr)
         return 2
     ports = Ports(a.http_port, a.grpc_port, a.metrics_port)
-    busy = ports_in_use({"--http-port": ports.http, "--grpc-port": ports.grpc, "--metrics-port": ports.metrics})
+    wanted = {"--http-port": ports.http, "--grpc-port": ports.grpc, "--metrics-port": ports.metrics}
+    if a.openai_port:
+        if dep.role not in ("all", "master"):
+            print("triton-pd: error: --openai-port: needs pd_master (--role all or master)", file=sys.stderr)
+            return 2
+        wanted["--openai-port"] = a.openai_port
+    busy = ports_in_use(wanted)
     if busy:  # tritonserver would load every model, then fail to bind while another server answers on the port
         print(f"triton-pd: error: {', '.join(busy)}: already in use by another process", file=sys.stderr)
         return 2
@@ -264,11 +277,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
     sup = Supervisor(command(layout, repo, ports, dep, a.shm_mb, a.log_verbose), environment(layout, dep), log_path,
                      ports.http, dep.models, exit_timeout=dep.exit_timeout)  # fmt: skip
+    frontend = None
     try:
         if sup.wait_ready(a.ready_timeout):
-            print_ready(ports, dep.role)
+            if a.openai_port:
+                frontend = start_openai(dep, ports, a.openai_port)
+            print_ready(ports, dep.role, a.openai_port)
         rc = sup.watch()
     finally:
+        if frontend is not None:
+            frontend.terminate()
+            try:
+                frontend.wait(timeout=10)
+            except Exception:
+                frontend.kill()
         sup.close(dep.deployment_id, dep.mailbox)
     if sup.died is not None:
         print(f"triton-pd: error: {sup.died}'s stub died (see {log_path})", file=sys.stderr)
@@ -280,12 +302,46 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 1
 
 
-def print_ready(ports: Ports, role: str = "all") -> None:
+def start_openai(dep, ports: Ports, port: int):
+    """The OpenAI-compatible front end as a child process over pd_master's gRPC port; it ends with the launcher
+    however the launcher ends (parent-death signal), and is stopped with the server."""
+    import os
+    import subprocess
+
+    from .supervisor import die_with_parent
+
+    log = open(dep.workdir / "openai_frontend.log", "ab")
+    cmd = [sys.executable, "-m", "backends.openai_frontend", "--grpc-url", f"127.0.0.1:{ports.grpc}", "--model",
+           dep.model, "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                            preexec_fn=die_with_parent(os.getpid()))  # fmt: skip
+    log.close()
+    import time
+    import urllib.request
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 120:  # answering before "ready" is printed
+        if proc.poll() is not None:
+            print(f"triton-pd: error: the OpenAI front end exited (see {dep.workdir / 'openai_frontend.log'})",
+                  file=sys.stderr)  # fmt: skip
+            return None
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.2)
+    print("triton-pd: error: the OpenAI front end did not answer within 120 s", file=sys.stderr)
+    return proc
+
+
+def print_ready(ports: Ports, role: str = "all", openai_port: int = 0) -> None:
     if role != "all":
         print(f"[triton-pd] ready ({role}): HTTP :{ports.http}  gRPC :{ports.grpc}  metrics :{ports.metrics}/metrics",
               flush=True)  # fmt: skip
         return
-    print(f"[triton-pd] ready: HTTP :{ports.http}  gRPC :{ports.grpc}  metrics :{ports.metrics}/metrics", flush=True)
+    openai = f"  OpenAI :{openai_port}/v1" if openai_port else ""
+    print(f"[triton-pd] ready: HTTP :{ports.http}  gRPC :{ports.grpc}  metrics :{ports.metrics}/metrics{openai}",
+          flush=True)  # fmt: skip
     print(
         "[triton-pd] try:\n"
         f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{ports.grpc} --chat "
