@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=12, help="calls per timed graph, each on its own buffers")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--linear-rows", type=int, nargs="*", default=[1, 16, 32, 64])
+    parts = ["delta", "attention", "linear"]
+    ap.add_argument("--parts", nargs="+", choices=parts, default=parts)
     ap.add_argument("--time-limit", type=float, default=300)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
         else:
             lines.append(f"| {kernel} | {B} | {setting} | {t * 1e6:.1f} µs | {bound * 1e6:.1f} µs | {t / bound:.2f}x |")
 
-    for B in a.batches:
+    for B in a.batches if {"delta", "attention"} & set(a.parts) else []:
         pages = torch.arange(B, dtype=torch.int32, device=dev)
         states = [torch.randn(B, HV, DK, DV, device=dev) * 0.05 for _ in range(L)]
         convs = [torch.randn(B, CONV, 3, device=dev) for _ in range(L)]
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
         norm_w, conv_w = torch.ones(DV, device=dev, dtype=torch.bfloat16), torch.randn(CONV, 4, device=dev)
         out = torch.empty(B, HV * DV, device=dev, dtype=torch.bfloat16)
         bound = 2 * B * HV * DK * DV * 4 / bw
-        for bv in (32, 64, 128):
+        for bv in (16, 32, 64, 128) if "delta" in a.parts else ():
             for warps in (4, 8):
                 t = timed(lambda bv=bv, warps=warps: [
                     delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, s, pages, HK, 1e-6, out=out,
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
         t = timed(lambda: [delta_rule.conv_step(proj, conv_w, c, pages, out=cout) for c in convs])
         row("conv_step", B, "block 256", t, 2 * B * CONV * 3 * 4 / bw)
         write()
+        if "attention" not in a.parts:
+            continue
 
         ctx, H, HKV, D = a.context, 16, 2, 256
         nslots = B * ctx
@@ -101,16 +105,22 @@ def main(argv=None) -> int:
                     abound)  # fmt: skip
         write()
 
-    lines += ["", "| projection [N, K] | rows | cuBLAS | best skinny | choice |", "|---|---:|---:|---:|---|"]
-    for N, K, name in ((12352, 2048, "in_proj"), (2048, 4096, "out/o"), (11264, 2048, "gate_up"),
-                       (2048, 5632, "down"), (9216, 2048, "qkv")):  # fmt: skip
+    lines += ["", "| projection [N, K] | rows | cuBLAS | best skinny | of copy time | choice |"]
+    lines += ["|---|---:|---:|---:|---:|---|"]
+    shapes = (
+        (12352, 2048, "in_proj"), (2048, 4096, "out/o"), (11264, 2048, "gate_up"), (2048, 5632, "down"),
+        (2048, 5632, "down, silu fused"), (9216, 2048, "qkv"),
+    ) if "linear" in a.parts else ()  # fmt: skip
+    for N, K, name in shapes:
         ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
         for r in a.linear_rows:
-            choice, times = linear.tune(ws, r)
+            choice, times = linear.tune(ws, r, gated="fused" in name)
             sk = [t for k, t in times.items() if k != "cublas" and not isinstance(t, str)]
             rows.append(dict(kernel="linear", name=name, rows=r, choice=choice, times=times))
-            best = f"{min(sk) * 1e6:.1f} µs" if sk else "-"
-            lines.append(f"| {name} [{N}, {K}] | {r} | {times['cublas'] * 1e6:.1f} µs | {best} | {choice} |")
+            best = min(sk + [times["cublas"]])
+            skinny = min(sk) * 1e6 if sk else float("nan")
+            lines.append(f"| {name} [{N}, {K}] | {r} | {times['cublas'] * 1e6:.1f} µs | {skinny:.1f} µs | "
+                         f"{best / (N * K * 2 / bw):.2f}x | {choice} |")  # fmt: skip
         write()
     timer.cancel()
     write()

@@ -142,7 +142,9 @@ class GpuHybrid(DecodeGraphs):
         """The projection function of a graph with `rows` query rows (skinny_linear where tuning chose it)."""
         choice = {n: self.linear_choice.get((n, rows)) for n in ("in_proj", "out", "qkv", "o", "gate_up", "down")}
 
-        def lin(x, L, name):
+        def lin(x, L, name, gated=False):
+            if gated:  # x is [gate | up]: silu(gate) * up goes in (fused into a skinny launch where tuning chose)
+                return self.k_lin.gated_linear(x, L[name], choice[name])
             return self.k_lin.linear(x, L[name], choice[name])
 
         return lin
@@ -171,7 +173,7 @@ class GpuHybrid(DecodeGraphs):
         if L["moe"]:
             m = self.eager.mlp(x, L["mlp"], key)
         else:
-            m = lin(self.k_act.silu_mul(lin(x, L, "gate_up")), L, "down")
+            m = lin(lin(x, L, "gate_up"), L, "down", gated=True)
         return norm(m, h, nxt, eps, offset=True)
 
     def _linear_attention(self, x, L, inp, lin, halves: int | None = None):

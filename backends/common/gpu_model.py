@@ -99,7 +99,7 @@ class GpuLlama(DecodeGraphs):
             attend(q, k, v, self.kv.k(i), self.kv.v(i), attn)
             o = lin(attn.view(T, H * D), L["o"], choice["o"])
             x = self.k_norm.add_rms_norm(o, h, L["ln2"], cfg.rms_norm_eps)
-            m = lin(self.k_act.silu_mul(lin(x, L["gate_up"], choice["gate_up"])), L["down"], choice["down"])
+            m = self.k_lin.gated_linear(lin(x, L["gate_up"], choice["gate_up"]), L["down"], choice["down"])
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
             x = self.k_norm.add_rms_norm(m, h, nxt, cfg.rms_norm_eps)
         return x

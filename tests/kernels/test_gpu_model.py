@@ -95,20 +95,27 @@ def skinny_everywhere(sizes=(1, 2, 4, 8)):
     return {(n, bs): one if bs == 1 else more for n in ("qkv", "o", "gate_up", "down") for bs in sizes}
 
 
+def split_and_gated(sizes=(1, 2, 4, 8)):
+    """skinny_everywhere with K cut in two parts, and silu(gate) * up fused into the down projection's launch."""
+    choice = {k: dict(v, splits=2) for k, v in skinny_everywhere(sizes).items()}
+    return {(n, bs): dict(v, gated=True) if n == "down" else v for (n, bs), v in choice.items()}
+
+
 @pytest.mark.parametrize(
     "cfg,linear_choice",
     [
         (tiny(head_dim=64), None),
         (tiny(head_dim=64), skinny_everywhere()),
+        (tiny(head_dim=64), split_and_gated()),
         (tiny(qk_norm=True, tie_word_embeddings=True), skinny_everywhere()),
         (tiny(attention_bias=True), None),
     ],
-    ids=["llama", "llama-skinny", "qk-norm-tied-skinny", "qkv-bias"],
+    ids=["llama", "llama-skinny", "llama-split-gated", "qk-norm-tied-skinny", "qkv-bias"],
 )
 def test_decode_graphs_match_reference(cfg, linear_choice):
     """Graph replay, padded up to a captured size, gives the reference logits for batch sizes 1 to 7 (off CUDA the
     same replay path runs eagerly): the fused rotary embedding + KV store in the attention kernel, q/k norms,
-    a q|k|v bias, and the projections on skinny_linear where the choice says so."""
+    a q|k|v bias, and the projections on skinny_linear where the choice says so (K split, silu fused into down)."""
     ref, kv_ref, gpu, _ = pair(cfg, slots=1500, graphs=(1, 2, 4, 8), linear_choice=linear_choice)
     assert gpu.linear_choice == (linear_choice or gpu.linear_choice)
     assert gpu.graph_sizes == [1, 2, 4, 8]

@@ -270,6 +270,34 @@ def test_skinny_linear(M, N, K, dot):
     close(got, (x.float() @ w.float().T).to(BF16))
 
 
+@pytest.mark.parametrize(
+    "M,N,K,dot,splits,gated",
+    [
+        (1, 96, 1024, False, 4, False),
+        (1, 70, 1024, False, 2, True),
+        (3, 64, 1024, True, 2, False),
+        (40, 70, 512, True, 2, True),
+        (1, 33, 512, False, 1, True),
+    ],  # fmt: skip
+)
+def test_skinny_linear_split_and_gated(M, N, K, dot, splits, gated):
+    """K cut in parts (the last program of a column block adds the parts, then leaves its counter at 0 for the
+    next launch: the second launch must give the same bits) and silu(gate) * up fused into the input."""
+    from kernels import act, linear
+
+    gen = torch.Generator().manual_seed(M * N + splits)
+    x = torch.randn(M, 2 * K if gated else K, generator=gen).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    settings = dict(block_n=32, block_k=128, num_stages=3, dot=dot, splits=splits, gated=gated)
+    got = linear.skinny_linear(x, w, **settings)
+    again = linear.skinny_linear(x, w, **settings)
+    xin = act.silu_mul(x) if gated else x
+    close(got, (xin.float() @ w.float().T).to(BF16))
+    assert torch.equal(got, again)
+    assert all(int(c.count_nonzero()) == 0 for c in linear._COUNTERS.values())
+    close(linear.gated_linear(x, w, None) if gated else linear.linear(x, w, None), got)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tune_returns_a_setting_that_runs_and_is_right(rows):
