@@ -1,10 +1,11 @@
 """`triton-pd repository OUT [serve options]`: a model repository that a stock tritonserver serves.
 
 `serve` renders the same repository into its work folder and starts tritonserver on it; this command only writes
-it, with every parameter filled in, so that a Triton user can start it their own way (`tritonserver
---model-repository OUT`, NVIDIA's container, a Helm chart). What a repository cannot hold is printed and written
-to OUT/README.md: the Python that runs the models (it must import this package and its pinned dependencies), and
-the Python backend's settings that tritonserver takes only on its command line (`--backend-config`)."""
+it, with every parameter filled in and a copy of the project's code (`backends/`, `kernels/` and the pinned
+requirements, in the first model's `code/` folder), so that a Triton user can start it their own way
+(`tritonserver --model-repository OUT`, NVIDIA's container, a Helm chart). What a repository cannot hold is
+printed and written to OUT/README.md: the Python that runs the models (with the pinned dependencies), and the
+Python backend's settings that tritonserver takes only on its command line (`--backend-config`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,23 @@ import shlex
 import sys
 from pathlib import Path
 
-from .deployment import Deployment, gpu_count
+from .deployment import PROJECT_ROOT, Deployment, gpu_count
 from .tritonserver import MODELS, Ports, command, environment, layout_for, render
 
 KEEP = {*MODELS, "internal_key", "README.md"}
+CODE = "code"  # in the first model's folder (not a version number: Triton does not read it)
+PACKAGES = ("backends", "kernels")
+
+
+def copy_code(dst: Path) -> None:
+    """This project's packages and its pinned requirements, so that the repository runs from a copy of itself."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    for pkg in PACKAGES:
+        shutil.copytree(PROJECT_ROOT / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(PROJECT_ROOT / "requirements.lock", dst / "requirements.lock")
 
 
 def server_command(dep: Deployment, repo: Path, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -54,10 +68,11 @@ internal key (keep it readable by the server's user only; the internal models re
 
 ## Start it with another tritonserver (NVIDIA's container, a Helm chart)
 
-- The models import the `backends` package from `{root}` (their `project_root` parameter; write the
-  repository with `--project-root` where the checkout is mounted). The Python that runs them must have this
-  project's pinned dependencies, numpy < 2 included (`pip install -e {root}` into the container's Python, or a
-  conda-pack environment named by the models' `EXECUTION_ENV_PATH` parameter).
+- The models import this project's code from `{root}` (their `project_root` parameter; a relative path is
+  relative to each model's folder: the repository's own copy, so the folder can be moved or mounted anywhere).
+  The Python that runs them must have the project's pinned dependencies (`{code}/requirements.lock`, numpy < 2
+  included: `pip install -r` it into the container's Python, torch from the index that matches its CUDA), or be
+  a conda-pack environment named by the models' `EXECUTION_ENV_PATH` parameter.
 - Pass the Python backend's settings on tritonserver's command line; the repository cannot hold them:
   `{backend_config}`.
   The thread pool must be larger than the number of decode streams (`--max-streams` + 64): every decode stream
@@ -81,9 +96,14 @@ def cmd_repository(a: argparse.Namespace) -> int:
         print(f"triton-pd: error: {e}", file=sys.stderr)
         return 2
     values = dep.template_values()
-    root = Path(a.project_root).resolve() if a.project_root else Path(values["PROJECT_ROOT"])
-    values["PROJECT_ROOT"] = str(root)
+    if a.project_root:
+        root = str(Path(a.project_root).resolve())
+    else:  # the code travels with the repository, found relative to each model's folder
+        root = f"../{dep.models[0]}/{CODE}"
+    values["PROJECT_ROOT"] = root
     render(out, values, dep.models, clean=False)
+    if not a.project_root:
+        copy_code(out / dep.models[0] / CODE)
     for name in set(MODELS) - set(dep.models):  # a role's repository holds only that role's models
         stale = out / name
         if stale.exists():
@@ -94,8 +114,10 @@ def cmd_repository(a: argparse.Namespace) -> int:
     line = shell_line(argv, env)
     backend_config = " ".join(x for x in argv if x.startswith("--backend-config=python"))
     cmd = "triton-pd repository " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["repository"] else [a.out])
-    (out / "README.md").write_text(README.format(cmd=cmd, model=dep.model, role=dep.role, line=line, root=root,
-                                                 backend_config=backend_config, mailbox=dep.mailbox))  # fmt: skip
+    code = f"{dep.models[0]}/{CODE}" if not a.project_root else root
+    text = README.format(cmd=cmd, model=dep.model, role=dep.role, line=line, root=root, code=code,
+                         backend_config=backend_config, mailbox=dep.mailbox)  # fmt: skip
+    (out / "README.md").write_text(text)
     print(f"[triton-pd] {dep.summary()}")
     print(f"[triton-pd] model repository written to {out} ({', '.join(dep.models)}); start it with:")
     print(f"  {line}")
@@ -115,8 +137,8 @@ def register(sub) -> None:
     p.add_argument(
         "--project-root",
         default=None,
-        help="where the models import this project's `backends` package from (default: this checkout); for a "
-        "container, the path the checkout is mounted at",
+        help="where the models import this project's code from (default: a copy of it inside the repository, "
+        "found relative to each model's folder, so the repository can move); or a checkout's path",
     )
     add_deployment_options(p)
     p.add_argument("--http-port", type=int, default=8000, help="for the printed command")

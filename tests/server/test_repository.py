@@ -41,11 +41,21 @@ def test_a_stock_tritonserver_serves_the_written_repository_through_pauses(tmp_p
     assert a.func(a) == 0
     assert {p.name for p in out.iterdir()} == {"pd_master", "pd_decode", "pd_prefill", "internal_key", "README.md"}
     assert "${" not in (out / "pd_decode" / "config.pbtxt").read_text()
+    code = out / "pd_master" / "code"
+    assert (code / "backends" / "pd_decode" / "model.py").is_file() and (code / "requirements.lock").is_file()
+    assert (
+        '"project_root" value: { string_value: "../pd_master/code" }'
+        in (out / "pd_prefill" / "config.pbtxt").read_text()
+    )
     assert repository.cmd_repository(build_parser().parse_args(args)) == 0  # writing it again is allowed
     (out / "notes.txt").write_text("mine")
     assert repository.cmd_repository(build_parser().parse_args(args)) == 2  # a folder with other files is not
     (out / "notes.txt").unlink()
 
+    # the models run the repository's own copy of the code (this line, added to the copy only, says so in the log)
+    marker = f"triton-pd code copy in use: {code}"
+    with open(code / "backends" / "__init__.py", "a") as f:
+        f.write(f"\nprint({marker!r}, flush=True)\n")
     argv, env = repository.server_command(Deployment.from_args(a, 0), out, a)
     assert argv[0].endswith("tritonserver") and f"--model-repository={out}" in argv
     env.pop("PD_REQUEST_TIMEOUT_SECONDS", None)  # only what the repository holds
@@ -73,6 +83,7 @@ def test_a_stock_tritonserver_serves_the_written_repository_through_pauses(tmp_p
             assert r.error is None and r.finish_reason == "length", r
             assert r.ids == w.output_ids
         assert metric(metrics, "pd_pauses_total") > 0
+        assert (tmp_path / "tritonserver.log").read_text().count(marker) >= 3  # master, decode and prefill stubs
         deadline = time.monotonic() + 5
         names = ("pd_decode_running_requests", "pd_decode_paused_requests", "pd_kv_slots_used")
         while any(metric(metrics, n) for n in names) and time.monotonic() < deadline:
