@@ -202,10 +202,8 @@ class Deployment:
             kv_tokens = max(1024, kv_tokens - state_bytes(cfg, getattr(a, "state_pages", 0), a.max_batch) // per_token)
         if getattr(a, "exit_timeout", EXIT_TIMEOUT_S) < 0:
             raise ValueError("--exit-timeout: must be >= 0 seconds")
-        for flag, value in (
-            ("--rotation-quantum", a.rotation_quantum),
-            ("--rotation-wait", getattr(a, "rotation_wait", 0)),
-        ):
+        rotation_wait = getattr(a, "rotation_wait", 0.3)
+        for flag, value in (("--rotation-quantum", a.rotation_quantum), ("--rotation-wait", rotation_wait)):
             if value < 0:
                 raise ValueError(f"{flag}: must be >= 0 seconds, got {value}")
         host_kv = a.host_kv_tokens
@@ -251,7 +249,7 @@ class Deployment:
             stall_seconds=a.stall_seconds,
             rotation_quantum=a.rotation_quantum,
             rotation_prefetch=getattr(a, "rotation_prefetch", "off"),
-            rotation_wait=getattr(a, "rotation_wait", 0.3),
+            rotation_wait=rotation_wait,
             decode_overlap=a.decode_overlap,
             state_pages=getattr(a, "state_pages", 0) or 0,
             speculative=_speculative(getattr(a, "speculative", "off"), cfg),

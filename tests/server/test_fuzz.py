@@ -15,8 +15,9 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from backends.client import infer_inputs
 from backends.common.request import SamplingParams
-from backends.common.wire import TRITON_DTYPES, DecodeRequest, PrefillRequest
+from backends.common.wire import DecodeRequest, PrefillRequest
 from tests.server.client import StreamClient, grpc_generate, http_post
 from tests.server.conftest import Server
 
@@ -211,7 +212,7 @@ def internal_requests(draw):
         del enc["internal_key"]
     else:
         enc["internal_key"] = np.array([key.encode()], dtype=np.object_)
-    return model, [tensor(n, a, TRITON_DTYPES[a.dtype]) for n, a in enc.items()]
+    return model, infer_inputs(grpcclient, enc)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True, database=None,

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from backends.client import infer_inputs
 from backends.common.request import SamplingParams
+from backends.common.wire import DecodeRequest, PrefillRequest
 from tests.server.client import StreamClient, grpc_generate, http_post
 
 pytestmark = pytest.mark.server
@@ -156,36 +158,19 @@ def _direct(server, model: str, inputs) -> str:
         client.close()
 
 
-def _t(name, arr, dtype):
-    x = grpcclient.InferInput(name, list(arr.shape), dtype)
-    x.set_data_from_numpy(arr)
-    return x
-
-
 def test_internal_models_refuse_requests_without_key(server):
     jobs_before = server.metric("pd_prefill_jobs_total")
-    ids = np.array([1, 2, 3], dtype=np.int64)
-    sp = np.array([b"{}"], dtype=np.object_)
-    prefill_inputs = [
-        _t("input_ids", ids, "INT64"),
-        _t("start", np.array([0], dtype=np.int64), "INT64"),
-        _t("dst_slots", np.array([0, 1, 2], dtype=np.int64), "INT64"),
-        _t("epoch", np.array([0], dtype=np.int64), "INT64"),
-        _t("request_id", np.array([b"x"], dtype=np.object_), "BYTES"),
-        _t("sample", np.array([True]), "BOOL"),
-        _t("sampling_parameters", sp, "BYTES"),
-        _t("kv_handle", np.array([b"{}"], dtype=np.object_), "BYTES"),
-    ]
+    params = SamplingParams(max_tokens=3)
+    enc = PrefillRequest("x", [1, 2, 3], 0, [0, 1, 2], 0, True, params, "{}").encode("")
+    del enc["internal_key"]
+    prefill_inputs = infer_inputs(grpcclient, enc)
     msg = _direct(server, "pd_prefill", prefill_inputs)
     assert "internal_key" in msg and "internal model" in msg
-    wrong = prefill_inputs + [_t("internal_key", np.array([b"guess"], dtype=np.object_), "BYTES")]
+    wrong = infer_inputs(grpcclient, {**enc, "internal_key": np.array([b"guess"], dtype=np.object_)})
     assert "does not match" in _direct(server, "pd_prefill", wrong)
-    decode_inputs = [
-        _t("input_ids", ids, "INT64"),
-        _t("sampling_parameters", sp, "BYTES"),
-        _t("request_id", np.array([b"y"], dtype=np.object_), "BYTES"),
-    ]
-    msg = _direct(server, "pd_decode", decode_inputs)
+    dec = DecodeRequest("y", [1, 2, 3], params).encode("")
+    del dec["internal_key"]
+    msg = _direct(server, "pd_decode", infer_inputs(grpcclient, dec))
     assert "internal_key" in msg and "internal model" in msg
     assert server.metric("pd_prefill_jobs_total") == jobs_before  # nothing ran
     assert server.metric("pd_decode_running_requests") == 0 and server.metric("pd_kv_slots_used") == 0
