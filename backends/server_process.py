@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from .supervisor import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -50,6 +52,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [*cmd, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})}, start_new_session=True,
+            preexec_fn=die_with_parent(os.getpid()),  # a killed bench or test run takes its servers with it
         )  # fmt: skip
         self._started()
         self._wait(ready_timeout)

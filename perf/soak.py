@@ -147,7 +147,12 @@ class Load:
             cancel_at = rng.randint(1, n - 1) if rng.random() < self.a.cancel_share else None
             text = f"User {u}, request {k}: write about the number {rng.randint(0, 10**6)} and its neighbours. " * 3
             params = {"max_tokens": n, "temperature": 0.7, "seed": rng.randrange(2**31), "ignore_eos": True}
-            c = StreamClient(self.server.grpc_url, text=text, params=params)
+            try:
+                c = StreamClient(self.server.grpc_url, text=text, params=params)
+            except Exception as e:  # the server refused the stream: an error of the soak, and the user goes on
+                self._error(f"stream not started: {e}")
+                time.sleep(1.0)
+                continue
             got, done = 0, False
             try:
                 limit = time.monotonic() + self.a.request_timeout
@@ -159,10 +164,7 @@ class Load:
                     with self.lock:
                         self.tokens += new
                     if r.error is not None:
-                        with self.lock:
-                            self.errors += 1
-                            if len(self.error_samples) < 5:
-                                self.error_samples.append(r.error[:200])
+                        self._error(r.error)
                         break
                     if r.finish_reason is not None:
                         done = True
@@ -179,6 +181,12 @@ class Load:
                     c.close()
                 else:
                     c.cancel()
+
+    def _error(self, message: str) -> None:
+        with self.lock:
+            self.errors += 1
+            if len(self.error_samples) < 5:
+                self.error_samples.append(message[:200])
 
     def snapshot(self) -> dict:
         with self.lock:

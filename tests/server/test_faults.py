@@ -7,12 +7,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from backends.server_process import ROOT
 from tests.server.client import StreamClient, grpc_generate
 from tests.server.conftest import Server
 
@@ -171,6 +173,40 @@ def test_a_killed_launcher_takes_its_tritonserver_and_stubs_with_it():
         mailbox = re.search(r'"mailbox_dir" value: \{ string_value: "([^"]+)"', config)
         if mailbox:
             shutil.rmtree(mailbox.group(1), ignore_errors=True)
+
+
+def test_a_killed_bench_takes_the_servers_it_started_with_it(tmp_path):
+    """A script that starts servers through ServerProcess (bench, perf/, these tests) and is killed (SIGKILL, a
+    `timeout`, Ctrl-C on its parent) no longer leaves `triton-pd serve` and its tritonserver running: the launcher
+    gets a parent-death signal and stops its server."""
+    from backends.supervisor import process_alive
+
+    script = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from backends.server_process import ServerProcess; "
+        "from pathlib import Path; "
+        "s = ServerProcess(['--model', 'random:tiny-test', '--kv-tokens', '512', '--exit-timeout', '2'], "
+        "Path(sys.argv[2]) / 'serve.out', workdir=Path(sys.argv[2]) / 'work'); "
+        "print(s.proc.pid, s.http, flush=True); time.sleep(600)"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script, str(ROOT), str(tmp_path)], stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    launcher = None
+    try:
+        launcher, http = (int(x) for x in bench.stdout.readline().split())
+        assert process_alive(launcher)
+        bench.kill()
+        bench.wait(timeout=10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60 and process_alive(launcher):
+            time.sleep(0.2)
+        assert not process_alive(launcher), "the launcher outlived the script that started it"
+        from backends.supervisor import ports_in_use
+
+        assert ports_in_use({"http": http}) == []
+    finally:
+        bench.kill()
+        if launcher is not None and process_alive(launcher):  # the failure this test is about: stop it here
+            os.kill(launcher, signal.SIGTERM)
 
 
 def test_a_client_holding_a_stream_open_does_not_hold_the_stop_for_ever():
