@@ -239,3 +239,14 @@ def test_perf_analyzer_runs_as_printed(server, tmp_path):
     assert "Request count: 6" in r.stdout, r.stdout[-2000:]
     assert json.loads((tmp_path / "pa_profile.json").read_text())["experiments"][0]["requests"]
     server.assert_released(timeout=10)
+
+
+def test_sampling_values_as_strings_are_taken_as_the_vllm_backend_takes_them(server):
+    """genai-perf sends {"max_tokens": "16"}: numbers (and booleans) as strings convert; one that does not is
+    refused naming its key."""
+    res = grpc_generate(server.grpc_url, text="Hello", params={"max_tokens": "3", "temperature": "0",
+                                                               "ignore_eos": "true"})  # fmt: skip
+    assert res.error is None and len(res.ids) == 3
+    assert res.ids == grpc_generate(server.grpc_url, text="Hello", params=greedy(3)).ids
+    bad = grpc_generate(server.grpc_url, text="Hello", params={"max_tokens": "three"})
+    assert bad.error is not None and "max_tokens" in bad.error
