@@ -7,7 +7,8 @@ away mid-stream cancels its gRPC call, which cancels the answer in pd_master and
 - chat: the messages go through the model's chat template here (the rendered text is sent as `text_input`, which
   pd_master tokenises as it tokenises any text), so multi-turn and system messages work;
 - `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (a string or a list) map to
-  pd_master's sampling parameters; `n` > 1, `logprobs`, tools and images are refused with a clear error;
+  pd_master's sampling parameters; `n` > 1, `logprobs`, non-zero penalties, tools and images are refused with a
+  clear error; other fields OpenAI defines (`user`, `metadata`, ...) are ignored;
 - `usage` (prompt and completion tokens) comes from pd_master's own counts; a streamed answer carries it in a last
   chunk when `stream_options.include_usage` is set, as OpenAI does;
 - errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: pd_master's INVALID_ARG is 400
@@ -49,8 +50,8 @@ UNSUPPORTED = {
     "best_of": "best_of is not supported",
     "logit_bias": "logit_bias is not supported",
 }
-IGNORED = {"model", "user", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty", "tool_choice",
-           "parallel_tool_calls", "metadata", "store", "service_tier"}  # fmt: skip
+# penalties change the answer: refused unless 0 (the default) rather than ignored
+UNSUPPORTED_UNLESS_ZERO = ("presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -72,6 +73,9 @@ def sampling(body: dict) -> dict:
     for k in body:
         if k in UNSUPPORTED:
             raise APIError(400, UNSUPPORTED[k], k)
+    for k in UNSUPPORTED_UNLESS_ZERO:
+        if body.get(k) not in (None, 0, 0.0):
+            raise APIError(400, f"{k} is not supported (only 0)", k)
     if body.get("n", 1) not in (1, None):
         raise APIError(400, "only n = 1 is supported", "n")
     p = {}

@@ -81,6 +81,7 @@ def test_completion_with_stop_seed_and_token_ids(client, engine):
         (dict(temperature="hot"), 400, "temperature"),
         (dict(n=2), 400, "n"),
         (dict(logprobs=True), 400, "logprobs"),
+        (dict(presence_penalty=0.5), 400, "presence_penalty"),
         (dict(model="gpt-4"), 404, "model"),
     ],
 )
