@@ -5,11 +5,12 @@ watches the server until it stops (`supervisor.Supervisor`)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from .deployment import EXIT_TIMEOUT_S, Deployment, gpu_count
-from .supervisor import Supervisor, ports_in_use
+from .supervisor import PARENT_ENV, Supervisor, ports_in_use, stop_with_process
 from .tritonserver import Ports, command, environment, layout_for, render
 
 
@@ -278,6 +279,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     sup = Supervisor(command(layout, repo, ports, dep, a.shm_mb, a.log_verbose), environment(layout, dep), log_path,
                      ports.http, dep.models, exit_timeout=dep.exit_timeout)  # fmt: skip
     frontend = None
+    if os.environ.get(PARENT_ENV, "").isdigit():  # started by a script (ServerProcess): stop when it is gone
+        stop_with_process(int(os.environ[PARENT_ENV]))
     try:
         if sup.wait_ready(a.ready_timeout):
             if a.openai_port:

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .supervisor import die_with_parent
+from .supervisor import PARENT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +51,8 @@ class ServerProcess:
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [*cmd, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, start_new_session=True,
-            preexec_fn=die_with_parent(os.getpid()),  # a killed bench or test run takes its servers with it
+            # the launcher stops when this process is gone: a killed bench or test run takes its servers with it
+            env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}, start_new_session=True,
         )  # fmt: skip
         self._started()
         self._wait(ready_timeout)

@@ -128,6 +128,26 @@ class Supervisor:
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
+PARENT_ENV = "TRITON_PD_STOP_WITH_PID"
+
+
+def stop_with_process(pid: int, interval: float = 1.0) -> None:
+    """Send this process SIGTERM (the ordinary stop) once process `pid` is gone: for a launcher started by a script
+    (bench, perf/, tests), which sets PARENT_ENV, so that a killed script takes its servers with it. A process id,
+    watched by polling, because a parent-death signal fires when the *thread* that started the child ends, and
+    scripts start servers from threads."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if not process_alive(pid):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
+
+
 def die_with_parent(parent: int, sig: int = signal.SIGTERM):
     """For Popen's preexec_fn: the child gets `sig` when the process that started it dies, however it dies (a
     SIGKILL, an OOM kill), so a launcher never leaves a tritonserver holding its ports (Linux prctl; elsewhere a
