@@ -616,3 +616,22 @@ def test_random_load_takes_every_transition_of_the_table(monkeypatch):
     assert s.on_transfer_done(job.rid, job.epoch, False, error="boom").failed == "boom"
     allowed = {(a, b) for a, bs in sched_mod.TRANSITIONS.items() for b in bs}
     assert seen == allowed, sorted((a.value, b.value) for a, b in allowed - seen)
+
+
+def test_host_kv_buffer_is_resident_when_made_on_the_cpu():
+    """The host tier takes its memory when decode starts, not page by page as slots are first used (which a soak
+    reads as RSS growth): making a 64 MB tier raises the process's resident memory by about that much."""
+    import torch
+
+    from backends.common.kv_store import KVStore
+    from backends.pd_decode import host_tier
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("VmRSS:"))
+
+    dev = torch.zeros(2, 2, 8, 4, 64)  # 4 KB a slot
+    before = rss()
+    host = host_tier.HostKV(KVStore(dev), 16384)
+    assert host.nbytes == 64 << 20
+    assert rss() - before >= 0.9 * host.nbytes
