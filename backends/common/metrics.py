@@ -7,6 +7,7 @@ metric is a no-op, so roles can be unit-tested without Triton."""
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 
@@ -42,10 +43,23 @@ class _Worker:
     def _loop(self):
         while True:
             fn, v = self.q.get()
+            if fn is None:  # close(): every operation queued before has run
+                v.set()
+                return
             try:
                 fn(v)
             except Exception:
                 pass  # a metric must never take the server down
+
+    @classmethod
+    def close(cls, timeout: float = 5.0) -> None:
+        """Run what is queued, then stop the thread (a later metric starts a new one)."""
+        with cls._lock:
+            worker, cls._instance = cls._instance, None
+        if worker is not None:
+            done = threading.Event()
+            worker.q.put((None, done))
+            done.wait(timeout)
 
 
 class _Queued:
@@ -56,14 +70,19 @@ class _Queued:
         self._q = _Worker.get().q
 
     def set(self, v):
-        self._q.put((self._m.set, float(v)))
+        if self._m is not None:
+            self._q.put((self._m.set, float(v)))
 
     def increment(self, v=1):
-        if v:
+        if v and self._m is not None:
             self._q.put((self._m.increment, float(v)))
 
     def observe(self, v):
-        self._q.put((self._m.observe, float(v)))
+        if self._m is not None:
+            self._q.put((self._m.observe, float(v)))
+
+    def release(self) -> None:
+        self._m = None  # later operations are no-ops
 
 
 def _pb():
@@ -76,7 +95,9 @@ def _pb():
 
 
 class Metrics:
-    """Keep this object alive as long as its metrics: a MetricFamily must outlive its Metric objects."""
+    """Keep this object alive as long as its metrics: a MetricFamily must outlive its Metric objects. A role calls
+    close() in its finalize(): left to the interpreter's exit, a family's destructor wrote to the stub's shared
+    memory after it was gone (SIGSEGV in Metric::SaveToSharedMemory under Py_FinalizeEx, a core file at each stop)."""
 
     def __init__(self, labels: dict[str, str]):
         self.labels = labels
@@ -102,6 +123,16 @@ class Metrics:
     def _metric(self, name, desc, kind, labels, **kw):
         if self.pb is None:
             return _Null()
-        m = self._family(name, desc, kind).Metric(labels={**self.labels, **labels}, **kw)
-        self._metrics.append(m)
-        return _Queued(m)
+        q = _Queued(self._family(name, desc, kind).Metric(labels={**self.labels, **labels}, **kw))
+        self._metrics.append(q)
+        return q
+
+    def close(self) -> None:
+        """Run the queued updates, then free every metric and family now, while the stub's shared memory is there;
+        the roles' metric handles become no-ops."""
+        _Worker.close()
+        for q in self._metrics:
+            q.release()
+        self._metrics.clear()
+        self._families.clear()
+        gc.collect()  # a reference cycle may hold a metric; free it here, not at the interpreter's exit

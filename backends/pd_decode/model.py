@@ -269,6 +269,7 @@ class DecodeModel:
         self.runner.kv.close(unlink=True)
         if self.runner.state is not None:
             self.runner.state.close(unlink=True)
+        self.metrics.close()
 
     # ---- the scheduler loop ------------------------------------------------------------------------------
     def _run(self) -> None:

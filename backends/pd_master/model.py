@@ -234,6 +234,7 @@ class MasterModel:
         self.stop_event.set()
         for req in list(self.active.values()):
             self._cancel_everywhere(req, "shutdown")
+        self.metrics.close()
 
     # ---- one request -------------------------------------------------------------------------------------
     def _serve(self, req: ClientRequest) -> None:

@@ -209,3 +209,4 @@ class PrefillModel:
 
     def finalize(self):
         self.source.close()
+        self.metrics.close()
