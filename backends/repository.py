@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,8 +25,6 @@ PACKAGES = ("backends", "kernels")
 
 def copy_code(dst: Path) -> None:
     """This project's packages and its pinned requirements, so that the repository runs from a copy of itself."""
-    import shutil
-
     if dst.exists():
         shutil.rmtree(dst)
     for pkg in PACKAGES:
@@ -107,8 +106,6 @@ def cmd_repository(a: argparse.Namespace) -> int:
     for name in set(MODELS) - set(dep.models):  # a role's repository holds only that role's models
         stale = out / name
         if stale.exists():
-            import shutil
-
             shutil.rmtree(stale)
     argv, env = server_command(dep, out, a)
     line = shell_line(argv, env)
