@@ -108,8 +108,9 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT "
         "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Default: --decode-instances x "
-        "--max-batch, at least 64. At 512 tritonserver 2.51 itself crashed once in three runs on 2 cores (README, "
-        "operating notes)",
+        "--max-batch, at least 64. More streams make a race in Triton 2.51's Python backend (BLS hand-off, see the "
+        "README's operating notes) likelier to crash the server: at 512-1,024 streams on 2 cores, about one run in "
+        "five",
     )
     p.add_argument(
         "--request-timeout",
