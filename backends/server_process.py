@@ -4,6 +4,7 @@ ready, metrics read from its Prometheus endpoint, and a stop that leaves nothing
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .supervisor import PARENT_ENV
+from .supervisor import PARENT_ENV, python_stubs, stat_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,6 +106,29 @@ class ServerProcess:
             raise KeyError(name)
         return total
 
+    def read_metrics(self, specs: dict) -> dict[str, float]:
+        """Several metrics at once: key -> metric name, or (name, labels); 0 for a metric with no sample yet (a
+        counter nothing has touched) or when the endpoint does not answer."""
+        out = {}
+        for key, spec in specs.items():
+            name, labels = spec if isinstance(spec, tuple) else (spec, {})
+            try:
+                out[key] = self.metric(name, **labels)
+            except (KeyError, OSError):
+                out[key] = 0.0
+        return out
+
+    def process_rss(self) -> dict[str, int]:
+        """Resident bytes of this server's tritonserver and of each of its Python stubs (by instance name), read
+        from /proc (Linux); empty once tritonserver has gone."""
+        out: dict[str, int] = {}
+        triton = [pid for pid in _children(self.proc.pid) if _name(pid).startswith("tritonserver")]
+        for pid in triton:
+            out["tritonserver"] = out.get("tritonserver", 0) + _rss(pid)
+            for instance, (stub, _) in sorted(python_stubs(pid).items()):
+                out[instance] = _rss(stub)
+        return out
+
     def wait_metric(self, name: str, predicate, timeout: float = 2.0, **labels) -> float:
         """The metric's value once predicate holds, or its last value after timeout seconds."""
         t0 = time.monotonic()
@@ -128,6 +152,35 @@ class ServerProcess:
         subprocess.run(["pkill", "-KILL", "-f", f"{self.workdir}/"], capture_output=True)
         if not self.log.closed:
             self.log.close()
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (/proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN; this does not)."""
+    kids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            if int(stat_fields(stat)[1]) == pid:
+                kids.append(int(stat.split("/")[2]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return kids
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _rss(pid: int) -> int:
+    """VmRSS in bytes, 0 for a process that has gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(ln.split()[1]) << 10 for ln in f if ln.startswith("VmRSS:")), 0)
+    except (OSError, ValueError):
+        return 0
 
 
 class SplitDeployment:

@@ -198,7 +198,7 @@ def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
     stubs = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
-            if int(_stat_fields(stat)[1]) != server_pid:  # the parent pid
+            if int(stat_fields(stat)[1]) != server_pid:  # the parent pid
                 continue
             with open(stat[: -len("stat")] + "cmdline", "rb") as f:
                 argv = [a.decode() for a in f.read().rstrip(b"\0").split(b"\0")]
@@ -213,12 +213,12 @@ def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
 def process_alive(pid: int) -> bool:
     """False once the process is gone or a zombie (tritonserver does not reap a stub that died)."""
     try:
-        return _stat_fields(f"/proc/{pid}/stat")[0] not in ("Z", "X")
+        return stat_fields(f"/proc/{pid}/stat")[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
 
 
-def _stat_fields(path: str) -> list[str]:
+def stat_fields(path: str) -> list[str]:
     """The fields of a /proc/<pid>/stat after the command name (which may hold spaces): state, parent pid, ..."""
     with open(path) as f:
         return f.read().rsplit(")", 1)[1].split()

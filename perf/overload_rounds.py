@@ -39,16 +39,6 @@ COUNTERS = {
 }
 
 
-def counters(server: Server) -> dict[str, float]:
-    out = {}
-    for key, (name, labels) in COUNTERS.items():
-        try:
-            out[key] = server.metric(name, **labels)
-        except KeyError:
-            out[key] = 0.0
-    return out
-
-
 def one_round(server: Server, r: int, a, limit: float) -> dict:
     preamble = "You are a careful assistant. Answer briefly and precisely. "
     results, first = [None] * a.streams, [None] * a.streams
@@ -70,14 +60,14 @@ def one_round(server: Server, r: int, a, limit: float) -> dict:
             else:  # a plain close would wait for the server to finish the stream
                 c.cancel()
 
-    before = counters(server)
+    before = server.read_metrics(COUNTERS)
     threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(a.streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=max(0.0, limit + 30 - (time.monotonic() - t0)))
     wall = time.monotonic() - t0
-    after = counters(server)
+    after = server.read_metrics(COUNTERS)
     done = [x for x in results if x is not None and x.error is None and len(x.ids) == a.new_tokens]
     ttft = [x for x in first if x is not None]
     row = {
@@ -90,11 +80,15 @@ def one_round(server: Server, r: int, a, limit: float) -> dict:
         "kv_cached": server.metric("pd_kv_slots_cached"),
     }
     row.update({k: after[k] - before[k] for k in COUNTERS})
+    rss = server.process_rss()  # MB after the round: tritonserver, and its Python stubs together
+    row["triton_rss_mb"] = round(rss.pop("tritonserver", 0) / 2**20)
+    row["stubs_rss_mb"] = round(sum(rss.values()) / 2**20)
     return row
 
 
 def report(a, rows: list[dict], extra: list[str]) -> str:
-    cols = ["round", "wall_s", "completed", "errors", "tokens_per_s", "ttft_p50_s", "kv_cached", *COUNTERS]
+    cols = ["round", "wall_s", "completed", "errors", "tokens_per_s", "ttft_p50_s", "kv_cached", *COUNTERS,
+            "triton_rss_mb", "stubs_rss_mb"]  # fmt: skip
     lines = [f"Overload rounds: {a.streams} concurrent streams of {a.new_tokens} tokens, model {a.model}, "
              f"serve args `{a.serve_args}`", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]  # fmt: skip
     lines += ["| " + " | ".join(str(row.get(c)) for c in cols) + " |" for row in rows]

@@ -250,3 +250,13 @@ def test_sampling_values_as_strings_are_taken_as_the_vllm_backend_takes_them(ser
     assert res.ids == grpc_generate(server.grpc_url, text="Hello", params=greedy(3)).ids
     bad = grpc_generate(server.grpc_url, text="Hello", params={"max_tokens": "three"})
     assert bad.error is not None and "max_tokens" in bad.error
+
+
+def test_process_rss_and_metrics_as_the_soak_reads_them(server):
+    """What perf/soak.py writes per window: the RSS of tritonserver and of every Python stub (one instance of each
+    role here), found from the launcher's pid, and several metrics at once with 0 for a counter not yet touched."""
+    rss = server.process_rss()
+    assert set(rss) == {"tritonserver", "pd_master_0_0", "pd_decode_0_0", "pd_prefill_0_0"}, rss
+    assert all(v > 10 << 20 for v in rss.values()), rss  # each a live process of more than 10 MB
+    got = server.read_metrics({"total": "pd_kv_slots_total", "absent": ("pd_no_such_metric", {"path": "x"})})
+    assert got == {"total": 4096.0, "absent": 0.0}
