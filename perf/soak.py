@@ -5,8 +5,11 @@
     python3 perf/soak.py --duration 1800 --window 120 --users 24 --out DIR (CPU, SmolLM2, by hand)
 
 Each of --users virtual users sends one streamed request after another (seeded per user): a long answer
-(--long-tokens) with probability --long-share, else a short one (--short-tokens); with probability --cancel-share
-it cancels its stream at a random point of the answer. The decode pool is sized by --serve-args so that the long
+(--long-tokens, drawn from half to one and a half times it) with probability --long-share, else a short one
+(--short-tokens); with probability --cancel-share it cancels its stream at a random point of the answer. Users
+start at random times within the first window: started together with equal lengths, the long answers ran in
+waves (H200: windows alternating about 1,300 and 1,650 tokens/s), and a two-minute comparison read the phase
+of the wave, not the server. The decode pool is sized by --serve-args so that the long
 answers together overflow it (pauses, host swaps, rotations).
 
 Per window it writes: output tokens/s (tokens the clients received), requests finished and cancelled, pauses,
@@ -56,61 +59,6 @@ GAUGES = {
 }
 
 
-def read_metrics(server: Server, names: dict) -> dict[str, float]:
-    out = {}
-    for key, spec in names.items():
-        name, labels = spec if isinstance(spec, tuple) else (spec, {})
-        try:
-            out[key] = server.metric(name, **labels)
-        except (KeyError, OSError):
-            out[key] = 0.0
-    return out
-
-
-def _proc_table() -> dict[int, tuple[int, str, str, int]]:
-    """pid -> (parent pid, name, command line, RSS bytes), read from /proc (Linux; no psutil needed on the
-    offline GPU host)."""
-    table = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            rss = next((int(ln.split()[1]) << 10 for ln in (d / "status").read_text().splitlines()
-                        if ln.startswith("VmRSS:")), 0)  # fmt: skip
-        except (OSError, ValueError, IndexError):
-            continue
-        table[int(d.name)] = (ppid, name, cmd, rss)
-    return table
-
-
-def process_rss(server: Server) -> dict[str, int]:
-    """RSS in bytes of tritonserver and of each Python stub (named by its model), under the launcher."""
-    table = _proc_table()
-    below, todo = [], [server.proc.pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, (pp, *_) in table.items() if pp == p]
-        below += kids
-        todo += kids
-    out: dict[str, int] = {}
-    for pid in sorted(below):
-        _, name, cmd, rss = table[pid]
-        if name.startswith("tritonserver"):
-            out["tritonserver"] = out.get("tritonserver", 0) + rss
-        elif "triton_python_backend_stub" in cmd or name.startswith("triton_python"):
-            model = next((m for m in ("pd_master", "pd_decode", "pd_prefill") if f"/{m}/" in cmd), "stub")
-            key, n = model, 1
-            while key in out:  # several instances of a model
-                n += 1
-                key = f"{model}#{n}"
-            out[key] = rss
-    return out
-
-
 def gpu_memory() -> int | None:
     """Bytes of GPU memory in use on every GPU together (nvidia-smi), or None without one."""
     try:
@@ -140,10 +88,15 @@ class Load:
 
     def user(self, u: int) -> None:
         rng = random.Random(self.a.seed * 1000 + u)
+        if self.stop.wait(rng.uniform(0, self.a.window)):  # staggered starts (see the module's text)
+            return
         k = 0
         while not self.stop.is_set():
             k += 1
-            n = self.a.long_tokens if rng.random() < self.a.long_share else self.a.short_tokens
+            if rng.random() < self.a.long_share:
+                n = rng.randint(self.a.long_tokens // 2, self.a.long_tokens * 3 // 2)
+            else:
+                n = self.a.short_tokens
             cancel_at = rng.randint(1, n - 1) if rng.random() < self.a.cancel_share else None
             text = f"User {u}, request {k}: write about the number {rng.randint(0, 10**6)} and its neighbours. " * 3
             params = {"max_tokens": n, "temperature": 0.7, "seed": rng.randrange(2**31), "ignore_eos": True}
@@ -253,15 +206,15 @@ def main(argv=None) -> int:
     load = Load(server, a)
     try:
         t0 = time.monotonic()
-        last_c, last_s, last_t = read_metrics(server, COUNTERS), load.snapshot(), t0
+        last_c, last_s, last_t = server.read_metrics(COUNTERS), load.snapshot(), t0
         load.start()
         while time.monotonic() - t0 < a.duration:
             time.sleep(max(0.0, min(a.window, a.duration - (time.monotonic() - t0))))
             now = time.monotonic()
-            c, s = read_metrics(server, COUNTERS), load.snapshot()
+            c, s = server.read_metrics(COUNTERS), load.snapshot()
             delta = {k: c[k] - last_c[k] for k in c} | {k: s[k] - last_s[k] for k in s}
             windows.append(dict(t=now - t0, seconds=now - last_t, tokens_per_s=delta["tokens"] / (now - last_t),
-                                delta=delta, gauges=read_metrics(server, GAUGES), rss=process_rss(server),
+                                delta=delta, gauges=server.read_metrics(GAUGES), rss=server.process_rss(),
                                 gpu_mem=gpu_memory()))  # fmt: skip
             last_c, last_s, last_t = c, s, now
             write(out, a, windows, checks, command)
@@ -283,7 +236,9 @@ def main(argv=None) -> int:
 
 
 def _mean_rate(windows: list[dict], lo: float, hi: float) -> float:
-    sel = [w for w in windows if lo < w["t"] <= hi + 1e-6]
+    """Tokens/s over the windows that lie within [lo, hi] (a window spans t - seconds .. t; the loop wakes a little
+    late, so an edge may be off by part of a window, never by the whole of the warm-up window)."""
+    sel = [w for w in windows if w["t"] - w["seconds"] >= lo - w["seconds"] / 2 and w["t"] <= hi + w["seconds"] / 2]
     secs = sum(w["seconds"] for w in sel)
     return sum(w["delta"]["tokens"] for w in sel) / secs if secs else float("nan")
 
@@ -293,10 +248,10 @@ def final_checks(server: Server, a, windows: list[dict], warmup: float, load: Lo
     first = _mean_rate(windows, warmup, warmup + a.compare)
     last = _mean_rate(windows, end - a.compare, end)
     deadline = time.monotonic() + 10
-    gauges = read_metrics(server, GAUGES)
+    gauges = server.read_metrics(GAUGES)
     while any(gauges.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
-        gauges = read_metrics(server, GAUGES)
+        gauges = server.read_metrics(GAUGES)
     base = next((w for w in windows if w["t"] >= warmup - 1e-6), None)
     growth = {}
     if base is not None:
