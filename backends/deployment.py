@@ -128,11 +128,10 @@ def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1) -
 
 def default_max_streams(decode_instances: int, max_batch: int) -> int:
     """Decode streams master opens at once: what the decode instances can run at once, and at least 64 (the earlier
-    default), so that small batches still have requests waiting on decode. Not more: every open stream is a BLS
-    call, and the 2.51 Python backend's BLS hand-off has a use-after-free (the stub frees a message whose mutex the
-    woken parent thread still takes; README, operating notes). With 512 or 1,024 streams on 2 cores it brought the
-    server down in about one run in five (a stub's SIGSEGV, then boost::interprocess::lock_exception in
-    tritonserver), while 256 ran 110 rounds on an H200 and 200 ran 7 rounds on 2 cores without a fault."""
+    default), so that small batches still have requests waiting on decode. Not more: with 512 or 1,024 streams on
+    2 cores a memory corruption in the 2.51 Python backend's shared-memory messages brought the server down in
+    about one run in five (a stub's or tritonserver's SIGSEGV, then boost::interprocess::lock_exception; README,
+    operating notes), while 256 ran 110 rounds on an H200 and 200 ran 7 rounds on 2 cores without a fault."""
     return max(64, decode_instances * max_batch)
 
 

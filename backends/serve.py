@@ -108,9 +108,8 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT "
         "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Default: --decode-instances x "
-        "--max-batch, at least 64. More streams make a race in Triton 2.51's Python backend (BLS hand-off, see the "
-        "README's operating notes) likelier to crash the server: at 512-1,024 streams on 2 cores, about one run in "
-        "five",
+        "--max-batch, at least 64. At 512-1,024 streams on 2 cores, a memory corruption inside Triton 2.51's Python "
+        "backend crashed the server in about one run in five (README, operating notes)",
     )
     p.add_argument(
         "--request-timeout",

@@ -238,6 +238,17 @@ class SplitDeployment:
     def metric(self, name: str, **labels) -> float:
         return self.decode.metric(name, **labels)
 
+    def read_metrics(self, specs: dict) -> dict[str, float]:
+        return self.decode.read_metrics(specs)
+
+    def wait_metric(self, name: str, predicate, timeout: float = 2.0, **labels) -> float:
+        return self.decode.wait_metric(name, predicate, timeout, **labels)
+
+    def process_rss(self) -> dict[str, int]:
+        """Every server's processes, named `<role>:<process>` (master:tritonserver, decode:pd_decode_0_0, ...)."""
+        roles = [f"prefill{i}" for i in range(len(self.servers) - 2)] + ["decode", "master"]
+        return {f"{role}:{k}": v for role, srv in zip(roles, self.servers) for k, v in srv.process_rss().items()}
+
     def stop(self) -> None:
         for s in reversed(self.servers):
             s.stop()

@@ -3,6 +3,8 @@ each round cost and what decode and prefill did in it (from their Prometheus cou
 where the extra work comes from.
 
     python -m perf.overload_rounds --rounds 7 --streams 200 --serve-args "--cpu-threads 2 --kv-tokens 16384"
+    python -m perf.overload_rounds --rounds 3 --streams 1024 --model random:tiny-test --layout split \
+        --serve-args "--max-streams 1024 --kv-tokens 16384"    (a server per role: no BLS between roles)
     python3 perf/overload_rounds.py --duration 1800 --window 300 --streams 256 --model random:llama3.1-8b \
         --serve-args "--device gpu --kv-tokens 65536" --out DIR        (the H200 soak, through the bundle)
 
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import threading
 import time
 from pathlib import Path
 
+from backends.server_process import ROOT, SplitDeployment
 from tests.server.client import StreamClient
 from tests.server.conftest import Server
 
@@ -80,9 +84,10 @@ def one_round(server: Server, r: int, a, limit: float) -> dict:
         "kv_cached": server.metric("pd_kv_slots_cached"),
     }
     row.update({k: after[k] - before[k] for k in COUNTERS})
-    rss = server.process_rss()  # MB after the round: tritonserver, and its Python stubs together
-    row["triton_rss_mb"] = round(rss.pop("tritonserver", 0) / 2**20)
-    row["stubs_rss_mb"] = round(sum(rss.values()) / 2**20)
+    rss = server.process_rss()  # MB after the round: tritonserver(s), and the Python stubs together
+    triton = sum(v for k, v in rss.items() if k.split(":")[-1] == "tritonserver")
+    row["triton_rss_mb"] = round(triton / 2**20)
+    row["stubs_rss_mb"] = round((sum(rss.values()) - triton) / 2**20)
     return row
 
 
@@ -122,12 +127,23 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=300, help="with --duration: the first/last window compared")
     ap.add_argument("--round-limit", type=float, default=600, help="seconds one round may take")
     ap.add_argument("--serve-args", default="", help="more `triton-pd serve` options")
+    ap.add_argument(
+        "--layout",
+        choices=("one", "split"),
+        default="one",
+        help="one tritonserver with every role (BLS between roles), or one server per role (gRPC between roles, "
+        "no BLS); with split, decode's counters are read and prefill's read as 0",
+    )
     ap.add_argument("--out", default=None, help="folder for report.md and rounds.json, written after each round")
     a = ap.parse_args()
     out = Path(a.out) if a.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    server = Server("--model", a.model, *shlex.split(a.serve_args), name="overload")
+    if a.layout == "split":
+        log_dir = ROOT / ".run" / f"overload-split-{os.getpid()}"
+        server = SplitDeployment(["--model", a.model, *shlex.split(a.serve_args)], log_dir, ready_timeout=300)
+    else:
+        server = Server("--model", a.model, *shlex.split(a.serve_args), name="overload")
     rows, starts, extra = [], [], []
     t_start = time.monotonic()
     try:
