@@ -7,9 +7,10 @@ inter-process message that the decode loop and the relay threads should not wait
 Updates are coalesced: a gauge sends its last value, a counter the sum of its increments, and a histogram is kept as
 Prometheus keeps one, cumulative `<name>_bucket{le=...}`, `<name>_sum` and `<name>_count` counters, so that a burst
 of observations is one increment per bucket touched. The worker sends what changed as soon as it is idle, then at
-most every FLUSH_INTERVAL seconds while updates keep coming. Each message is a round trip whose shared-memory
-hand-off has the free-while-waking pattern that the README's operating notes suspect in the 512+-stream crash;
-pd_master used to send one per token generated (its inter-token latency histogram).
+most every FLUSH_INTERVAL seconds while updates keep coming. Each message is a blocking round trip between the
+stub and tritonserver (with the free-while-waking hand-off described in the README's operating notes), and
+pd_master used to send one per token generated (its inter-token latency histogram). Coalescing did not remove the
+512+-stream crash.
 
 Outside the stub every metric is a no-op, so roles can be unit-tested without Triton."""
 
