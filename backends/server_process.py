@@ -4,7 +4,6 @@ ready, metrics read from its Prometheus endpoint, and a stop that leaves nothing
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import socket
@@ -14,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .supervisor import PARENT_ENV, python_stubs, stat_fields
+from .supervisor import PARENT_ENV, child_pids, python_stubs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +121,7 @@ class ServerProcess:
         """Resident bytes of this server's tritonserver and of each of its Python stubs (by instance name), read
         from /proc (Linux); empty once tritonserver has gone."""
         out: dict[str, int] = {}
-        triton = [pid for pid in _children(self.proc.pid) if _name(pid).startswith("tritonserver")]
+        triton = [pid for pid in child_pids(self.proc.pid) if _name(pid).startswith("tritonserver")]
         for pid in triton:
             out["tritonserver"] = out.get("tritonserver", 0) + _rss(pid)
             for instance, (stub, _) in sorted(python_stubs(pid).items()):
@@ -152,18 +151,6 @@ class ServerProcess:
         subprocess.run(["pkill", "-KILL", "-f", f"{self.workdir}/"], capture_output=True)
         if not self.log.closed:
             self.log.close()
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (/proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN; this does not)."""
-    kids = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            if int(stat_fields(stat)[1]) == pid:
-                kids.append(int(stat.split("/")[2]))
-        except (OSError, IndexError, ValueError):
-            continue
-    return kids
 
 
 def _name(pid: int) -> str:

@@ -192,21 +192,31 @@ def _ok(url: str) -> bool:
         return False
 
 
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is `pid`, from /proc (/proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN)."""
+    kids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            if int(stat_fields(stat)[1]) == pid:  # the parent pid
+                kids.append(int(stat.split("/")[2]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return kids
+
+
 def python_stubs(server_pid: int) -> dict[str, tuple[int, str]]:
     """The Python stubs tritonserver `server_pid` runs, from /proc: instance name -> (pid, name of the stub's
     shared-memory region in /dev/shm)."""
     stubs = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
+    for pid in child_pids(server_pid):
         try:
-            if int(stat_fields(stat)[1]) != server_pid:  # the parent pid
-                continue
-            with open(stat[: -len("stat")] + "cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = [a.decode() for a in f.read().rstrip(b"\0").split(b"\0")]
-        except (OSError, IndexError, ValueError, UnicodeDecodeError):
+        except (OSError, UnicodeDecodeError):
             continue
         # stub, model.py, shm region, shm sizes, parent pid, backend dir, ..., instance name, execution env
         if len(argv) >= 4 and argv[0].endswith("triton_python_backend_stub"):
-            stubs[argv[-2]] = (int(stat.split("/")[2]), argv[2])
+            stubs[argv[-2]] = (pid, argv[2])
     return stubs
 
 
