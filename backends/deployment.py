@@ -4,11 +4,22 @@ the model repository's config.pbtxt templates are rendered with. Nothing here st
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+
+from .common import role_config
+from .common.role_config import DecodeConfig, MasterConfig, PrefillConfig, pbtxt_string
+from .common.sizing import (  # noqa: F401 (re-exported: the launcher's sizing)
+    cpu_threads_per_instance,
+    default_host_kv_tokens,
+    default_kv_tokens,
+    default_max_streams,
+    default_prefill_kv_tokens,
+    kv_bytes_per_token,
+    state_bytes,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EXIT_TIMEOUT_S = 20  # tritonserver --exit-timeout-secs: how long its shutdown waits for requests in flight
@@ -67,16 +78,6 @@ def instance_groups(count: int, gpu: bool, gpus: str, available: int | None = No
     return ", ".join(f"{{ count: {n} kind: KIND_GPU gpus: [ {g} ] }}" for g, n in per.items() if n)
 
 
-def cpu_threads_per_instance(instances: int) -> int:
-    """The cores this process may use, shared among the compute instances (prefill and decode run at the same
-    time; torch's OpenMP threads spin at every barrier, so oversubscribed cores slow each step several-fold)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, instances))
-
-
 def gpu_count() -> int:
     try:
         import torch
@@ -94,88 +95,24 @@ def _speculative(mode: str, cfg) -> str:
     return mode
 
 
-def kv_bytes_per_token(cfg, dtype: str) -> int:
-    import torch
-
-    from .common.runner import parse_dtype
-
-    itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-    layers = len(cfg.full_layers) + (1 if cfg.is_hybrid and cfg.mtp_layers else 0)  # hybrid: full layers, MTP
-    return layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def state_bytes(cfg, state_pages: int, max_batch: int) -> int:
-    """Bytes of a hybrid model's state store on one decode instance: its pages and a scratch page per batch row."""
-    from .common.runner import default_state_pages
-
-    return (state_pages or default_state_pages(max_batch)) * 4 * cfg.state_floats_per_page() + max_batch * 4 * (
-        cfg.state_floats_per_page()
-    )
-
-
-def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
-    import torch
-
-    return int(torch.cuda.get_device_properties(device).total_memory * fraction // per_token)
-
-
-def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1) -> int:
-    """Four times the device pool (paused requests outnumber running ones when the pool is over-committed), within
-    a quarter of physical memory shared by the decode instances (pinned memory cannot be swapped out)."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(4 * kv_tokens, ram // 4 // max(1, instances) // per_token)
-
-
-def default_max_streams(decode_instances: int, max_batch: int) -> int:
-    """Decode streams master opens at once: what the decode instances can run at once, and at least 64 (the earlier
-    default), so that small batches still have requests waiting on decode. Not more: with 512 or 1,024 streams on
-    2 cores a memory corruption in the 2.51 Python backend's shared-memory messages brought the server down in
-    about one run in five (a stub's or tritonserver's SIGSEGV, then boost::interprocess::lock_exception; README,
-    operating notes), while 256 ran 110 rounds on an H200 and 200 ran 7 rounds on 2 cores without a fault."""
-    return max(64, decode_instances * max_batch)
-
-
 @dataclass(frozen=True)
 class Deployment:
-    """One served deployment's settings, every default resolved."""
+    """One served deployment: each role's settings (`role_config`), every default resolved, and where the roles'
+    instances run."""
 
-    model: str
-    dtype: str
+    decode: DecodeConfig
+    prefill: PrefillConfig
+    master: MasterConfig
     gpu: bool
     workdir: Path
     deployment_id: str  # names its shared-memory segments and mailbox
     key_file: Path
     mailbox: Path
-    kv_tokens: int
-    host_kv_tokens: int
-    prefill_kv_tokens: int
-    cpu_threads: int
-    request_timeout: float
     decode_groups: str
     prefill_groups: str
     prefill_instances: int
     decode_instances: int
-    max_batch: int
-    chunk_size: int
-    max_prefill_tokens: int
-    max_inflight: int
-    max_streams: int
-    on_decode_oom: str
-    pause_policy: str
-    fault_injection: str
-    stall_seconds: float
-    rotation_quantum: float
-    decode_overlap: str  # "on": step n+1 launched before step n's tokens are read (GPU graphs, greedy)
-    state_pages: int = 0  # hybrid models: state pages per instance (0: the runner's default)
-    rotation_prefetch: str = "off"  # "on": the next paused request's KV copied back ahead of its turn
-    rotation_wait: float = 0.3  # seconds the longest-paused request waits before it takes its turn (>= quantum)
-    speculative: str = "off"  # decode's drafts: off, ngram (prompt lookup) or mtp (the model's MTP head)
     role: str = "all"  # which models this server runs: all three, or one role of a multi-server deployment
-    decode_urls: str = ""  # master role: decode servers' gRPC addresses
-    prefill_urls: str = ""  # decode role: prefill servers' gRPC addresses
-    kv_transport: str = "ipc"  # ipc (this host) or dist (torch.distributed: any host)
-    kv_backend: str = ""  # dist's backend: gloo or nccl ("": nccl on GPU, gloo on CPU)
-    kv_address: str = ""  # dist: the host name prefill servers reach this decode server's KV receiver at
     shared_key: bool = False  # the internal key comes from a given file (shared by the deployment's servers)
     exit_timeout: int = EXIT_TIMEOUT_S  # tritonserver --exit-timeout-secs
 
@@ -183,10 +120,18 @@ class Deployment:
     def models(self) -> tuple[str, ...]:
         return ROLE_MODELS[self.role]
 
+    model = property(lambda self: self.decode.model)
+    dtype = property(lambda self: self.decode.dtype)
+    kv_tokens = property(lambda self: self.decode.kv_tokens)
+    host_kv_tokens = property(lambda self: self.decode.host_kv_tokens)
+    max_streams = property(lambda self: self.master.max_streams)
+    request_timeout = property(lambda self: self.master.request_timeout)
+
     @classmethod
     def from_args(cls, a, n_gpus: int) -> Deployment:
         """From `triton-pd serve`'s parsed options on a machine with `n_gpus` GPUs: resolves the model (converting
-        it once, before several processes want it) and sizes the pools."""
+        it once, before several processes want it), sizes the pools and fills in each role's config. A refused
+        value is a ValueError naming its option."""
         from .common import loader
 
         cfg = loader.load_config(loader.resolve(a.model))
@@ -195,70 +140,56 @@ class Deployment:
         workdir = Path(a.workdir or PROJECT_ROOT / ".run" / f"serve-{a.http_port}").resolve()
         deployment_id = secrets.token_hex(4)
         per_token = kv_bytes_per_token(cfg, dtype)
-        kv_tokens = a.kv_tokens or (
-            kv_tokens_for_gpu(per_token, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0]) if gpu else 16384
-        )
-        if gpu and cfg.is_hybrid and not a.kv_tokens:  # the state pages share the same fraction of the GPU
-            kv_tokens = max(1024, kv_tokens - state_bytes(cfg, getattr(a, "state_pages", 0), a.max_batch) // per_token)
+        state_pages = getattr(a, "state_pages", 0) or 0
+        kv_tokens = a.kv_tokens or default_kv_tokens(
+            cfg, per_token, gpu, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0] if gpu else 0, state_pages,
+            a.max_batch,
+        )  # fmt: skip
         if getattr(a, "exit_timeout", EXIT_TIMEOUT_S) < 0:
             raise ValueError("--exit-timeout: must be >= 0 seconds")
-        rotation_wait = getattr(a, "rotation_wait", 0.3)
-        for flag, value in (("--rotation-quantum", a.rotation_quantum), ("--rotation-wait", rotation_wait)):
-            if value < 0:
-                raise ValueError(f"{flag}: must be >= 0 seconds, got {value}")
         host_kv = a.host_kv_tokens
         if host_kv is None:
             host_kv = 0 if cfg.is_hybrid else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
         role, urls = _role_urls(a)
-        timeout = a.request_timeout
-        if timeout is None:
-            timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", "1800"))
+        key = getattr(a, "internal_key_file", None)
+        key_file = Path(key).resolve() if key else workdir / "internal_key"
+        mailbox = Path("/dev/shm") / f"triton-pd-{deployment_id}"
+        wiring = dict(model=a.model, internal_key_file=str(key_file), deployment=deployment_id)
+        threads = a.cpu_threads or cpu_threads_per_instance(
+            (a.prefill_instances if role in ("all", "prefill") else 0)
+            + (a.decode_instances if role in ("all", "decode") else 0)
+        )
+        decode = role_config.from_args(
+            DecodeConfig, a, **wiring, mailbox_dir=str(mailbox), dtype=dtype, cpu_threads=threads,
+            kv_tokens=kv_tokens, host_kv_tokens=host_kv, state_pages=state_pages,
+            speculative=_speculative(getattr(a, "speculative", "off"), cfg), prefill_urls=",".join(urls["prefill"]),
+            kv_transport=getattr(a, "kv_transport", None) or ("dist" if role == "decode" else "ipc"),
+            kv_address=getattr(a, "kv_address", None) or (socket.gethostname() if role == "decode" else "127.0.0.1"),
+        )  # fmt: skip
+        prefill = role_config.from_args(
+            PrefillConfig, a, **wiring, dtype=dtype, cpu_threads=threads, state_pages=state_pages,
+            prefill_kv_tokens=a.prefill_kv_tokens or default_prefill_kv_tokens(cfg, gpu),
+        )  # fmt: skip
+        master = role_config.from_args(
+            MasterConfig, a, **wiring, mailbox_dir=str(mailbox), decode_urls=",".join(urls["decode"]),
+            max_streams=a.max_streams
+            or default_max_streams(a.decode_instances * max(1, len(urls["decode"])), a.max_batch),
+        )  # fmt: skip
         return cls(
-            model=a.model,
-            dtype=dtype,
+            decode=decode,
+            prefill=prefill,
+            master=master,
             gpu=gpu,
             workdir=workdir,
             deployment_id=deployment_id,
-            key_file=Path(key).resolve()
-            if (key := getattr(a, "internal_key_file", None))
-            else workdir / "internal_key",
-            mailbox=Path("/dev/shm") / f"triton-pd-{deployment_id}",
-            kv_tokens=kv_tokens,
-            host_kv_tokens=host_kv,
-            prefill_kv_tokens=a.prefill_kv_tokens or (131072 if gpu else max(8192, 2 * cfg.max_position_embeddings)),
-            cpu_threads=a.cpu_threads
-            or cpu_threads_per_instance(
-                (a.prefill_instances if role in ("all", "prefill") else 0)
-                + (a.decode_instances if role in ("all", "decode") else 0)
-            ),
+            key_file=key_file,
+            mailbox=mailbox,
             exit_timeout=getattr(a, "exit_timeout", EXIT_TIMEOUT_S),
-            request_timeout=timeout,
             decode_groups=instance_groups(a.decode_instances, gpu, a.decode_gpus, n_gpus, "--decode-gpus"),
             prefill_groups=instance_groups(a.prefill_instances, gpu, a.prefill_gpus, n_gpus, "--prefill-gpus"),
             prefill_instances=a.prefill_instances,
             decode_instances=a.decode_instances,
-            max_batch=a.max_batch,
-            chunk_size=a.chunk_size,
-            max_prefill_tokens=a.max_prefill_tokens,
-            max_inflight=a.max_inflight,
-            max_streams=a.max_streams
-            or default_max_streams(a.decode_instances * max(1, len(urls["decode"])), a.max_batch),
-            on_decode_oom=a.on_decode_oom,
-            pause_policy=a.pause_policy,
-            fault_injection=a.fault_injection,
-            stall_seconds=a.stall_seconds,
-            rotation_quantum=a.rotation_quantum,
-            rotation_prefetch=getattr(a, "rotation_prefetch", "off"),
-            rotation_wait=rotation_wait,
-            decode_overlap=a.decode_overlap,
-            state_pages=getattr(a, "state_pages", 0) or 0,
-            speculative=_speculative(getattr(a, "speculative", "off"), cfg),
             role=role,
-            decode_urls=",".join(urls["decode"]),
-            prefill_urls=",".join(urls["prefill"]),
-            kv_transport=getattr(a, "kv_transport", None) or ("dist" if role == "decode" else "ipc"),
-            kv_backend="" if getattr(a, "kv_backend", "auto") == "auto" else a.kv_backend,
-            kv_address=getattr(a, "kv_address", None) or (socket.gethostname() if role == "decode" else "127.0.0.1"),
             shared_key=bool(key),
         )
 
@@ -276,58 +207,31 @@ class Deployment:
         self.key_file.chmod(0o600)
 
     def template_values(self) -> dict[str, str]:
-        """The ${NAME} values of model_repository/*/config.pbtxt."""
+        """The ${NAME} values of model_repository/*/config.pbtxt: each role's config as JSON, and placement."""
         return {
             "PROJECT_ROOT": str(PROJECT_ROOT),
-            "MODEL": self.model,
-            "DTYPE": self.dtype,
-            "DEPLOYMENT": self.deployment_id,
-            "KEY_FILE": str(self.key_file),
-            "MAILBOX_DIR": str(self.mailbox),
-            "KV_TOKENS": str(self.kv_tokens),
-            "PREFILL_KV_TOKENS": str(self.prefill_kv_tokens),
-            "MAX_BATCH": str(self.max_batch),
-            "CPU_THREADS": str(self.cpu_threads),
-            "CHUNK_SIZE": str(self.chunk_size),
-            "MAX_PREFILL_TOKENS": str(self.max_prefill_tokens),
-            "MAX_INFLIGHT": str(self.max_inflight),
-            "MAX_STREAMS": str(self.max_streams),
-            "REQUEST_TIMEOUT": str(self.request_timeout),
-            "ON_DECODE_OOM": self.on_decode_oom,
-            "PAUSE_POLICY": self.pause_policy,
-            "FAULT_INJECTION": self.fault_injection,
-            "STALL_SECONDS": str(self.stall_seconds),
-            "HOST_KV_TOKENS": str(self.host_kv_tokens),
-            "ROTATION_QUANTUM": str(self.rotation_quantum),
-            "ROTATION_PREFETCH": self.rotation_prefetch,
-            "ROTATION_WAIT": str(self.rotation_wait),
-            "DECODE_OVERLAP": self.decode_overlap,
-            "STATE_PAGES": str(self.state_pages),
-            "SPECULATIVE": self.speculative,
+            "DECODE_CONFIG": pbtxt_string(self.decode.to_json()),
+            "PREFILL_CONFIG": pbtxt_string(self.prefill.to_json()),
+            "MASTER_CONFIG": pbtxt_string(self.master.to_json()),
             "MASTER_INSTANCES": "1",
             "DECODE_GROUPS": self.decode_groups,
             "PREFILL_GROUPS": self.prefill_groups,
-            "DECODE_URLS": self.decode_urls,
-            "PREFILL_URLS": self.prefill_urls,
-            "KV_TRANSPORT": self.kv_transport,
-            "KV_BACKEND": self.kv_backend,
-            "KV_ADDRESS": self.kv_address,
         }
 
     def summary(self) -> str:
         if self.role == "master":
-            return f"role master: model {self.model} (its tokenizer), decode servers {self.decode_urls}"
+            return f"role master: model {self.model} (its tokenizer), decode servers {self.master.decode_urls}"
         if self.role == "prefill":
             return f"role prefill: model {self.model} ({self.dtype}), {self.prefill_instances} prefill instance(s)"
         if self.role == "decode":
             instances = (
-                f"{self.decode_instances} decode instance(s), prefill servers {self.prefill_urls}, KV over "
-                f"{self.kv_transport}"
+                f"{self.decode_instances} decode instance(s), prefill servers {self.decode.prefill_urls}, KV over "
+                f"{self.decode.kv_transport}"
             )
         else:
             instances = f"{self.prefill_instances} prefill + {self.decode_instances} decode instance(s)"
         return (
             f"model {self.model} ({self.dtype}, {'GPU' if self.gpu else 'CPU'}), {instances}, decode KV pool "
-            f"{self.kv_tokens} tokens, on_decode_oom={self.on_decode_oom}, {self.cpu_threads} CPU thread(s) per "
-            f"instance, {self.max_streams} decode streams"
+            f"{self.kv_tokens} tokens, on_decode_oom={self.decode.on_decode_oom}, {self.decode.cpu_threads} CPU "
+            f"thread(s) per instance, {self.max_streams} decode streams"
         )

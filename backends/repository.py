@@ -56,7 +56,8 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
 README = """# A triton-pd model repository
 
 Written by `{cmd}`
-(model {model}, role {role}). Every parameter is in the config.pbtxt files; `internal_key` is the deployment's
+(model {model}, role {role}). Every setting is in the config.pbtxt files (each model's `config` parameter, one
+JSON object: fields left out take `triton-pd serve`'s defaults); `internal_key` is the deployment's
 internal key (keep it readable by the server's user only; the internal models refuse requests without it).
 
 ## Start it with the tritonserver bundled in this environment

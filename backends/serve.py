@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from .common.role_config import add_options
 from .deployment import EXIT_TIMEOUT_S, Deployment, gpu_count
 from .supervisor import PARENT_ENV, Supervisor, ports_in_use, stop_with_process
 from .tritonserver import Ports, command, environment, layout_for, render
@@ -54,9 +55,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_deployment_options(p: argparse.ArgumentParser) -> None:
-    """What a deployment is: the model, its pools and limits, the roles (shared by serve and repository)."""
-    p.add_argument("--model", default="smollm2", help="smollm2, a Hugging Face folder, a .gguf file or random:<shape>")
-    p.add_argument("--dtype", default=None, help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU)")
+    """What a deployment is: the model, its pools and limits, the roles (shared by serve and repository). The
+    options that set a role's config are generated from its fields (`role_config.add_options`)."""
+    add_options(p, ["model", "dtype"])
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "gpu"],
@@ -67,146 +68,13 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-instances", type=int, default=1, help="decode model instances")
     p.add_argument("--prefill-gpus", default="0", help="comma-separated GPU ids for prefill instances (round robin)")
     p.add_argument("--decode-gpus", default="0", help="comma-separated GPU ids for decode instances (round robin)")
-    p.add_argument(
-        "--kv-tokens",
-        type=int,
-        default=None,
-        help="decode KV pool size in tokens per instance (default: 16384 on CPU; on GPU from --kv-memory-fraction)",
-    )
-    p.add_argument(
-        "--kv-memory-fraction",
-        type=float,
-        default=0.5,
-        help="GPU only: fraction of the GPU's memory for one decode instance's KV pool",
-    )
-    p.add_argument(
-        "--prefill-kv-tokens",
-        type=int,
-        default=None,
-        help="prefill's own KV pool (its prefix cache) in tokens (default: max(8192, 2 x context) on "
-        "CPU, 131072 on GPU)",
-    )
-    p.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=0,
-        help="torch threads of each prefill and decode instance; 0: the usable cores divided among the instances, "
-        "at least 1 (more threads than cores between them make each step many times slower)",
-    )
-    p.add_argument("--max-batch", type=int, default=256, help="decode: requests decoded together at most")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill: chunk size in tokens")
-    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prefill: tokens per forward pass at most")
-    p.add_argument(
-        "--max-inflight",
-        type=int,
-        default=1024,
-        help="master: requests in flight before new ones are answered UNAVAILABLE (server busy)",
-    )
-    p.add_argument(
-        "--max-streams",
-        type=int,
-        default=None,
-        help="master: decode streams open at once; further requests wait in master (their wait counts in TTFT "
-        "and in the deadline). Also sizes the Python backend's thread pool (this + 64). Default: --decode-instances x "
-        "--max-batch, at least 64. At 512-1,024 streams on 2 cores, a memory corruption inside Triton 2.51's Python "
-        "backend crashed the server in about one run in five (README, operating notes)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="total deadline per request in seconds, pauses included; negative disables (default: "
-        "$PD_REQUEST_TIMEOUT_SECONDS or 1800)",
-    )
+    add_options(p, ROLE_OPTIONS)
     p.add_argument(
         "--exit-timeout",
         type=int,
         default=EXIT_TIMEOUT_S,
         help="seconds tritonserver's shutdown waits for requests in flight (--exit-timeout-secs; after a master or "
         "decode stub died, the launcher kills it 10 s after this)",
-    )
-    p.add_argument(
-        "--on-decode-oom",
-        choices=["pause", "restart"],
-        default="pause",
-        help="when decode runs out of KV: pause and recover (default), or end the segment and let master "
-        "re-submit prompt + generated ids, recomputed from scratch (the naive baseline, for comparisons)",
-    )
-    p.add_argument(
-        "--pause-policy",
-        choices=["latest", "oldest", "longest"],
-        default="latest",
-        help="which running request decode pauses first",
-    )
-    p.add_argument(
-        "--fault-injection",
-        default="",
-        help="testing only, comma-separated: 'stale' makes decode re-deliver each recovery completion "
-        "under an old epoch; 'drop_paused_kv' keeps no paused KV, forcing prefill recovery; 'slow_prefill' makes "
-        "prefill wait 3 s before each batch (cancellations still end its jobs)",
-    )
-    p.add_argument(
-        "--host-kv-tokens",
-        type=int,
-        default=None,
-        help="decode's host-memory KV tier in tokens per instance: paused requests' KV is copied there and swapped "
-        "back in instead of recomputed (pinned memory on a GPU). Default: 4 x --kv-tokens, within a quarter of "
-        "this machine's memory shared by the decode instances, and 0 (off) for hybrid models; 0 disables it. "
-        "Hybrid models: each host copy also holds the paused state (host state pages: --max-batch, at most 64)",
-    )
-    p.add_argument(
-        "--rotation-quantum",
-        type=float,
-        default=0.1,
-        help="seconds: while decode's pool is over-committed, a request paused this long takes the place of "
-        "requests that have run this long since they resumed, and paused requests resume in the order they "
-        "paused, so no answer stalls for long. 0: a paused request waits until there is room",
-    )
-    p.add_argument(
-        "--rotation-wait",
-        type=float,
-        default=0.3,
-        help="seconds: rotating, the longest-paused request takes its turn once it has waited this long (never "
-        "less than --rotation-quantum). With k requests paused a turn lasts about max(quantum, wait / k), so a "
-        "few streams taking turns pay for fewer turns while each still waits about this long; 0: a quantum",
-    )
-    p.add_argument(
-        "--rotation-prefetch",
-        choices=["on", "off"],
-        default="off",
-        help="rotating with a host tier (dense models): the next paused request's KV is copied back ahead of its "
-        "turn into free or evictable slots, so that at its turn decode waits only for the rest (experimental: "
-        "1-2%% more throughput on an H200 in the seed scenario)",
-    )
-    p.add_argument(
-        "--decode-overlap",
-        choices=["on", "off"],
-        default="on",
-        help="decode launches step n+1 before reading step n's tokens whenever the next step is certain to be one "
-        "more greedy token for every running request (GPU decode graphs); off: every step is read before the next",
-    )
-    p.add_argument(
-        "--speculative",
-        choices=["off", "ngram", "mtp"],
-        default="off",
-        help="speculative decoding on decode, one draft token per step, verified exactly (the answers are token "
-        "for token the non-speculative ones): ngram drafts by prompt lookup for any model, mtp with the model's "
-        "multi-token-prediction head (Qwen3-Next). Turns --decode-overlap off",
-    )
-    p.add_argument(
-        "--state-pages",
-        type=int,
-        default=0,
-        help="hybrid (linear-attention) models: state pages per prefill and decode instance, one per running "
-        "request plus the prefix cache's state checkpoints. Default: 2 x --max-batch + 8 (decode) and 2 x 64 + 8 "
-        "(prefill); ignored for dense models",
-    )
-    p.add_argument(
-        "--stall-seconds",
-        type=float,
-        default=30.0,
-        help="decode reports (log and pd_decode_stalls_total) when requests wait and nothing progresses this "
-        "long; 0 disables",
     )
     m = p.add_argument_group(
         "multi-server deployments (master, prefill and decode in tritonservers of their own, on one host or several)"
@@ -217,40 +85,23 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
         default="all",
         help="the models this server runs: all three (one server), or one role; a role needs --internal-key-file",
     )
-    m.add_argument("--decode-urls", default=None, help="--role master: decode servers' gRPC host:port, comma-separated")
-    m.add_argument(
-        "--prefill-urls",
-        default=None,
-        help="--role decode: prefill servers' gRPC host:port, comma-separated (jobs go round robin to live ones; "
-        "one that cannot be reached is skipped and its jobs retried on the next)",
-    )
+    add_options(m, ["decode_urls", "prefill_urls"])
     m.add_argument(
         "--internal-key-file",
         default=None,
         help="the deployment's internal key, the same file (copied) on every server of it; `triton-pd key FILE` "
         "writes one. Default with --role all: a new key per start",
     )
-    m.add_argument(
-        "--kv-transport",
-        choices=["ipc", "dist"],
-        default=None,
-        help="how prefill's KV reaches decode: ipc (this host: CUDA IPC or shared memory) or dist "
-        "(torch.distributed point-to-point: NCCL between GPUs, gloo on CPU; any host). Default: ipc for --role all, "
-        "dist for --role decode",
-    )
-    m.add_argument(
-        "--kv-backend",
-        choices=["auto", "nccl", "gloo"],
-        default="auto",
-        help="dist's backend (auto: NCCL between two GPUs; gloo on CPU, or when prefill and decode share a GPU, "
-        "where NCCL refuses the pair)",
-    )
-    m.add_argument(
-        "--kv-address",
-        default=None,
-        help="--role decode with dist: the host name or address prefill servers reach this server's KV receiver "
-        "at (default: this host's name); its port is picked free per decode instance and sent with each job",
-    )
+    add_options(m, ["kv_transport", "kv_backend", "kv_address"])
+
+
+# the role-config options of the main group, in --help's order (the rest: model, dtype and the multi-server group)
+ROLE_OPTIONS = [
+    "kv_tokens", "kv_memory_fraction", "prefill_kv_tokens", "cpu_threads", "max_batch", "chunk_size",
+    "max_prefill_tokens", "prefill_max_batch", "prefill_concurrency", "max_inflight", "max_streams",
+    "request_timeout", "on_decode_oom", "pause_policy", "fault_injection", "host_kv_tokens", "rotation_quantum",
+    "rotation_wait", "rotation_prefetch", "decode_overlap", "speculative", "state_pages", "stall_seconds",
+]  # fmt: skip
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

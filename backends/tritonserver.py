@@ -115,5 +115,4 @@ def environment(layout: Layout, dep: Deployment) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub takes the first python3
     env["LD_LIBRARY_PATH"] = ":".join([str(p) for p in layout.lib_dirs] + [env.get("LD_LIBRARY_PATH", "")])
-    env["PD_REQUEST_TIMEOUT_SECONDS"] = str(dep.request_timeout)
     return env

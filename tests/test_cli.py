@@ -99,7 +99,8 @@ def test_bad_input_one_line_error(args, needle):
         (["--role", "decode", "--prefill-urls", "nohost", "--internal-key-file", "KEY"], "'nohost' is not host:port"),
         (["--role", "prefill", "--internal-key-file", "/nonexistent/key"], "/nonexistent/key is missing or empty"),
         (["--exit-timeout", "-1"], "--exit-timeout: must be >= 0"),
-        (["--rotation-wait", "-0.5"], "--rotation-wait: must be >= 0 seconds"),
+        (["--rotation-wait", "-0.5"], "--rotation-wait: must be >= 0, got -0.5"),
+        (["--prefill-concurrency", "0"], "--prefill-concurrency: must be >= 1, got 0"),
     ],
 )
 def test_serve_roles_refuse_incomplete_deployments(args, needle, tmp_path, capsys):

@@ -49,15 +49,12 @@ def test_cpu_threads_divide_the_usable_cores(monkeypatch):
     assert cpu_threads_per_instance(5) == 1
 
 
-@pytest.mark.parametrize("model", ["pd_prefill", "pd_decode"])
-def test_compute_instances_take_their_thread_count(model):
-    config = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
-    assert '{ key: "cpu_threads" value: { string_value: "${CPU_THREADS}" } }' in config
+def test_compute_instances_take_their_thread_count():
     before = torch.get_num_threads()
     try:
-        set_cpu_threads({"cpu_threads": "1"})
+        set_cpu_threads(1)
         assert torch.get_num_threads() == 1
-        set_cpu_threads({})  # absent: unchanged
+        set_cpu_threads(0)  # 0: unchanged
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -65,9 +62,10 @@ def test_compute_instances_take_their_thread_count(model):
 
 def test_host_kv_default_is_four_pools_within_a_quarter_of_ram_per_decode_instance(monkeypatch):
     from backends import deployment
+    from backends.common import sizing
 
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (64 << 30) // 4096}  # 64 GiB of RAM
-    monkeypatch.setattr(deployment.os, "sysconf", pages.__getitem__)
+    monkeypatch.setattr(sizing.os, "sysconf", pages.__getitem__)
     mib = 1 << 20  # KV bytes per token
     assert deployment.default_host_kv_tokens(mib, 1000) == 4000
     assert deployment.default_host_kv_tokens(mib, 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
@@ -91,9 +89,23 @@ def test_deployment_values_fill_every_template_and_reach_the_configs(tmp_path):
     repo = render(tmp_path / "models", dep.template_values())  # string.Template.substitute: a missing value raises
     configs = {m: (repo / m / "config.pbtxt").read_text() for m in MODELS}
     assert all("${" not in c for c in configs.values())
-    assert '"kv_tokens" value: { string_value: "1000" }' in configs["pd_decode"]
-    assert '"max_streams" value: { string_value: "7" }' in configs["pd_master"]
-    assert str(dep.key_file) in configs["pd_prefill"] and str(dep.mailbox) in configs["pd_master"]
+    decode, prefill, master = (config_of(configs[m]) for m in ("pd_decode", "pd_prefill", "pd_master"))
+    assert decode.kv_tokens == 1000 and decode.host_kv_tokens == 0 and master.max_streams == 7
+    assert master.request_timeout == -1 and prefill.internal_key_file == str(dep.key_file)
+    assert master.mailbox_dir == decode.mailbox_dir == str(dep.mailbox)
+
+
+def config_of(pbtxt: str):
+    """The role config a rendered config.pbtxt holds, read as Triton reads it (protobuf text format)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from backends.common.role_config import DecodeConfig, MasterConfig, PrefillConfig
+
+    mc = text_format.Parse(pbtxt, model_config_pb2.ModelConfig())
+    assert set(mc.parameters) == {"project_root", "config"}  # a role reads its config and nothing else
+    cls = {"pd_decode": DecodeConfig, "pd_prefill": PrefillConfig, "pd_master": MasterConfig}[mc.name]
+    return cls.from_json(mc.parameters["config"].string_value)
 
 
 def test_max_streams_defaults_to_what_decode_can_run_at_once(tmp_path):

@@ -31,10 +31,9 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}") from None
 
 
-def set_cpu_threads(params: dict[str, str]) -> None:
-    """A served instance's torch threads, from its model config ("cpu_threads"; the launcher divides the cores
-    among the prefill and decode instances). Absent or 0 keeps torch's default."""
-    n = int(params.get("cpu_threads") or 0)
+def set_cpu_threads(n: int) -> None:
+    """A served instance's torch threads (its config's cpu_threads; the launcher divides the cores among the
+    prefill and decode instances). 0 keeps torch's default."""
     if n > 0:
         torch.set_num_threads(n)
 

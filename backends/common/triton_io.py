@@ -19,6 +19,12 @@ def model_params(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
 
 
+def instance_count(args: dict) -> int:
+    """The instances of this model in the server (a GPU group's count is per GPU it lists)."""
+    groups = json.loads(args["model_config"]).get("instance_group", [])
+    return max(1, sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups))
+
+
 def input_array(request, name: str) -> np.ndarray | None:
     t = pb().get_input_tensor_by_name(request, name)
     return None if t is None else t.as_numpy()

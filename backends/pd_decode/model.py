@@ -16,12 +16,15 @@ from backends.common import triton_io as tio
 from backends.common.batch import Span
 from backends.common.kv_pool import KVPool
 from backends.common.kv_transport import DistSink, IpcSink, check_kind
+from backends.common.loader import load_config, resolve
 from backends.common.mailbox import Mailbox, prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.postprocess import finish_reason
 from backends.common.remote import PrefillServers, Unreachable, parse_urls
 from backends.common.request import InferReq, ParamError, ReqState
+from backends.common.role_config import DecodeConfig, mailbox_dir, read_key
 from backends.common.runner import ModelRunner, set_cpu_threads
+from backends.common.sizing import resolve_decode
 from backends.common.speculative import check_mode
 from backends.common.state_pages import StatePages
 from backends.common.streaming import Item, Stream, StreamSender
@@ -67,81 +70,79 @@ Event = Arrival | TransferDone | Wake
 
 class DecodeModel:
     def __init__(self, args: dict):
-        p = tio.model_params(args)
-        set_cpu_threads(p)
         self.instance = args.get("model_instance_name", "pd_decode")
         gpu = args.get("model_instance_kind") == "GPU"
-        device = f"cuda:{args.get('model_instance_device_id', 0)}" if gpu else "cpu"
+        index = int(args.get("model_instance_device_id", 0))
+        device = f"cuda:{index}" if gpu else "cpu"
         if gpu:
             import torch
 
             torch.cuda.set_device(device)
-        kv_tokens = int(p["kv_tokens"])
-        shm = None if gpu else f"tpd_{p['deployment']}_{self.instance}"
+        cfg = DecodeConfig.from_params(tio.model_params(args))
+        self.key = read_key(cfg)
+        cfg = self.cfg = resolve_decode(cfg, load_config(resolve(cfg.model)), gpu, index, tio.instance_count(args))
+        set_cpu_threads(cfg.cpu_threads)
+        kv_tokens = cfg.kv_tokens
+        shm = None if gpu else f"tpd_{cfg.deployment}_{self.instance}"
         self.runner = ModelRunner(
-            p["model"], p["dtype"], device, kv_tokens, kv_shm_name=shm, max_batch=int(p["max_batch"]),
-            state_pages=int(p.get("state_pages", "0")) or None, state_shm_name=shm and shm + "_state",
+            cfg.model, cfg.dtype, device, kv_tokens, kv_shm_name=shm, max_batch=cfg.max_batch,
+            state_pages=cfg.state_pages or None, state_shm_name=shm and shm + "_state",
         )  # fmt: skip
         self.eos = self.runner.cfg.eos_token_ids
         state = self.runner.state
-        self.mailbox = Mailbox(p["mailbox_dir"])
-        self.sink = self._sink(p, f"{p['deployment']}:{self.instance}")
+        self.mailbox = Mailbox(mailbox_dir(cfg))
+        self.sink = self._sink(cfg, f"{cfg.deployment}:{self.instance}")
         # prefill of this server (BLS) or prefill servers over gRPC, with failover between them
-        urls = p.get("prefill_urls", "")
-        self.prefills = PrefillServers(parse_urls(urls, "prefill_urls"), PrefillRequest.MODEL,
-                                       PrefillRequest.OUTPUTS) if urls else None  # fmt: skip
-        host_tokens = int(p.get("host_kv_tokens", "0"))
+        self.prefills = PrefillServers(parse_urls(cfg.prefill_urls, "prefill_urls"), PrefillRequest.MODEL,
+                                       PrefillRequest.OUTPUTS) if cfg.prefill_urls else None  # fmt: skip
+        host_tokens = cfg.host_kv_tokens
         # hybrid models: one host state page per host copy (a paused request's state at its end)
-        host_pages = default_host_pages(int(p["max_batch"])) if state is not None and host_tokens > 0 else 0
+        host_pages = default_host_pages(cfg.max_batch) if state is not None and host_tokens > 0 else 0
         self.host_kv = HostKV(self.runner.kv, host_tokens, state, host_pages) if host_tokens > 0 else None
         self.sched = DecodeScheduler(
             KVPool(kv_tokens),
-            max_running=int(p["max_batch"]),
-            pause_policy=p.get("pause_policy", "latest"),
-            on_oom=p.get("on_decode_oom", "pause"),
+            max_running=cfg.max_batch,
+            pause_policy=cfg.pause_policy,
+            on_oom=cfg.on_decode_oom,
             max_len=self.runner.cfg.max_position_embeddings,
             host_pool=KVPool(host_tokens) if host_tokens > 0 else None,
             host_pages=KVPool(host_pages) if host_pages > 0 else None,
-            quantum=float(p.get("rotation_quantum", "0")),
-            turn_wait=float(p.get("rotation_wait", "0.3")),
-            prefetch_margin=PREFETCH_MARGIN if p.get("rotation_prefetch", "off") == "on" else None,
+            quantum=cfg.rotation_quantum,
+            turn_wait=cfg.rotation_wait,
+            prefetch_margin=PREFETCH_MARGIN if cfg.rotation_prefetch == "on" else None,
             costs=default_costs(
                 self.runner.cfg, self.runner.kv.bytes_per_slot, gpu, state.bytes_per_page if state is not None else 0
             ),  # fmt: skip
             state=StatePages(self.runner.num_state_pages) if state is not None else None,
-            speculative=(spec := check_mode(p.get("speculative", "off"), self.runner.has_mtp)) != "off",
+            speculative=(spec := check_mode(cfg.speculative, self.runner.has_mtp)) != "off",
         )
         self.runner.prepare_speculative(spec)
         self.steps = DecodeSteps(
-            self.runner, self.sched, self.eos, self._after_token, overlap=p.get("decode_overlap", "on") == "on",
+            self.runner, self.sched, self.eos, self._after_token, overlap=cfg.decode_overlap == "on",
             speculative=spec,
         )  # fmt: skip
-        self.watchdog = ProgressWatchdog(float(p.get("stall_seconds", "30")))
+        self.watchdog = ProgressWatchdog(cfg.stall_seconds)
         self._last_invariant_check = 0.0
-        self.key = open(p["internal_key_file"]).read().strip()
         # test hooks (comma-separated): "stale" re-delivers every recovery completion under the previous epoch
         # (it must be dropped); "drop_paused_kv" keeps no paused KV (cache or host), forcing prefill recovery
-        self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
+        self.faults = set(filter(None, cfg.fault_injection.split(",")))
         self.sched.keep_paused_kv = "drop_paused_kv" not in self.faults
         self.events: queue.Queue = queue.Queue()
         self.streams: dict[str, Stream] = {}
         self.sender = StreamSender(self._send)
-        self.transfers = ThreadPoolExecutor(
-            max_workers=int(p.get("prefill_concurrency", "16")), thread_name_prefix="pd-transfer"
-        )
+        self.transfers = ThreadPoolExecutor(max_workers=cfg.prefill_concurrency, thread_name_prefix="pd-transfer")
         self._metrics(args)
         self.stop = threading.Event()
         self.loop = threading.Thread(target=self._run, name="pd-decode-loop", daemon=True)
         self.loop.start()
 
-    def _sink(self, p: dict, instance_id: str):
+    def _sink(self, cfg: DecodeConfig, instance_id: str):
         """Where prefill's rows land: `ipc` (this host: prefill writes into the exported pool) or `dist`
         (torch.distributed; `kv_backend` auto: NCCL between two GPUs, gloo otherwise)."""
-        kind = check_kind(p.get("kv_transport", "ipc") or "ipc")
+        kind = check_kind(cfg.kv_transport)
         if kind == "ipc":
             return IpcSink(self.runner.kv, self.runner.state, instance_id, self.mailbox)
-        backend = p.get("kv_backend", "") or "auto"
-        address = p.get("kv_address", "") or "127.0.0.1"
+        backend, address = cfg.kv_backend, cfg.kv_address
         return DistSink(self.runner.kv, self.runner.state, instance_id, backend, address, log=self._log)
 
     def _metrics(self, args) -> None:

@@ -5,7 +5,6 @@ enforces the total deadline and notices client cancellation, even while decode h
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import uuid
@@ -18,6 +17,7 @@ from backends.common.mailbox import Mailbox
 from backends.common.metrics import Metrics
 from backends.common.remote import DecodeServers, parse_urls
 from backends.common.request import ParamError, SamplingParams
+from backends.common.role_config import DEFAULT_MAX_STREAMS, MasterConfig, mailbox_dir, read_key
 from backends.common.tokenizer import TemplateError
 from backends.common.wire import DecodeRequest, DecodeResponse
 
@@ -113,21 +113,20 @@ class DrainedStreams:
 
 class MasterModel:
     def __init__(self, args: dict):
-        p = tio.model_params(args)
-        src = resolve(p["model"])
+        cfg = self.cfg = MasterConfig.from_params(tio.model_params(args))
+        self.key = read_key(cfg)
+        src = resolve(cfg.model)
         self.tokenizer = load_tokenizer(src)
-        cfg = load_config(src)
-        self.max_context, self.vocab_size = cfg.max_position_embeddings, cfg.vocab_size
-        self.key = open(p["internal_key_file"]).read().strip()
-        self.mailbox = Mailbox(p["mailbox_dir"])
-        urls = p.get("decode_urls", "")  # decode servers of their own, over gRPC; none: this server's pd_decode
-        self.decoders = DecodeServers(parse_urls(urls, "decode_urls"), DecodeRequest.MODEL,
-                                      DecodeResponse.OUTPUTS) if urls else None  # fmt: skip
-        self.max_inflight = int(p.get("max_inflight", "1024"))
+        model_cfg = load_config(src)
+        self.max_context, self.vocab_size = model_cfg.max_position_embeddings, model_cfg.vocab_size
+        self.mailbox = Mailbox(mailbox_dir(cfg))
+        # decode servers of their own, over gRPC; none: this server's pd_decode
+        self.decoders = DecodeServers(parse_urls(cfg.decode_urls, "decode_urls"), DecodeRequest.MODEL,
+                                      DecodeResponse.OUTPUTS) if cfg.decode_urls else None  # fmt: skip
+        self.max_inflight = cfg.max_inflight
         # decode streams open at once; requests beyond wait here (their wait counts in TTFT and in the deadline)
-        self.streams = threading.BoundedSemaphore(int(p.get("max_streams", "64")))
-        timeout = float(os.environ.get("PD_REQUEST_TIMEOUT_SECONDS", p.get("request_timeout_seconds", "1800")))
-        self.timeout = timeout if timeout >= 0 else None
+        self.streams = threading.BoundedSemaphore(cfg.max_streams or DEFAULT_MAX_STREAMS)
+        self.timeout = cfg.request_timeout if cfg.request_timeout >= 0 else None
         self.active: dict[str, ClientRequest] = {}
         self.lock = threading.Lock()
         m = self.metrics = Metrics({"model": "pd_master", "instance": args.get("model_instance_name", "pd_master")})
@@ -446,7 +445,7 @@ class MasterModel:
             req.abort_reason = "timeout"
             self._cancel_everywhere(req, "timeout")
             self._finish_with_error(
-                req, f"request timed out after {self.timeout:g} s (PD_REQUEST_TIMEOUT_SECONDS)", "DEADLINE_EXCEEDED"
+                req, f"request timed out after {self.timeout:g} s (request_timeout)", "DEADLINE_EXCEEDED"
             )
         elif self._client_cancelled(req):
             req.abort_reason = "cancelled"

@@ -19,10 +19,13 @@ import time
 from backends.common import triton_io as tio
 from backends.common.engine import Engine
 from backends.common.kv_transport import KVSource
+from backends.common.loader import load_config, resolve
 from backends.common.mailbox import prefill_notice
 from backends.common.metrics import Metrics
 from backends.common.request import ParamError, SamplingParams
+from backends.common.role_config import PrefillConfig, read_key
 from backends.common.runner import set_cpu_threads
+from backends.common.sizing import resolve_prefill
 from backends.common.wire import KEY_FIELD, PrefillRequest, PrefillResponse
 
 SLOW_PREFILL_SECONDS = 3.0  # the "slow_prefill" test hook's wait before each batch
@@ -43,29 +46,31 @@ class PrefillJob:
 
 class PrefillModel:
     def __init__(self, args: dict):
-        p = tio.model_params(args)
-        set_cpu_threads(p)
-        device = "cuda" if args.get("model_instance_kind") == "GPU" else "cpu"
-        if device == "cuda":
+        gpu = args.get("model_instance_kind") == "GPU"
+        device = "cuda" if gpu else "cpu"
+        if gpu:
             import torch
 
             torch.cuda.set_device(int(args.get("model_instance_device_id", 0)))
+        cfg = PrefillConfig.from_params(tio.model_params(args))
+        self.key = read_key(cfg)
+        cfg = self.cfg = resolve_prefill(cfg, load_config(resolve(cfg.model)), gpu, tio.instance_count(args))
+        set_cpu_threads(cfg.cpu_threads)
         self.engine = Engine(
-            p["model"],
-            dtype=p["dtype"],
+            cfg.model,
+            dtype=cfg.dtype,
             device=device,
-            kv_tokens=int(p["prefill_kv_tokens"]),
-            max_batch=int(p.get("prefill_max_batch", "64")),
-            chunk_size=int(p["chunk_size"]),
-            max_batch_tokens=int(p["max_prefill_tokens"]),
+            kv_tokens=cfg.prefill_kv_tokens,
+            max_batch=cfg.prefill_max_batch,
+            chunk_size=cfg.chunk_size,
+            max_batch_tokens=cfg.max_prefill_tokens,
             overlap=False,  # each step's first tokens are handed off as soon as they exist
-            state_pages=int(p.get("state_pages", "0")) or None,
+            state_pages=cfg.state_pages or None,
         )
-        self.key = open(p["internal_key_file"]).read().strip()
         # test hook: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations)
-        self.faults = set(filter(None, p.get("fault_injection", "").split(",")))
+        self.faults = set(filter(None, cfg.fault_injection.split(",")))
         instance = args.get("model_instance_name", "pd_prefill")
-        self.source = KVSource(f"{p.get('deployment', '?')}:{instance}:{os.getpid()}", device)
+        self.source = KVSource(f"{cfg.deployment}:{instance}:{os.getpid()}", device)
         self.lock = threading.Lock()
         m = self.metrics = Metrics({"model": "pd_prefill", "instance": instance})
         self.m_jobs = {

@@ -49,7 +49,8 @@ def test_deadline_expires_while_paused():
         "220",
         "--fault-injection",
         "drop_paused_kv",
-        env={"PD_REQUEST_TIMEOUT_SECONDS": "5"},
+        "--request-timeout",
+        "5",
         name="deadline",
     )
     try:
@@ -170,7 +171,7 @@ def test_a_killed_launcher_takes_its_tritonserver_and_stubs_with_it():
         s.stop()
         # what the killed launcher would have removed on its way out: the deployment's mailbox
         config = (s.workdir / "models" / "pd_master" / "config.pbtxt").read_text()
-        mailbox = re.search(r'"mailbox_dir" value: \{ string_value: "([^"]+)"', config)
+        mailbox = re.search(r'"mailbox_dir":"([^"]+)"', config)
         if mailbox:
             shutil.rmtree(mailbox.group(1), ignore_errors=True)
 

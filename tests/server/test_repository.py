@@ -58,7 +58,6 @@ def test_a_stock_tritonserver_serves_the_written_repository_through_pauses(tmp_p
         f.write(f"\nprint({marker!r}, flush=True)\n")
     argv, env = repository.server_command(Deployment.from_args(a, 0), out, a)
     assert argv[0].endswith("tritonserver") and f"--model-repository={out}" in argv
-    env.pop("PD_REQUEST_TIMEOUT_SECONDS", None)  # only what the repository holds
     log = open(tmp_path / "tritonserver.log", "w")
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
