@@ -1,0 +1,146 @@
+"""The three roles' loops in one process (tests/inprocess/fake_triton.py stands in for Triton's Python backend):
+pause and recovery, recovery epochs, rotation, cancellation and deadlines on `random:tiny-test`, each answer checked
+against the offline engine token for token, and every count back to 0 at the end. No tritonserver: the real-server
+tests keep what only a server shows (streaming over gRPC/HTTP, BLS between stubs, process death, several servers)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backends.common.engine import Engine
+from backends.common.request import ReqState, SamplingParams
+from tests.inprocess.fake_triton import Server, generate
+
+MODEL = "random:tiny-test"
+PROMPT = 24  # tokens per prompt
+N_OUT = 60  # output tokens per answer: four answers need more than the small pools below
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 77}
+
+
+def prompt(i: int) -> list[int]:
+    return [(7 * i + 3 * k) % 250 + 1 for k in range(PROMPT + i)]
+
+
+def params(i: int, n_out: int = N_OUT) -> dict:
+    base = {"max_tokens": n_out, "ignore_eos": True}
+    return {**base, **SEEDED} if i == 3 else {**base, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def expected():
+    engine = Engine(MODEL, dtype="float32", device="cpu", kv_tokens=4096)
+    outs = engine.generate([prompt(i) for i in range(4)], [SamplingParams(**params(i)) for i in range(4)])
+    return [o.output_ids for o in outs]
+
+
+@pytest.fixture
+def serve(tmp_path):
+    servers = []
+
+    def start(**roles) -> Server:
+        servers.append(Server(tmp_path, MODEL, **roles))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def released(s: Server, timeout: float = 5.0) -> None:
+    """Every request gone from master and decode, every decode KV slot free or cached, no state held."""
+    sched, t0 = s.decode.sched, time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not sched.reqs and not s.master.active and not sched.inflight:
+            break
+        time.sleep(0.02)
+    assert not sched.reqs and not s.master.active, (dict(sched.counts()), list(s.master.active))
+    free, used, cached = sched.accounting()
+    assert used == 0 and free + cached == sched.pool.num_slots
+    assert sched.host_accounting()[1] == 0 or sched.host_pool is not None  # host copies end with their request
+    assert not sched.check_invariants(liveness=True)
+
+
+def run_all(s: Server, n: int = 4, n_out: int = N_OUT) -> list:
+    answers = [generate(s, prompt(i), **params(i, n_out)) for i in range(n)]
+    return [a.wait() for a in answers]
+
+
+def test_paused_answers_equal_unpaused_ones_through_host_swaps_and_rotation(serve, expected):
+    """A 96-slot pool for four answers of ~85 tokens: decode pauses, rotates turns and swaps paused KV through host
+    memory (turns of a few milliseconds: a step of this model takes well under one); stale completions (an old
+    epoch re-delivered after every recovery) are dropped."""
+    s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0.003, "rotation_wait": 0.006,
+                      "fault_injection": "stale"})  # fmt: skip
+    answers = run_all(s)
+    for i, a in enumerate(answers):
+        assert a.error is None and a.finish_reason == "length", (i, a.error, a.finish_reason)
+        assert a.ids == expected[i], f"answer {i} differs from the unpaused run"
+    sched = s.decode.sched
+    assert sched.num_pauses > 0 and sched.num_rotations > 0 and sched.num_recoveries["host"] > 0
+    assert sched.num_stale > 0  # every re-delivered completion under an old epoch was dropped
+    released(s)
+
+
+def test_recovery_by_prefill_under_a_new_epoch_is_exact(serve, expected):
+    """Decode keeps no paused KV and does not rotate: every recovery is a prefill recompute under epoch + 1."""
+    s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0, "host_kv_tokens": 0,
+                      "fault_injection": "stale,drop_paused_kv"})  # fmt: skip
+    answers = run_all(s)
+    assert [a.ids for a in answers] == expected
+    sched = s.decode.sched
+    assert sched.num_recoveries["prefill"] > 0 and sched.max_epoch >= 1 and sched.num_stale > 0
+    released(s)
+
+
+def test_cancel_while_paused_frees_everything_and_the_rest_complete(serve, expected):
+    s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0, "host_kv_tokens": 0})
+    answers = [generate(s, prompt(i), **params(i)) for i in range(3)]
+    sched, t0 = s.decode.sched, time.monotonic()
+    while not sched.by_state(ReqState.PAUSED) and time.monotonic() - t0 < 60:
+        time.sleep(0.005)
+    paused = {r.rid for r in sched.by_state(ReqState.PAUSED)}
+    assert paused, "nothing paused"
+    victim = next(i for i, a in enumerate(answers) if any(r.startswith(rid) for rid in paused
+                                                           for r in [master_rid(s, a)]))  # fmt: skip
+    answers[victim].cancel()
+    for a in answers:
+        a.wait()
+    v = answers[victim]  # a cancelled client's stream ends with the final flag alone, as Triton's do
+    assert v.finish_reason is None and v.error is None and len(v.ids) < N_OUT
+    for i, a in enumerate(answers):
+        if i != victim:
+            assert a.finish_reason == "length" and a.ids == expected[i], (i, a.finish_reason, a.error)
+    released(s)
+
+
+def master_rid(s: Server, answer) -> str:
+    """The decode request id master opened for this client's answer."""
+    for req in list(s.master.active.values()):
+        if req.sender is answer.stream.sender:
+            return req.current_rid
+    return "-"
+
+
+def test_deadline_while_recovering_ends_that_answer_and_frees_it(serve):
+    """Both prompts start; one is paused and, with no paused KV kept, recovers through prefill, whose answer is
+    held back (the fake server's gate) until that request's 4 s deadline has passed. The deadline ends that answer
+    and frees everything it held; prefill's late answer for it is then dropped. The other answer ends at the pool's
+    size well before."""
+    s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0, "host_kv_tokens": 0,
+                      "fault_injection": "drop_paused_kv"}, master={"request_timeout": 4.0})  # fmt: skip
+    gate = s.hold("pd_prefill", lambda inputs: not bool(inputs["sample"].as_numpy().reshape(-1)[0]))  # recoveries
+    answers = [generate(s, prompt(i), **params(i, 5000)) for i in range(2)]
+    sched, t0, saw = s.decode.sched, time.monotonic(), False
+    while any(not a.stream.sender.closed for a in answers) and time.monotonic() - t0 < 60:
+        saw |= bool(sched.by_state(ReqState.RECOVERING))
+        time.sleep(0.005)
+    for a in answers:
+        a.wait()
+    assert saw
+    late = [a for a in answers if a.error is not None]
+    assert len(late) == 1 and "timed out after 4 s" in late[0].error, [(a.finish_reason, a.error) for a in answers]
+    assert [a.finish_reason for a in answers if a.error is None] == ["length"]
+    gate.set()  # prefill now answers for a request that is gone
+    released(s)
