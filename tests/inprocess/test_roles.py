@@ -144,3 +144,31 @@ def test_deadline_while_recovering_ends_that_answer_and_frees_it(serve):
     assert [a.finish_reason for a in answers if a.error is None] == ["length"]
     gate.set()  # prefill now answers for a request that is gone
     released(s)
+
+
+def test_cancel_during_recovery_keeps_its_slots_until_prefill_has_answered(serve, expected):
+    """A recovering request is cancelled while prefill (held at the gate) has yet to write its KV. Its slots must
+    stay reserved until prefill answers: handed to the others at once, prefill's late writes would corrupt their
+    K/V, and their answers would differ from the offline engine's."""
+    s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0, "host_kv_tokens": 0,
+                      "fault_injection": "drop_paused_kv"})  # fmt: skip
+    gate = s.hold("pd_prefill", lambda inputs: not bool(inputs["sample"].as_numpy().reshape(-1)[0]))  # recoveries
+    answers = [generate(s, prompt(i), **params(i)) for i in range(3)]
+    sched, t0 = s.decode.sched, time.monotonic()
+    while not sched.by_state(ReqState.RECOVERING) and time.monotonic() - t0 < 60:
+        time.sleep(0.002)
+    recovering = {r.rid for r in sched.by_state(ReqState.RECOVERING)}
+    victim = next(i for i, a in enumerate(answers) if master_rid(s, a) in recovering)
+    answers[victim].cancel()
+    t0 = time.monotonic()
+    while recovering & set(sched.reqs) and time.monotonic() - t0 < 10:
+        time.sleep(0.002)
+    time.sleep(0.3)  # the others run on: with the slots given back, they would be using them by now
+    gate.set()
+    for a in answers:
+        a.wait()
+    assert answers[victim].finish_reason is None and len(answers[victim].ids) < N_OUT
+    for i, a in enumerate(answers):
+        if i != victim:
+            assert a.finish_reason == "length" and a.ids == expected[i], (i, a.finish_reason, a.error)
+    released(s)
