@@ -7,8 +7,8 @@ What it keeps of Triton's contract: a non-decoupled model's `execute` runs one c
 it is given); a decoupled model's `execute` returns at once and answers through its senders; nothing may be sent on
 a sender after its final flag, nor may is_cancelled() be asked then (either fails the test); a BLS decoupled stream
 yields each response and, for a final flag sent without one, an empty response, then ends. What it leaves out:
-shared-memory messages, process boundaries, the stub's threads, metrics (`MetricFamily` is absent, so `Metrics` is
-off), HTTP and gRPC. Real-server tests keep those."""
+shared-memory messages, process boundaries, the stub's threads, Prometheus' text format, HTTP and gRPC. Real-server
+tests keep those. Metrics are kept per server (`Server.metric`), so tests read the same counters a server exports."""
 
 from __future__ import annotations
 
@@ -71,6 +71,36 @@ def get_input_tensor_by_name(request, name: str) -> Tensor | None:
 
 def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
     return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+class MetricFamily:
+    """Triton's custom metrics API, kept in the current `Server`'s registry (`Server.metric` reads it)."""
+
+    COUNTER, GAUGE = "counter", "gauge"
+
+    def __init__(self, name: str, description: str, kind: str):
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels: dict | None = None) -> _Metric:  # noqa: N802 (Triton's name)
+        m = _Metric(self.kind, dict(labels or {}))
+        Server.current.registry.setdefault(self.name, []).append(m)
+        return m
+
+
+class _Metric:
+    def __init__(self, kind: str, labels: dict):
+        self.kind, self.labels, self._value = kind, labels, 0.0
+
+    def set(self, v: float) -> None:
+        assert self.kind == MetricFamily.GAUGE, "set() on a counter"
+        self._value = float(v)
+
+    def increment(self, v: float) -> None:
+        assert self.kind == MetricFamily.COUNTER and v >= 0, "a counter only grows"
+        self._value += v
+
+    def value(self) -> float:
+        return self._value
 
 
 class ResponseSender:
@@ -155,6 +185,7 @@ class Server:
         }
         self.decoupled = {"pd_master", "pd_decode"}
         self.held: dict[str, tuple] = {}  # model -> (which calls, the event that lets them through): `hold`
+        self.registry: dict[str, list[_Metric]] = {}  # metric name -> its metrics (MetricFamily)
         self.locks = {name: threading.Lock() for name in self.configs}
         self.models: dict[str, object] = {}
         self._saved = sys.modules.get("triton_python_backend_utils")
@@ -211,6 +242,22 @@ class Server:
             return stream
         with self.locks[name]:  # Triton runs one execute at a time per instance
             return model.execute([Request(inputs, parameters)])[0]
+
+    def metric(self, name: str, **labels) -> float:
+        """The sum of metric `name` over the label sets that include `labels` (after sending pending updates)."""
+        from backends.common.metrics import _Worker
+
+        _Worker.get().flush()
+        return sum(m.value() for m in self.registry.get(name, []) if labels.items() <= m.labels.items())
+
+    def wait_metric(self, name: str, pred, timeout: float = 10.0, **labels) -> float:
+        """Metric `name` once `pred` holds for it (or its value at the timeout)."""
+        import time
+
+        t0 = time.monotonic()
+        while not pred(v := self.metric(name, **labels)) and time.monotonic() - t0 < timeout:
+            time.sleep(0.02)
+        return v
 
     def hold(self, name: str, which) -> threading.Event:
         """Calls of model `name` for which `which(inputs)` is true wait until the returned event is set (a prefill
