@@ -80,7 +80,7 @@ def register(sub) -> None:
 
 def _prepare(a):
     from . import replay as rp
-    from .common import loader
+    from .common.model import loader
 
     cfg = loader.load_config(loader.resolve(a.model))
     context = a.context or cfg.max_position_embeddings

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .common.request import SamplingParams
+from .common.core.request import SamplingParams
 
 
 class CLIError(Exception):
@@ -57,8 +57,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def generate_offline(a: argparse.Namespace, params: SamplingParams) -> dict:
-    from .common import loader
-    from .common.engine import Engine
+    from .common.engine.engine import Engine
+    from .common.model import loader
 
     loader.resolve(a.model)  # fail fast on a bad model spec, before loading anything
     engine = Engine(a.model, dtype=a.dtype, device=a.device, kv_tokens=a.kv_tokens)
@@ -105,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .common.engine import EngineError
-    from .common.loader import ModelError
-    from .common.request import ParamError
-    from .common.tokenizer import TemplateError
+    from .common.core.request import ParamError
+    from .common.engine.engine import EngineError
+    from .common.model.loader import ModelError
+    from .common.model.tokenizer import TemplateError
 
     try:
         return args.func(args)

@@ -6,8 +6,8 @@ import json
 import queue
 import sys
 
-from .common.request import SamplingParams
-from .common.wire import TRITON_DTYPES, MasterRequest
+from .common.core.request import SamplingParams
+from .common.serving.wire import TRITON_DTYPES, MasterRequest
 
 
 class ClientError(Exception):

@@ -9,9 +9,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import role_config
-from .common.role_config import DecodeConfig, MasterConfig, PrefillConfig, pbtxt_string
-from .common.sizing import (  # noqa: F401 (re-exported: the launcher's sizing)
+from .common.core import role_config
+from .common.core.role_config import DecodeConfig, MasterConfig, PrefillConfig, pbtxt_string
+from .common.engine.sizing import (  # noqa: F401 (re-exported: the launcher's sizing)
     cpu_threads_per_instance,
     default_host_kv_tokens,
     default_kv_tokens,
@@ -33,7 +33,7 @@ ROLE_MODELS = {
 
 def _role_urls(a) -> tuple[str, dict[str, list[str]]]:
     """--role and the servers it reaches, checked together (a ValueError names the option)."""
-    from .common.remote import parse_urls
+    from .common.transfer.remote import parse_urls
 
     role = getattr(a, "role", "all")
     urls = {"decode": [], "prefill": []}
@@ -132,7 +132,7 @@ class Deployment:
         """From `triton-pd serve`'s parsed options on a machine with `n_gpus` GPUs: resolves the model (converting
         it once, before several processes want it), sizes the pools and fills in each role's config. A refused
         value is a ValueError naming its option."""
-        from .common import loader
+        from .common.model import loader
 
         cfg = loader.load_config(loader.resolve(a.model))
         gpu = a.device == "gpu" or (a.device == "auto" and n_gpus > 0)

@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .common.wire import MasterRequest
+from .common.serving.wire import MasterRequest
 
 MAX_BODY = 8 << 20  # bytes of a request body
 
@@ -323,7 +323,7 @@ def _reason(fin: str | None) -> str | None:
 
 
 def load_tokenizer(model: str):
-    from .common import loader
+    from .common.model import loader
 
     return loader.load_tokenizer(loader.resolve(model))
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import uvicorn
 
-    from .common.loader import ModelError
+    from .common.model.loader import ModelError
 
     try:
         tok = load_tokenizer(a.model)

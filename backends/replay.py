@@ -246,7 +246,7 @@ def _send(url: str, rec: Record, prompt: list[int], t0: float, timeout: float, s
     import tritonclient.grpc as grpcclient
 
     from backends.client import infer_inputs
-    from backends.common.wire import MasterRequest
+    from backends.common.serving.wire import MasterRequest
 
     q: q_.Queue = q_.Queue()
     client = grpcclient.InferenceServerClient(url)

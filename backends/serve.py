@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common.role_config import add_options
+from .common.core.role_config import add_options
 from .deployment import EXIT_TIMEOUT_S, Deployment, gpu_count
 from .supervisor import PARENT_ENV, Supervisor, ports_in_use, stop_with_process
 from .tritonserver import Ports, command, environment, layout_for, render

@@ -1,5 +1,5 @@
 """Gated delta rule kernels for the hybrid (Qwen3-Next) model's linear-attention layers, reading and writing each
-request's recurrent state in place in its state page (the PyTorch reference: backends.common.delta_rule).
+request's recurrent state in place in its state page (the PyTorch reference: backends.common.model.delta_rule).
 
 - `recurrent_step`: one decode token for B sequences. One program per (sequence, value head, block of value
   dims) loads its [key dim, block] slice of the state once, applies decay, delta update and read-out, and stores
@@ -117,7 +117,7 @@ def _chunk_prep_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
-    """The state-independent chunk algebra (backends.common.delta_rule.chunk_prep) for chunk m of head h, read
+    """The state-independent chunk algebra (backends.common.model.delta_rule.chunk_prep) for chunk m of head h, read
     straight from the [T, H, .] rows: chunk m covers rows [row0[m], row0[m] + len[m]) (len <= C; the rest is
     padding with k = v = beta = g = 0, which leaves the state as it is). Within the chunk the delta-rule updates
     fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16."""
@@ -290,9 +290,9 @@ def _conv_prefill_kernel(
 
 
 def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """backends.common.delta_rule.conv_prefill in one launch: x [n, >= C] (its first C columns, any dtype, computed
-    in float32); conv_state [C, K - 1] float32 with unit strides inside (a page's view), updated in place; weight
-    [C, K]. Returns float32 [n, C]."""
+    """backends.common.model.delta_rule.conv_prefill in one launch: x [n, >= C] (its first C columns, any dtype,
+    computed in float32); conv_state [C, K - 1] float32 with unit strides inside (a page's view), updated in place;
+    weight [C, K]. Returns float32 [n, C]."""
     n = x.shape[0]
     C, K = weight.shape
     km1 = K - 1
@@ -312,7 +312,7 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
     return out
 
 
-# ---- the decode step of a linear-attention layer, fused for CUDA graphs (backends.common.gpu_hybrid) ----------
+# ---- the decode step of a linear-attention layer, fused for CUDA graphs (backends.common.model.gpu_hybrid) ----------
 @triton.jit
 def _conv_step_kernel(
     X, W, S, Out, Pages, OutPages, stride_x, stride_o, s_page, C,

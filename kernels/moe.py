@@ -18,7 +18,7 @@ over experts and no host synchronisation (so it can be captured in a CUDA graph)
   fp32 at the pair's row; `_combine_kernel` sums the K pairs of a token in a fixed order (deterministic, no
   atomics) and adds the shared expert's sigmoid-gated output.
 
-Weights as the checkpoints stack them (backends.common.hybrid_model.stack_experts): gate_up [E, 2I, H] (gate rows,
+Weights as the checkpoints stack them (backends.common.model.hybrid_model.stack_experts): gate_up [E, 2I, H] (gate rows,
 then up rows), down [E, H, I]. The PyTorch reference is HybridModel.mlp's loop over experts."""
 
 from __future__ import annotations

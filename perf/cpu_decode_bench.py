@@ -15,7 +15,7 @@ import torch
 
 
 def bench_ours(engine, prompts, n):
-    from backends.common.request import SamplingParams
+    from backends.common.core.request import SamplingParams
 
     engine.scheduler.radix.clear()
     t = time.perf_counter()
@@ -50,8 +50,8 @@ def main():
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from backends.common import loader
-    from backends.common.engine import Engine
+    from backends.common.engine.engine import Engine
+    from backends.common.model import loader
 
     engine = Engine("smollm2", dtype="float32", device="cpu", kv_tokens=16384)
     hf = AutoModelForCausalLM.from_pretrained(str(loader.resolve("smollm2").folder), dtype=torch.float32).eval()

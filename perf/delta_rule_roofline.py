@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("delta_rule_roofline: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from backends.common import delta_rule as dr
+    from backends.common.model import delta_rule as dr
     from kernels import delta_rule as kd
 
     if a.one_setting is not None:
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                 note = f" (chunk algebra in {setting['prep_warps']} warps)" if "prep_warps" in setting else ""
                 lines.append(f"| {cells} | {res['s'] * 1e3:.2f} ms{note} | {res['max_abs_diff']:.1e} |")
             write()
-        from backends.common.delta_rule import chunk_prep
+        from backends.common.model.delta_rule import chunk_prep
 
         t = cuda_time(lambda: chunk_prep(q, k, v, g, beta, kd.CHUNK), 5)
         lines += ["", f"chunk_prep alone (the PyTorch chunk algebra, one sequence of {T}): {t * 1e3:.2f} ms"]
@@ -201,7 +201,7 @@ def _run_setting(a, T: int, N: int, setting: dict) -> dict:
 
 
 def _one_setting(a, setting: dict) -> int:
-    from backends.common import delta_rule as dr
+    from backends.common.model import delta_rule as dr
     from kernels import delta_rule as kd
 
     kd.SCAN.update(setting)

@@ -95,7 +95,7 @@ def engine_step(runner, spans) -> list[int]:
 
 
 def ours_decode_steps(engine, batches, ctx, bw):
-    from backends.common.batch import Span
+    from backends.common.model.batch import Span
 
     runner = engine.runner
     cfg = runner.cfg
@@ -121,7 +121,7 @@ def ours_decode_steps(engine, batches, ctx, bw):
 
 
 def ours_throughput(engine, reqs):
-    from backends.common.request import SamplingParams
+    from backends.common.core.request import SamplingParams
 
     # a cold cache, as transformers has: the subset's prompts are the first 64 of all 256, and a warm cache would
     # skip their prefill in the second run
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the raw numbers here")
     a = ap.parse_args(argv)
 
-    from backends.common.engine import Engine
+    from backends.common.engine.engine import Engine
 
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": a.model}
     bw = measure_bandwidth()

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 
 def writer(handle_json: str, slots: list[int], q) -> None:
-    from backends.common.kv_handoff import HandoffCache
+    from backends.common.transfer.kv_handoff import HandoffCache
 
     peer = HandoffCache().open(handle_json)
     peer.buffer[:, :, slots] = 7.0
@@ -24,8 +24,8 @@ def writer(handle_json: str, slots: list[int], q) -> None:
 
 
 def check_ipc() -> str:
-    from backends.common.kv_handoff import export_handle
-    from backends.common.kv_store import KVStore
+    from backends.common.model.kv_store import KVStore
+    from backends.common.transfer.kv_handoff import export_handle
 
     store = KVStore.allocate(2, 64, 2, 8, torch.bfloat16, "cuda")
     handle = export_handle(store, "smoke")
@@ -40,8 +40,8 @@ def check_ipc() -> str:
 
 
 def decode_steps(batches: list[int], context: int) -> list[str]:
-    from backends.common.batch import Span
-    from backends.common.runner import ModelRunner
+    from backends.common.engine.runner import ModelRunner
+    from backends.common.model.batch import Span
 
     out = []
     runner = ModelRunner("random:llama3.1-8b", "bfloat16", "cuda", kv_tokens=max(batches) * (context + 8))

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def prefill_side(handle: str, src_gpu: int, shape: dict, tokens: list[int], q) -> None:
-    from backends.common.kv_handoff import HandoffCache, copy_rows
-    from backends.common.kv_store import KVStore
+    from backends.common.model.kv_store import KVStore
+    from backends.common.transfer.kv_handoff import HandoffCache, copy_rows
 
     torch.cuda.set_device(src_gpu)
     peer = HandoffCache().open(handle)
@@ -53,9 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from backends.common import loader
-    from backends.common.kv_handoff import export_handle
-    from backends.common.kv_store import KVStore
+    from backends.common.model import loader
+    from backends.common.model.kv_store import KVStore
+    from backends.common.transfer.kv_handoff import export_handle
 
     cfg = loader.load_config(loader.resolve(a.model))
     shape = {"layers": cfg.num_layers, "slots": max(a.tokens) * 2, "heads": cfg.num_kv_heads, "dim": cfg.head_dim}

@@ -29,8 +29,8 @@ from perf.limits import report_writer, wall_clock_limit
 def prefill_side(port: int, backend: str, device: str, shape: dict, cmds, acks) -> None:
     import torch.distributed as dist
 
-    from backends.common.kv_store import KVStore
-    from backends.common.kv_transport import KVSource, _process_group
+    from backends.common.model.kv_store import KVStore
+    from backends.common.transfer.kv_transport import KVSource, _process_group
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -70,9 +70,9 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from backends.common import loader
-    from backends.common.kv_store import KVStore
-    from backends.common.kv_transport import DistSink, _process_group
+    from backends.common.model import loader
+    from backends.common.model.kv_store import KVStore
+    from backends.common.transfer.kv_transport import DistSink, _process_group
 
     cfg = loader.load_config(loader.resolve(a.model))
     dtype = torch.bfloat16 if "cuda" in a.dst_device else torch.float32

@@ -125,7 +125,7 @@ def profile_kernels(fn, title: str, reps: int = 5, top: int = 14) -> None:
 
 def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
     """(graph replay, overlapped loop step, eager step or None) seconds for a batch of B sequences."""
-    from backends.common.batch import Span
+    from backends.common.model.batch import Span
 
     model = runner.model
     seqs = decode_rows(runner, B, a.context, a.reps, gen)
@@ -156,7 +156,7 @@ def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
 def time_speculative(runner, B: int, a, gen) -> tuple[float, float]:
     """(verification graph replay, verification + MTP head replays) seconds for a batch of B sequences that each
     verify an input token and one draft (`--speculative mtp`'s step)."""
-    from backends.common.batch import Span
+    from backends.common.model.batch import Span
 
     model = runner.model
     seqs = decode_rows(runner, B, a.context, a.reps, gen)
@@ -191,8 +191,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("hybrid_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from backends.common.batch import Span
-    from backends.common.runner import ModelRunner
+    from backends.common.engine.runner import ModelRunner
+    from backends.common.model.batch import Span
 
     rows: list[dict] = []
     lines = [f"# Hybrid models on {torch.cuda.get_device_name()} (bfloat16, random weights)", ""]

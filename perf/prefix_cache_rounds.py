@@ -15,9 +15,9 @@ import argparse
 import statistics
 import time
 
-from backends.common.kv_pool import KVPool
-from backends.common.request import InferReq, SamplingParams
-from backends.common.scheduler import Scheduler
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, SamplingParams
+from backends.common.core.scheduler import Scheduler
 
 
 def run_round(s: Scheduler, r: int, n: int, first_id: int) -> float:

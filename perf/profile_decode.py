@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
-    from backends.common.batch import Span
-    from backends.common.runner import ModelRunner
+    from backends.common.engine.runner import ModelRunner
+    from backends.common.model.batch import Span
 
     bw = measure_bandwidth()
     L = [f"# Decode step profile ({torch.cuda.get_device_name()}, {a.model}, bf16, context {a.context})", ""]

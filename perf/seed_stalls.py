@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     for pol in a.policies:
         if pol not in policies:
             ap.error(f"--policies: unknown policy {pol!r} (choose from {', '.join(policies)})")
-    from backends.common import loader
+    from backends.common.model import loader
 
     VOCAB[0] = loader.load_config(loader.resolve(a.model)).vocab_size
     from backends.server_process import ServerError, start_deployment

@@ -17,8 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
-from backends.common.engine import Engine
-from backends.common.request import SamplingParams
+from backends.common.core.request import SamplingParams
+from backends.common.engine.engine import Engine
 from perf.limits import wall_clock_limit
 from tests.server.client import grpc_generate
 from tests.server.conftest import Server

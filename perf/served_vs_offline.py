@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from backends.common.engine import Engine
-from backends.common.request import SamplingParams
+from backends.common.core.request import SamplingParams
+from backends.common.engine.engine import Engine
 from perf.limits import wall_clock_limit
 from tests.server.client import StreamClient
 from tests.server.conftest import Server

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=1500)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from backends.common.engine import Engine
+    from backends.common.engine.engine import Engine
 
     lines = ["# Speculative decoding, served (greedy, concurrent streams)", "",
              "Command: `python -m perf.speculative_acceptance`" + (f" --serve-args '{a.serve_args}'" if a.serve_args

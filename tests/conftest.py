@@ -15,7 +15,7 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def smollm2_source():
-    from backends.common import loader
+    from backends.common.model import loader
 
     return loader.resolve("smollm2")
 
@@ -23,7 +23,7 @@ def smollm2_source():
 @pytest.fixture(scope="session")
 def engine():
     """A shared fp32 SmolLM2 engine; tests must leave it idle (every request finished)."""
-    from backends.common.engine import Engine
+    from backends.common.engine.engine import Engine
 
     return Engine("smollm2", dtype="float32", device="cpu", kv_tokens=8192)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.common.runner import pick_backend
+from backends.common.engine.runner import pick_backend
 
 CPU = torch.device("cpu")
 

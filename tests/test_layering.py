@@ -56,6 +56,45 @@ def test_common_depends_on_nothing_above_it():
     assert not bad, f"backends/common imports from above it: {sorted(bad)}"
 
 
+# backends/common's subpackages and what each may import from the others (an edge not listed fails)
+GROUPS = {
+    "core": set(),  # device-free: requests, pools, the radix cache, schedulers, configs
+    "model": {"core"},  # weights, tokenizers, KV and state stores, the models and their GPU paths
+    "engine": {"core", "model"},  # the runner, the offline engine, sampling, sizing
+    "transfer": {"core", "model"},  # KV between roles and servers, mailbox, gRPC clients
+    "serving": {"core"},  # Triton I/O, wire messages, stream sender, metrics
+}
+
+
+def test_common_is_in_layered_subpackages():
+    common = ROOT / "backends" / "common"
+    assert [p.name for p in common.glob("*.py")] == ["__init__.py"], "a module outside the subpackages"
+    assert {p.name for p in common.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(GROUPS)
+    bad = set()
+    for m, deps in graph().items():
+        if m.startswith("backends.common.") and m.count(".") >= 3:
+            group = m.split(".")[2]
+            for d in deps:
+                if d.startswith("backends.common.") and d.split(".")[2] not in GROUPS[group] | {group}:
+                    bad.add((m, d))
+    assert not bad, f"backends/common subpackages import against their layering: {sorted(bad)}"
+
+
+def test_the_core_imports_no_torch_numpy_or_triton():
+    """The core runs anywhere plain Python does (its imports, lazy ones included, are read from the source)."""
+    bad = set()
+    for path in (ROOT / "backends" / "common" / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            bad |= {(path.name, n) for n in names if n.split(".")[0] in ("torch", "numpy", "triton", "kernels")}
+            bad |= {(path.name, n) for n in names if n.startswith("triton_python_backend_utils")}
+    assert not bad, sorted(bad)
+
+
 def test_kernels_import_nothing_from_the_backends():
     """kernels/ is the bottom layer: its references are PyTorch code in backends/common, named in docstrings only."""
     bad = {(m, d) for m, deps in graph().items() if m.startswith("kernels") for d in deps if d.startswith("backends")}
@@ -104,7 +143,7 @@ def test_no_import_cycles():
 def test_the_graph_sees_known_edges():
     """The checker itself: it must see module-level and lazy imports, relative and absolute."""
     g = graph()
-    assert "backends.common.batch" in g["backends.common.runner"]  # from .batch import Span (module level)
-    assert "backends.common.gpu_model" in g["backends.common.runner"]  # lazy, inside ModelRunner.__init__
-    assert "backends.common.wire" in g["backends.pd_decode.model"]  # absolute
+    assert "backends.common.model.batch" in g["backends.common.engine.runner"]  # from .batch import Span (module level)
+    assert "backends.common.model.gpu_model" in g["backends.common.engine.runner"]  # lazy, inside ModelRunner.__init__
+    assert "backends.common.serving.wire" in g["backends.pd_decode.model"]  # absolute
     assert "perf.limits" in imports(ROOT / "perf" / "hybrid_bench.py")  # perf/ imports are seen too

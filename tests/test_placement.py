@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.common.runner import set_cpu_threads
+from backends.common.engine.runner import set_cpu_threads
 from backends.deployment import cpu_threads_per_instance, instance_groups, parse_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_compute_instances_take_their_thread_count():
 
 def test_host_kv_default_is_four_pools_within_a_quarter_of_ram_per_decode_instance(monkeypatch):
     from backends import deployment
-    from backends.common import sizing
+    from backends.common.engine import sizing
 
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (64 << 30) // 4096}  # 64 GiB of RAM
     monkeypatch.setattr(sizing.os, "sysconf", pages.__getitem__)
@@ -100,7 +100,7 @@ def config_of(pbtxt: str):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from backends.common.role_config import DecodeConfig, MasterConfig, PrefillConfig
+    from backends.common.core.role_config import DecodeConfig, MasterConfig, PrefillConfig
 
     mc = text_format.Parse(pbtxt, model_config_pb2.ModelConfig())
     assert set(mc.parameters) == {"project_root", "config"}  # a role reads its config and nothing else

@@ -20,9 +20,9 @@ import time
 import numpy as np
 import torch
 
-from backends.common.config import ModelConfig
-from backends.common.kv_store import KVStore, StateStore
-from backends.common.state_pages import ZERO
+from backends.common.core.config import ModelConfig
+from backends.common.core.state_pages import ZERO
+from backends.common.model.kv_store import KVStore, StateStore
 
 from .scheduler import RecoveryCosts, SwapOut, TransferJob
 

@@ -12,23 +12,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from backends.common import triton_io as tio
-from backends.common.batch import Span
-from backends.common.kv_pool import KVPool
-from backends.common.kv_transport import DistSink, IpcSink, check_kind
-from backends.common.loader import load_config, resolve
-from backends.common.mailbox import Mailbox, prefill_notice
-from backends.common.metrics import Metrics
-from backends.common.postprocess import finish_reason
-from backends.common.remote import PrefillServers, Unreachable, parse_urls
-from backends.common.request import InferReq, ParamError, ReqState
-from backends.common.role_config import DecodeConfig, mailbox_dir, read_key
-from backends.common.runner import ModelRunner, set_cpu_threads
-from backends.common.sizing import resolve_decode
-from backends.common.speculative import check_mode
-from backends.common.state_pages import StatePages
-from backends.common.streaming import Item, Stream, StreamSender
-from backends.common.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, ParamError, ReqState
+from backends.common.core.role_config import DecodeConfig, mailbox_dir, read_key
+from backends.common.core.speculative import check_mode
+from backends.common.core.state_pages import StatePages
+from backends.common.engine.postprocess import finish_reason
+from backends.common.engine.runner import ModelRunner, set_cpu_threads
+from backends.common.engine.sizing import resolve_decode
+from backends.common.model.batch import Span
+from backends.common.model.loader import load_config, resolve
+from backends.common.serving import triton_io as tio
+from backends.common.serving.metrics import Metrics
+from backends.common.serving.streaming import Item, Stream, StreamSender
+from backends.common.serving.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
+from backends.common.transfer.kv_transport import DistSink, IpcSink, check_kind
+from backends.common.transfer.mailbox import Mailbox, prefill_notice
+from backends.common.transfer.remote import PrefillServers, Unreachable, parse_urls
 
 from .host_tier import HostKV, default_costs, default_host_pages
 from .liveness import ProgressWatchdog

@@ -45,11 +45,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backends.common.kv_pool import KVPool
-from backends.common.radix_cache import RadixCache
-from backends.common.request import InferReq, ParamError, ReqState
-from backends.common.scheduler import KVAccounting, state_accounting
-from backends.common.state_pages import ZERO, StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.radix_cache import RadixCache
+from backends.common.core.request import InferReq, ParamError, ReqState
+from backends.common.core.scheduler import KVAccounting, state_accounting
+from backends.common.core.state_pages import ZERO, StatePages
 
 PAUSED_PRIORITY = 1  # radix eviction priority of a paused request's KV (finished requests' KV has 0)
 

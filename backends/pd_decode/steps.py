@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from backends.common.batch import Span
-from backends.common.postprocess import PENDING, LaunchedStep, greedy_unbanned, next_tokens, sample_requests
-from backends.common.request import InferReq, ReqState
-from backends.common.speculative import ngram_draft
+from backends.common.core.request import InferReq, ReqState
+from backends.common.core.speculative import ngram_draft
+from backends.common.engine.postprocess import PENDING, LaunchedStep, greedy_unbanned, next_tokens, sample_requests
+from backends.common.model.batch import Span
 
 from .scheduler import DecodeScheduler
 
@@ -40,7 +40,7 @@ class DecodeSteps:
     ):
         """on_token(req, token, num_out): `token` is output number num_out of req (its output_ids[num_out - 1]);
         the callback finishes the request if it stops there (dropping any later placeholder: `drop_after`).
-        speculative: "off", "ngram" or "mtp" (backends.common.speculative); speculation turns overlap off."""
+        speculative: "off", "ngram" or "mtp" (backends.common.core.speculative); speculation turns overlap off."""
         self.runner, self.sched, self.eos, self.on_token = runner, sched, eos_ids, on_token
         self.speculative = speculative
         self.overlap = overlap and speculative == "off"
@@ -109,7 +109,7 @@ class DecodeSteps:
 
     def _speculative_step(self, reqs: list[InferReq]) -> None:
         """Verify each request's draft (when it has one and a slot for it) in one forward pass; see the module
-        doc of backends.common.speculative for why the tokens equal the non-speculative ones."""
+        doc of backends.common.core.speculative for why the tokens equal the non-speculative ones."""
         runner, state = self.runner, self.sched.state
         spans, drafts = [], []
         for i, r in enumerate(reqs):

@@ -11,15 +11,15 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from backends.common import triton_io as tio
-from backends.common.loader import load_config, load_tokenizer, resolve
-from backends.common.mailbox import Mailbox
-from backends.common.metrics import Metrics
-from backends.common.remote import DecodeServers, parse_urls
-from backends.common.request import ParamError, SamplingParams
-from backends.common.role_config import DEFAULT_MAX_STREAMS, MasterConfig, mailbox_dir, read_key
-from backends.common.tokenizer import TemplateError
-from backends.common.wire import DecodeRequest, DecodeResponse
+from backends.common.core.request import ParamError, SamplingParams
+from backends.common.core.role_config import DEFAULT_MAX_STREAMS, MasterConfig, mailbox_dir, read_key
+from backends.common.model.loader import load_config, load_tokenizer, resolve
+from backends.common.model.tokenizer import TemplateError
+from backends.common.serving import triton_io as tio
+from backends.common.serving.metrics import Metrics
+from backends.common.serving.wire import DecodeRequest, DecodeResponse
+from backends.common.transfer.mailbox import Mailbox
+from backends.common.transfer.remote import DecodeServers, parse_urls
 
 from .text import IncrementalDetokenizer, StopStrings
 

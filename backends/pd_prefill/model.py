@@ -16,17 +16,17 @@ import os
 import threading
 import time
 
-from backends.common import triton_io as tio
-from backends.common.engine import Engine
-from backends.common.kv_transport import KVSource
-from backends.common.loader import load_config, resolve
-from backends.common.mailbox import prefill_notice
-from backends.common.metrics import Metrics
-from backends.common.request import ParamError, SamplingParams
-from backends.common.role_config import PrefillConfig, read_key
-from backends.common.runner import set_cpu_threads
-from backends.common.sizing import resolve_prefill
-from backends.common.wire import KEY_FIELD, PrefillRequest, PrefillResponse
+from backends.common.core.request import ParamError, SamplingParams
+from backends.common.core.role_config import PrefillConfig, read_key
+from backends.common.engine.engine import Engine
+from backends.common.engine.runner import set_cpu_threads
+from backends.common.engine.sizing import resolve_prefill
+from backends.common.model.loader import load_config, resolve
+from backends.common.serving import triton_io as tio
+from backends.common.serving.metrics import Metrics
+from backends.common.serving.wire import KEY_FIELD, PrefillRequest, PrefillResponse
+from backends.common.transfer.kv_transport import KVSource
+from backends.common.transfer.mailbox import prefill_notice
 
 SLOW_PREFILL_SECONDS = 3.0  # the "slow_prefill" test hook's wait before each batch
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.common.engine import Engine
-from backends.common.request import SamplingParams
+from backends.common.core.request import SamplingParams
+from backends.common.engine.engine import Engine
 from tests.conftest import hf_greedy
 
 PROMPTS = [
@@ -71,7 +71,7 @@ def test_batched_ragged_shared_prefix_equals_alone(engine):
     engine.scheduler.radix.clear()
     small = Engine.__new__(Engine)  # same runner, a scheduler that admits a few prompt tokens per step
     small.__dict__.update(engine.__dict__)
-    from backends.common.scheduler import Scheduler
+    from backends.common.core.scheduler import Scheduler
 
     small.scheduler = Scheduler(engine.scheduler.pool, max_batch=8, chunk_size=64, max_batch_tokens=64)
     batched = small.generate(prompts, [greedy(n) for n in lens])
@@ -108,8 +108,8 @@ def test_preemption_under_tiny_pool_keeps_tokens(engine):
     expected = [engine.generate([p], greedy(40))[0].output_ids for p in prompts]
     tiny = Engine.__new__(Engine)
     tiny.__dict__.update(engine.__dict__)
-    from backends.common.kv_pool import KVPool
-    from backends.common.scheduler import Scheduler
+    from backends.common.core.kv_pool import KVPool
+    from backends.common.core.scheduler import Scheduler
 
     tiny.scheduler = Scheduler(KVPool(160), max_batch=4, chunk_size=64, max_batch_tokens=256)
     got = tiny.generate(prompts, greedy(40))
@@ -159,8 +159,8 @@ def test_min_tokens_and_stop_ids(engine):
 
 def test_random_weights_named_shape_generates():
     """random:<shape>: the named shape's config, N(0, 0.02) weights, byte-level tokenizer; deterministic."""
-    from backends.common import loader
-    from backends.common.config import SHAPES
+    from backends.common.core.config import SHAPES
+    from backends.common.model import loader
 
     src = loader.resolve("random:smollm2-135m")
     assert loader.load_config(src) is SHAPES["smollm2-135m"]
@@ -189,7 +189,7 @@ class DeferredLaunch:
         return n <= self.max_rows
 
     def launch_greedy(self, spans):
-        from backends.common.batch import Span
+        from backends.common.model.batch import Span
 
         if len(spans) > self.max_rows or any(len(s.token_ids) != 1 for s in spans):
             return None
@@ -217,9 +217,9 @@ def test_overlapped_steps_equal_synchronous(engine, pool):
     """Launching step n+1 before reading step n's tokens changes nothing: same tokens and finish reasons with stop
     ids hit mid-batch, min_tokens (whose steps run synchronously), a request arriving mid-run and, with a small pool,
     preemption; no placeholder is left and no KV leaks."""
-    from backends.common.engine import PENDING
-    from backends.common.kv_pool import KVPool
-    from backends.common.scheduler import Scheduler
+    from backends.common.core.kv_pool import KVPool
+    from backends.common.core.scheduler import Scheduler
+    from backends.common.engine.engine import PENDING
 
     prompts = _batch_prompts(engine)[:5]
     probe = engine.generate([prompts[1]], greedy(20))[0].output_ids

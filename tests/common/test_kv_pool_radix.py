@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from backends.common.kv_pool import KVPool, KVPoolError
-from backends.common.radix_cache import RadixCache
+from backends.common.core.kv_pool import KVPool, KVPoolError
+from backends.common.core.radix_cache import RadixCache
 
 
 def test_pool_alloc_free_exact():

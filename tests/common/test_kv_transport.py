@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from backends.common.kv_store import KVStore
-from backends.common.kv_transport import DistSink, IpcSink, KVSource, check_kind
-from backends.common.mailbox import Mailbox
+from backends.common.model.kv_store import KVStore
+from backends.common.transfer.kv_transport import DistSink, IpcSink, KVSource, check_kind
+from backends.common.transfer.mailbox import Mailbox
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

@@ -1,4 +1,4 @@
-"""backends.common.metrics against a fake of the Python backend's metrics API: every update runs on one worker
+"""backends.common.serving.metrics against a fake of the Python backend's metrics API: every update runs on one worker
 thread, coalesced (a gauge's last value, a counter's summed increments, a histogram as cumulative bucket counters),
 and close() sends what is pending, then frees the metrics and families before it returns."""
 
@@ -8,7 +8,7 @@ import threading
 import time
 import weakref
 
-from backends.common import metrics as mod
+from backends.common.serving import metrics as mod
 
 
 class FakeMetric:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.common import loader
-from backends.common.batch import ForwardBatch
-from backends.common.kv_store import KVStore
-from backends.common.model import LlamaModel
+from backends.common.model import loader
+from backends.common.model.batch import ForwardBatch
+from backends.common.model.kv_store import KVStore
+from backends.common.model.model import LlamaModel
 
 
 def full_logits(model: LlamaModel, ids: list[int], dtype=torch.float32) -> torch.Tensor:

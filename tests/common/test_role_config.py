@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from backends.cli import build_parser
-from backends.common import sizing
-from backends.common.loader import load_config, resolve
-from backends.common.role_config import (
+from backends.common.core.role_config import (
     DEFAULT_MAX_STREAMS,
     ROLES,
     DecodeConfig,
@@ -24,6 +22,8 @@ from backends.common.role_config import (
     pbtxt_string,
     read_key,
 )
+from backends.common.engine import sizing
+from backends.common.model.loader import load_config, resolve
 from backends.deployment import Deployment
 
 ROOT = Path(__file__).resolve().parents[2]

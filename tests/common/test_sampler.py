@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.common.sampler import sample
+from backends.common.engine.sampler import sample
 
 
 def _logits(n=4, vocab=1000, seed=0):
@@ -58,7 +58,7 @@ def test_banned_ids_never_drawn():
 
 
 def test_noise_is_finite_over_large_vocab_and_many_positions():
-    from backends.common.sampler import gumbel_noise, row_key
+    from backends.common.engine.sampler import gumbel_noise, row_key
 
     keys = torch.tensor([row_key(s, p) for s in range(4) for p in range(64)], dtype=torch.int64)
     g = gumbel_noise(keys, 152_000)

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from backends.common.request import ParamError, SamplingParams
-from backends.common.streaming import Item, Stream, StreamSender
-from backends.common.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
+from backends.common.core.request import ParamError, SamplingParams
+from backends.common.serving.streaming import Item, Stream, StreamSender
+from backends.common.serving.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
 
 KEY = "k" * 48
 

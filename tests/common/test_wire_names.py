@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.common.request import SamplingParams
-from backends.common.wire import (
+from backends.common.core.request import SamplingParams
+from backends.common.serving.wire import (
     TRITON_DTYPES,
     DecodeRequest,
     DecodeResponse,

@@ -96,7 +96,7 @@ def qwen3_5_moe_saved(tmp_path_factory):
 
 def chunked_logits(engine, ids: list[int], cuts: list[int]):
     """Every row's logits of one prompt prefilled in the spans [cuts[i], cuts[i + 1]), from a zero state."""
-    from backends.common.batch import Span, build_batch
+    from backends.common.model.batch import Span, build_batch
 
     runner = engine.runner
     slots = list(range(len(ids)))
@@ -114,7 +114,7 @@ def chunked_logits(engine, ids: list[int], cuts: list[int]):
 
 
 def make_engine(folder, **kw):
-    from backends.common.engine import Engine
+    from backends.common.engine.engine import Engine
 
     return Engine(str(folder), dtype="float32", **{"device": "cpu", "kv_tokens": 4096, "chunk_size": 64, **kw})
 

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from backends.common.kv_pool import KVPool
-from backends.common.request import InferReq, ReqState, SamplingParams
-from backends.common.state_pages import ZERO, StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, ReqState, SamplingParams
+from backends.common.core.state_pages import ZERO, StatePages
 from backends.pd_decode.scheduler import DecodeScheduler, Plan
 
 

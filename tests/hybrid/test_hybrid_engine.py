@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from backends.common.request import SamplingParams
+from backends.common.core.request import SamplingParams
 from tests.conftest import hf_greedy
 from tests.hybrid.conftest import chunked_logits, make_engine, prompt
 
@@ -101,7 +101,7 @@ def test_state_pages_run_short_drop_checkpoints_not_requests(hybrid_folder):
 
 
 def test_random_hybrid_shape_generates():
-    from backends.common.engine import Engine
+    from backends.common.engine.engine import Engine
 
     eng = Engine("random:tiny-hybrid", dtype="float32", device="cpu", kv_tokens=1024)
     out = eng.generate([[5, 6, 7, 8]], greedy(6))[0]
@@ -132,8 +132,8 @@ def test_a_saved_folder_with_an_mtp_head_loads_as_the_same_model(tmp_path):
 
     from safetensors.torch import save_file
 
-    from backends.common import loader
-    from backends.common.config import SHAPES, ModelConfig
+    from backends.common.core.config import SHAPES, ModelConfig
+    from backends.common.model import loader
 
     cfg = SHAPES["tiny-hybrid"]
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg

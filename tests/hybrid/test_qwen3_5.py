@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from backends.common.config import ModelConfig
-from backends.common.loader import ModelError, load_config, resolve
-from backends.common.request import SamplingParams
+from backends.common.core.config import ModelConfig
+from backends.common.core.request import SamplingParams
+from backends.common.model.loader import ModelError, load_config, resolve
 from tests.hybrid.conftest import TEXT_3_5, chunked_logits, make_engine, prompt
 
 
@@ -38,7 +38,7 @@ def test_config_is_the_language_model_of_the_checkpoint(saved):
 
 def test_vision_tower_is_skipped_and_counted(saved, capfd):
     _, folder, _, _ = saved
-    from backends.common.loader import load_weights
+    from backends.common.model.loader import load_weights
 
     w = load_weights(resolve(str(folder)), torch.float32, "cpu")
     err = capfd.readouterr().err
@@ -92,7 +92,7 @@ def test_random_shapes_are_transformers_default_layouts(shape, cls):
     to (the 9B and the 35B-A3B), read through the same from_hf a checkpoint's config.json goes through."""
     import transformers as tf
 
-    from backends.common.config import SHAPES
+    from backends.common.core.config import SHAPES
 
     hf = ModelConfig.from_hf(getattr(tf, cls)().to_dict())
     ours = SHAPES[shape]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.common.batch import Span
-from backends.common.engine import Engine
-from backends.common.kv_pool import KVPool
-from backends.common.postprocess import sample_requests
-from backends.common.request import InferReq, ReqState, SamplingParams
-from backends.common.runner import ModelRunner
-from backends.common.state_pages import StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, ReqState, SamplingParams
+from backends.common.core.state_pages import StatePages
+from backends.common.engine.engine import Engine
+from backends.common.engine.postprocess import sample_requests
+from backends.common.engine.runner import ModelRunner
+from backends.common.model.batch import Span
 from backends.pd_decode.scheduler import DecodeScheduler
 from backends.pd_decode.steps import DecodeSteps
 

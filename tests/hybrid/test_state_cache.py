@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from backends.common.kv_pool import KVPool
-from backends.common.radix_cache import RadixCache
-from backends.common.request import InferReq, SamplingParams
-from backends.common.scheduler import KVAccounting, StateError, state_accounting
-from backends.common.state_pages import ZERO, StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.radix_cache import RadixCache
+from backends.common.core.request import InferReq, SamplingParams
+from backends.common.core.scheduler import KVAccounting, StateError, state_accounting
+from backends.common.core.state_pages import ZERO, StatePages
 
 
 def make(slots=1000, pages=8):

@@ -245,7 +245,7 @@ class Server:
 
     def metric(self, name: str, **labels) -> float:
         """The sum of metric `name` over the label sets that include `labels` (after sending pending updates)."""
-        from backends.common.metrics import _Worker
+        from backends.common.serving.metrics import _Worker
 
         _Worker.get().flush()
         return sum(m.value() for m in self.registry.get(name, []) if labels.items() <= m.labels.items())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.common.request import ReqState, SamplingParams
+from backends.common.core.request import ReqState, SamplingParams
 from tests.hybrid.conftest import hybrid_folder, make_engine, prompt, qwen3_5_moe_saved  # noqa: F401 (fixtures)
 from tests.inprocess.fake_triton import Server, generate
 

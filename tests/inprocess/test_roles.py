@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from backends.common.engine import Engine
-from backends.common.request import ReqState, SamplingParams
+from backends.common.core.request import ReqState, SamplingParams
+from backends.common.engine.engine import Engine
 from tests.inprocess.fake_triton import Server, generate
 
 MODEL = "random:tiny-test"

@@ -1,4 +1,4 @@
-"""The gated delta rule kernels against the PyTorch reference (backends.common.delta_rule), in float32 as the
+"""The gated delta rule kernels against the PyTorch reference (backends.common.model.delta_rule), in float32 as the
 state is kept. Runs on a CUDA GPU, else on the CPU through Triton's interpreter (small shapes); needs triton."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from backends.common import delta_rule as dr  # noqa: E402
+from backends.common.model import delta_rule as dr  # noqa: E402
 from kernels import delta_rule as kd  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,8 +88,8 @@ def test_engine_with_the_kernels_equals_the_pytorch_path():
     steps in place, prefix hits restoring checkpoints; the same tokens as the PyTorch path. On the CPU with dense
     MLPs (the interpreter runs the MoE kernels slowly; tests/kernels/test_moe.py and test_gpu_hybrid.py cover
     them there)."""
-    from backends.common.engine import Engine
-    from backends.common.request import SamplingParams
+    from backends.common.core.request import SamplingParams
+    from backends.common.engine.engine import Engine
 
     gen = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 300, (70,), generator=gen).tolist()

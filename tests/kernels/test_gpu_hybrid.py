@@ -1,5 +1,5 @@
-"""The hybrid model's CUDA-graph decode step (backends.common.gpu_hybrid) and its fused kernels against the PyTorch
-path on the same weights, KV pool and state pages. On a CUDA GPU in bfloat16; without one on the CPU through
+"""The hybrid model's CUDA-graph decode step (backends.common.model.gpu_hybrid) and its fused kernels against the
+PyTorch path on the same weights, KV pool and state pages. On a CUDA GPU in bfloat16; without one on the CPU through
 Triton's interpreter in float32 (the "graphs" then run their bodies eagerly on the same input buffers)."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without a GPU
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from backends.common import delta_rule as dr  # noqa: E402
-from backends.common import loader  # noqa: E402
-from backends.common.batch import Span, build_batch  # noqa: E402
-from backends.common.config import SHAPES  # noqa: E402
-from backends.common.gpu_hybrid import GpuHybrid, supports  # noqa: E402
-from backends.common.hybrid_model import HybridModel, gated_rms_norm, offset_rms_norm, rotate_half  # noqa: E402
-from backends.common.kv_store import KVStore, StateStore  # noqa: E402
+from backends.common.core.config import SHAPES  # noqa: E402
+from backends.common.model import delta_rule as dr  # noqa: E402
+from backends.common.model import loader  # noqa: E402
+from backends.common.model.batch import Span, build_batch  # noqa: E402
+from backends.common.model.gpu_hybrid import GpuHybrid, supports  # noqa: E402
+from backends.common.model.hybrid_model import HybridModel, gated_rms_norm, offset_rms_norm, rotate_half  # noqa: E402
+from backends.common.model.kv_store import KVStore, StateStore  # noqa: E402
 from kernels import delta_rule as kd  # noqa: E402
 from kernels import norm, rope  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The GPU forward pass (backends.common.gpu_model: Triton kernels, slot table, CUDA graphs) against the plain
+"""The GPU forward pass (backends.common.model.gpu_model: Triton kernels, slot table, CUDA graphs) against the plain
 PyTorch model on the same weights and KV pool layout. GPU only (see test_kernels.py for the interpreter switch)."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ DEVICE = os.environ.get("TRITON_PD_KERNEL_DEVICE", "cuda")
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from backends.common import loader  # noqa: E402
-from backends.common.batch import Span, build_batch  # noqa: E402
-from backends.common.config import ModelConfig  # noqa: E402
-from backends.common.gpu_model import GpuLlama  # noqa: E402
-from backends.common.kv_store import KVStore  # noqa: E402
-from backends.common.model import LlamaModel  # noqa: E402
+from backends.common.core.config import ModelConfig  # noqa: E402
+from backends.common.model import loader  # noqa: E402
+from backends.common.model.batch import Span, build_batch  # noqa: E402
+from backends.common.model.gpu_model import GpuLlama  # noqa: E402
+from backends.common.model.kv_store import KVStore  # noqa: E402
+from backends.common.model.model import LlamaModel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -187,8 +187,8 @@ def test_launch_greedy_feeds_unread_tokens():
 def test_engine_overlap_equals_synchronous():
     """The engine with steps launched over unread tokens (the default) gives the same tokens and finish reasons as
     without, with a stop id hit mid-batch; most decode steps overlap."""
-    from backends.common.engine import Engine
-    from backends.common.request import SamplingParams
+    from backends.common.core.request import SamplingParams
+    from backends.common.engine.engine import Engine
     from tests.common.test_engine import assert_idle
 
     gen = torch.Generator().manual_seed(7)
@@ -216,8 +216,8 @@ def test_engine_overlap_equals_synchronous():
 def test_engine_tokens_are_reference_argmax():
     """The offline engine on the GPU path (chunked prefill mixed with decode, graphs) in float32: every greedy token
     is the reference model's argmax at that position, up to float32 rounding near ties."""
-    from backends.common.engine import Engine
-    from backends.common.request import SamplingParams
+    from backends.common.core.request import SamplingParams
+    from backends.common.engine.engine import Engine
 
     spec = "random:smollm2-135m"
     eng = Engine(spec, "float32", "cuda", kv_tokens=4096, max_batch=8, chunk_size=32, max_batch_tokens=64)

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from backends.common.kv_pool import KVPool
-from backends.common.request import InferReq, ReqState, SamplingParams
-from backends.common.state_pages import ZERO, StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, ReqState, SamplingParams
+from backends.common.core.state_pages import ZERO, StatePages
 from backends.pd_decode.scheduler import DecodeScheduler, RecoveryCosts
 
 
@@ -518,7 +518,7 @@ def test_host_kv_round_trip_with_fragmented_host_slots(monkeypatch):
     from backends.pd_decode.scheduler import SwapOut, TransferJob
 
     monkeypatch.setattr(host_tier, "CHUNK", 5)  # several staging chunks per copy
-    from backends.common.kv_store import KVStore
+    from backends.common.model.kv_store import KVStore
 
     dev = torch.randn(3, 2, 40, 2, 4)  # [layers, K/V, slots, heads, dim]
     host = host_tier.HostKV(KVStore(dev), 32)
@@ -539,7 +539,7 @@ def test_host_kv_round_trip_with_fragmented_host_slots(monkeypatch):
 def test_host_kv_round_trip_carries_the_state_page_bit_exact():
     import torch
 
-    from backends.common.kv_store import KVStore, StateStore
+    from backends.common.model.kv_store import KVStore, StateStore
     from backends.pd_decode import host_tier
     from backends.pd_decode.scheduler import SwapOut, TransferJob
 
@@ -623,7 +623,7 @@ def test_host_kv_buffer_is_resident_when_made_on_the_cpu():
     reads as RSS growth): making a 64 MB tier raises the process's resident memory by about that much."""
     import torch
 
-    from backends.common.kv_store import KVStore
+    from backends.common.model.kv_store import KVStore
     from backends.pd_decode import host_tier
 
     def rss() -> int:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from backends.common.kv_pool import KVPool
-from backends.common.request import InferReq, ParamError, ReqState, SamplingParams
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, ParamError, ReqState, SamplingParams
 from backends.pd_decode.scheduler import DecodeScheduler
 
 

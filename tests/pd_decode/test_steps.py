@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from backends.common.batch import Span
-from backends.common.kv_pool import KVPool
-from backends.common.postprocess import finish_reason
-from backends.common.request import InferReq, ReqState, SamplingParams
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, ReqState, SamplingParams
+from backends.common.engine.postprocess import finish_reason
+from backends.common.model.batch import Span
 from backends.pd_decode.scheduler import DecodeScheduler
 from backends.pd_decode.steps import PENDING, DecodeSteps, drop_after
 from tests.common.test_engine import DeferredLaunch

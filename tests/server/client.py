@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import tritonclient.grpc as grpcclient
 
 from backends.client import infer_inputs
-from backends.common.wire import MasterRequest
+from backends.common.serving.wire import MasterRequest
 
 
 @dataclass

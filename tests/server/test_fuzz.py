@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.client import infer_inputs
-from backends.common.request import SamplingParams
-from backends.common.wire import DecodeRequest, PrefillRequest
+from backends.common.core.request import SamplingParams
+from backends.common.serving.wire import DecodeRequest, PrefillRequest
 from tests.server.client import StreamClient, grpc_generate, http_post
 from tests.server.conftest import Server
 

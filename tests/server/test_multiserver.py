@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from backends.common.request import SamplingParams
+from backends.common.core.request import SamplingParams
 from tests.server.client import StreamClient, grpc_generate, grpc_generate_all
 from tests.server.conftest import Server
 

@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from backends.common.request import SamplingParams
+from backends.common.core.request import SamplingParams
 from backends.server_process import free_ports
 from tests.server.client import http_post
 from tests.server.conftest import Server

@@ -29,8 +29,8 @@ def metric(port: int, name: str) -> float:
 
 def test_a_stock_tritonserver_serves_the_written_repository_through_pauses(tmp_path):
     from backends import repository
-    from backends.common.engine import Engine
-    from backends.common.request import SamplingParams
+    from backends.common.core.request import SamplingParams
+    from backends.common.engine.engine import Engine
 
     out = tmp_path / "repo"
     http, grpc, metrics = free_ports(3)

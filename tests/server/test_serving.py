@@ -11,8 +11,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backends.client import infer_inputs
-from backends.common.request import SamplingParams
-from backends.common.wire import DecodeRequest, PrefillRequest
+from backends.common.core.request import SamplingParams
+from backends.common.serving.wire import DecodeRequest, PrefillRequest
 from tests.server.client import StreamClient, grpc_generate, http_post
 
 pytestmark = pytest.mark.server

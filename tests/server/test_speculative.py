@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.common.engine import Engine
-from backends.common.request import SamplingParams
+from backends.common.core.request import SamplingParams
+from backends.common.engine.engine import Engine
 from tests.hybrid.conftest import qwen3_5_saved  # noqa: F401 (a fixture)
 from tests.server.client import grpc_generate_all
 from tests.server.conftest import Server
@@ -77,7 +77,7 @@ def test_qwen3_5_checkpoint_with_an_mtp_head_streams_through_pauses_equal_plain_
 
     from safetensors.torch import save_file
 
-    from backends.common import loader
+    from backends.common.model import loader
 
     folder, _ = qwen3_5_saved
     for f in ("config.json", "model.safetensors"):

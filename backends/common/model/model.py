@@ -9,9 +9,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .batch import ForwardBatch
-from .config import ModelConfig
-from .kv_store import KVStore
+from backends.common.core.config import ModelConfig
+from backends.common.model.batch import ForwardBatch
+from backends.common.model.kv_store import KVStore
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -19,7 +19,7 @@ def cpu_threads_per_instance(instances: int) -> int:
 def kv_bytes_per_token(cfg, dtype: str) -> int:
     import torch
 
-    from .runner import parse_dtype
+    from backends.common.engine.runner import parse_dtype
 
     itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     layers = len(cfg.full_layers) + (1 if cfg.is_hybrid and cfg.mtp_layers else 0)  # hybrid: full layers, MTP
@@ -28,7 +28,7 @@ def kv_bytes_per_token(cfg, dtype: str) -> int:
 
 def state_bytes(cfg, state_pages: int, max_batch: int) -> int:
     """Bytes of a hybrid model's state store on one decode instance: its pages and a scratch page per batch row."""
-    from .runner import default_state_pages
+    from backends.common.engine.runner import default_state_pages
 
     return (state_pages or default_state_pages(max_batch)) * 4 * cfg.state_floats_per_page() + max_batch * 4 * (
         cfg.state_floats_per_page()

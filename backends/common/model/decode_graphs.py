@@ -18,7 +18,7 @@ import os
 import numpy as np
 import torch
 
-from .slot_table import SlotTable, Uploader
+from backends.common.model.slot_table import SlotTable, Uploader
 
 RING = 3  # pinned host buffers of each kind for graph steps: one is written again three steps later
 

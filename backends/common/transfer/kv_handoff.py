@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from .kv_store import KVStore, SharedFile, tensor_on
+from backends.common.model.kv_store import KVStore, SharedFile, tensor_on
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .request import ParamError, SamplingParams
+from backends.common.core.request import ParamError, SamplingParams
 
 Tensors = dict[str, np.ndarray]
 Getter = Callable[[str], "np.ndarray | None"]

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import Span, build_batch
-from .decode_graphs import DecodeGraphs
-from .decode_graphs import _EagerGraph as _EagerBody
-from .hybrid_model import HybridModel
-from .kv_store import KVStore, StateStore
+from backends.common.model.batch import Span, build_batch
+from backends.common.model.decode_graphs import DecodeGraphs
+from backends.common.model.decode_graphs import _EagerGraph as _EagerBody
+from backends.common.model.hybrid_model import HybridModel
+from backends.common.model.kv_store import KVStore, StateStore
 
 
 def supports(cfg) -> bool:

@@ -14,11 +14,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .batch import Span
-from .config import ModelConfig
-from .decode_graphs import DecodeGraphs
-from .kv_store import KVStore
-from .model import rms_norm, rope_inv_freq
+from backends.common.core.config import ModelConfig
+from backends.common.model.batch import Span
+from backends.common.model.decode_graphs import DecodeGraphs
+from backends.common.model.kv_store import KVStore
+from backends.common.model.model import rms_norm, rope_inv_freq
 
 
 class GpuLlama(DecodeGraphs):

@@ -8,13 +8,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Span
-from .kv_pool import KVPool
-from .postprocess import PENDING, LaunchedStep, finish_reason, greedy_unbanned, next_tokens, sample_requests
-from .request import InferReq, ParamError, ReqState, SamplingParams
-from .runner import ModelRunner
-from .scheduler import Scheduler
-from .state_pages import StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.request import InferReq, ParamError, ReqState, SamplingParams
+from backends.common.core.scheduler import Scheduler
+from backends.common.core.state_pages import StatePages
+from backends.common.engine.postprocess import (
+    PENDING,
+    LaunchedStep,
+    finish_reason,
+    greedy_unbanned,
+    next_tokens,
+    sample_requests,
+)
+from backends.common.engine.runner import ModelRunner
+from backends.common.model.batch import Span
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import sys
 import threading
 from dataclasses import dataclass, replace
 
-from .wire import DecodeResponse
+from backends.common.serving.wire import DecodeResponse
 
 
 @dataclass(eq=False)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Span
-from .request import InferReq
-from .runner import ModelRunner
-from .sampler import sample
+from backends.common.core.request import InferReq
+from backends.common.engine.runner import ModelRunner
+from backends.common.engine.sampler import sample
+from backends.common.model.batch import Span
 
 PENDING = -1  # an output token sampled on the device and not read back yet (a step launched over an unread one)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
+from backends.common.core.config import ModelConfig
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {

@@ -9,7 +9,7 @@ can be handed out again at once, because every write to it is queued or computed
 
 from __future__ import annotations
 
-from .kv_pool import KVPool
+from backends.common.core.kv_pool import KVPool
 
 ZERO = -1  # the source of a copy that zeroes its page: the state before position 0
 

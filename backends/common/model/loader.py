@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .config import SHAPES, ModelConfig
-from .tokenizer import ByteTokenizer, Tokenizer
+from backends.common.core.config import SHAPES, ModelConfig
+from backends.common.model.tokenizer import ByteTokenizer, Tokenizer
 
 
 class ModelError(ValueError):
@@ -44,7 +44,7 @@ class ModelSource:
 
 
 def _gguf_folder(gguf_path: Path, name: str | None = None) -> Path:
-    from .gguf_convert import convert_gguf
+    from backends.common.model.gguf_convert import convert_gguf
 
     st = gguf_path.stat()
     key = name or hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]

@@ -17,10 +17,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import delta_rule as dr
-from .batch import ForwardBatch
-from .config import ModelConfig
-from .kv_store import KVStore, StateStore
+from backends.common.core.config import ModelConfig
+from backends.common.model import delta_rule as dr
+from backends.common.model.batch import ForwardBatch
+from backends.common.model.kv_store import KVStore, StateStore
 
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,10 +7,10 @@ import os
 
 import torch
 
-from . import loader
-from .batch import Span, build_batch
-from .kv_store import KVStore, StateStore
-from .model import LlamaModel
+from backends.common.model import loader
+from backends.common.model.batch import Span, build_batch
+from backends.common.model.kv_store import KVStore, StateStore
+from backends.common.model.model import LlamaModel
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -109,7 +109,7 @@ class ModelRunner:
         )  # fmt: skip
         self.num_slots = kv_tokens
         if self.backend == "triton":
-            from .gpu_model import GpuLlama
+            from backends.common.model.gpu_model import GpuLlama
 
             self.model = GpuLlama(
                 cfg, weights, self.kv, scratch_slot=kv_tokens, max_batch=max_batch,
@@ -126,8 +126,8 @@ class ModelRunner:
         pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU); there decode
         batches also replay CUDA graphs (`gpu_hybrid.GpuHybrid`, MoE layers included), and `backend`
         reads "triton". Otherwise plain PyTorch layers, and `backend` reads "torch"."""
-        from . import gpu_hybrid
-        from .hybrid_model import HybridModel
+        from backends.common.model import gpu_hybrid
+        from backends.common.model.hybrid_model import HybridModel
 
         kernels = pick_backend(backend, self.device) == "triton"
         self.hybrid = HybridModel(self.cfg, weights, kernels=kernels)
@@ -170,7 +170,7 @@ class ModelRunner:
         return self.hybrid.mtp_logits(build_batch(spans, self.device), hidden, self.kv)
 
     def prepare_speculative(self, mode: str) -> None:
-        """Decode speculates (`backends.common.speculative`): a hybrid model on the graph path captures its
+        """Decode speculates (`backends.common.core.speculative`): a hybrid model on the graph path captures its
         verification graphs (and its MTP head's, for mode "mtp"), so speculative steps do not run eagerly."""
         if mode != "off" and self.hybrid is not None and self.backend == "triton":
             self.model.capture_speculative(mtp=mode == "mtp")

@@ -17,8 +17,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from .kv_pool import KVPool
-from .state_pages import ZERO, StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.state_pages import ZERO, StatePages
 
 
 def _common_prefix(key: Sequence[int], tokens: Sequence[int], i: int) -> int:

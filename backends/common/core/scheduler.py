@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_pool import KVPool
-from .radix_cache import RadixCache
-from .request import InferReq, ReqState
-from .state_pages import ZERO, StatePages
+from backends.common.core.kv_pool import KVPool
+from backends.common.core.radix_cache import RadixCache
+from backends.common.core.request import InferReq, ReqState
+from backends.common.core.state_pages import ZERO, StatePages
 
 
 @dataclass(slots=True)

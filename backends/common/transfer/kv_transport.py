@@ -31,8 +31,8 @@ from datetime import timedelta
 
 import torch
 
-from .kv_handoff import HandoffCache, copy_rows, copy_state_page, export_handle
-from .mailbox import Mailbox
+from backends.common.transfer.kv_handoff import HandoffCache, copy_rows, copy_state_page, export_handle
+from backends.common.transfer.mailbox import Mailbox
 
 KINDS = ("ipc", "dist")
 CONNECT_TIMEOUT = timedelta(seconds=30)  # rendezvous, and a payload's arrival once its header is posted
