@@ -95,6 +95,13 @@ def test_the_core_imports_no_torch_numpy_or_triton():
     assert not bad, sorted(bad)
 
 
+def test_the_decode_loop_is_free_of_triton():
+    """pd_decode's loop takes its sender and prefill client as arguments; only model.py (the glue) touches Triton."""
+    g = graph()
+    assert "backends.common.serving.triton_io" in g["backends.pd_decode.model"]
+    assert not {d for d in g["backends.pd_decode.loop"] if d.endswith("triton_io")}
+
+
 def test_kernels_import_nothing_from_the_backends():
     """kernels/ is the bottom layer: its references are PyTorch code in backends/common, named in docstrings only."""
     bad = {(m, d) for m, deps in graph().items() if m.startswith("kernels") for d in deps if d.startswith("backends")}

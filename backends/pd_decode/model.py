@@ -1,71 +1,35 @@
 """pd_decode (decoupled): admits requests from master, asks prefill for their prompt KV, runs continuous-batching
 decode, pauses requests when the KV pool runs out (or, rotating, when another's turn comes) and recovers them by the
-cheapest path: local radix hit, host-memory swap-in, or prefill recompute under a new epoch. One scheduler thread
-owns all request state; Triton's execute() only enqueues."""
+cheapest path: local radix hit, host-memory swap-in, or prefill recompute under a new epoch. This file is the
+Triton glue: it reads the config, builds the runner, scheduler, host tier and KV transport, and hands requests to
+`DecodeLoop` (loop.py), whose one thread owns all request state; execute() only enqueues."""
 
 from __future__ import annotations
 
-import queue
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 
 from backends.common.core.kv_pool import KVPool
-from backends.common.core.request import InferReq, ParamError, ReqState
+from backends.common.core.request import InferReq, ParamError
 from backends.common.core.role_config import DecodeConfig, mailbox_dir, read_key
 from backends.common.core.speculative import check_mode
 from backends.common.core.state_pages import StatePages
-from backends.common.engine.postprocess import finish_reason
 from backends.common.engine.runner import ModelRunner, set_cpu_threads
 from backends.common.engine.sizing import resolve_decode
-from backends.common.model.batch import Span
 from backends.common.model.loader import load_config, resolve
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
-from backends.common.serving.streaming import Item, Stream, StreamSender
-from backends.common.serving.wire import DecodeRequest, DecodeResponse, PrefillRequest, PrefillResponse
+from backends.common.serving.wire import DecodeRequest, DecodeResponse, PrefillRequest
 from backends.common.transfer.kv_transport import DistSink, IpcSink, check_kind
-from backends.common.transfer.mailbox import Mailbox, prefill_notice
-from backends.common.transfer.remote import PrefillServers, Unreachable, parse_urls
+from backends.common.transfer.mailbox import Mailbox
+from backends.common.transfer.remote import PrefillServers, parse_urls
 
 from .host_tier import HostKV, default_costs, default_host_pages
-from .liveness import ProgressWatchdog
-from .scheduler import DecodeScheduler, TransferJob
-from .steps import DecodeSteps, drop_after
+from .loop import DecodeLoop
+from .scheduler import DecodeScheduler
 
 # --rotation-prefetch: slots per running request left free for its growth until the prefetched request's turn
 # (a quantum of 0.1 s is about 10-25 decode steps; speculation can take two slots a step)
 PREFETCH_MARGIN = 64
-LAND_TIMEOUT_S = 60.0  # after prefill's answer, how long its rows may take to arrive over the network transport
-
-
-# ---- events for the scheduler loop (its only inputs from other threads) ------------------------------------------
-@dataclass(slots=True)
-class Arrival:
-    """A new request from master, with the sender of its decoupled stream."""
-
-    req: InferReq
-    sender: object
-
-
-@dataclass(slots=True)
-class TransferDone:
-    """A transfer job answered: a prefill BLS call or a host swap-in, for (rid, epoch)."""
-
-    rid: str
-    epoch: int
-    ok: bool
-    first_token: int | None = None
-    error: str | None = None
-
-
-class Wake:
-    """Nothing to handle: wakes the loop (at shutdown)."""
-
-
-Event = Arrival | TransferDone | Wake
 
 
 class DecodeModel:
@@ -93,8 +57,7 @@ class DecodeModel:
         self.mailbox = Mailbox(mailbox_dir(cfg))
         self.sink = self._sink(cfg, f"{cfg.deployment}:{self.instance}")
         # prefill of this server (BLS) or prefill servers over gRPC, with failover between them
-        self.prefills = PrefillServers(parse_urls(cfg.prefill_urls, "prefill_urls"), PrefillRequest.MODEL,
-                                       PrefillRequest.OUTPUTS) if cfg.prefill_urls else None  # fmt: skip
+        self.prefill = RemotePrefill(cfg.prefill_urls, self.key) if cfg.prefill_urls else BlsPrefill(self.key)
         host_tokens = cfg.host_kv_tokens
         # hybrid models: one host state page per host copy (a paused request's state at its end)
         host_pages = default_host_pages(cfg.max_batch) if state is not None and host_tokens > 0 else 0
@@ -117,23 +80,16 @@ class DecodeModel:
             speculative=(spec := check_mode(cfg.speculative, self.runner.has_mtp)) != "off",
         )
         self.runner.prepare_speculative(spec)
-        self.steps = DecodeSteps(
-            self.runner, self.sched, self.eos, self._after_token, overlap=cfg.decode_overlap == "on",
-            speculative=spec,
-        )  # fmt: skip
-        self.watchdog = ProgressWatchdog(cfg.stall_seconds)
-        self._last_invariant_check = 0.0
         # test hooks (comma-separated): "stale" re-delivers every recovery completion under the previous epoch
         # (it must be dropped); "drop_paused_kv" keeps no paused KV (cache or host), forcing prefill recovery
-        self.faults = set(filter(None, cfg.fault_injection.split(",")))
-        self.sched.keep_paused_kv = "drop_paused_kv" not in self.faults
-        self.events: queue.Queue = queue.Queue()
-        self.streams: dict[str, Stream] = {}
-        self.sender = StreamSender(self._send)
-        self.transfers = ThreadPoolExecutor(max_workers=cfg.prefill_concurrency, thread_name_prefix="pd-transfer")
-        self._metrics(args)
-        self.stop = threading.Event()
-        self.loop = threading.Thread(target=self._run, name="pd-decode-loop", daemon=True)
+        faults = frozenset(filter(None, cfg.fault_injection.split(",")))
+        self.sched.keep_paused_kv = "drop_paused_kv" not in faults
+        self.loop = DecodeLoop(
+            self.runner, self.sched, self.sink, self.mailbox, self.host_kv, self.prefill, self._send,
+            Metrics({"model": "pd_decode", "instance": self.instance}), overlap=cfg.decode_overlap == "on",
+            speculative=spec, stall_seconds=cfg.stall_seconds, prefill_concurrency=cfg.prefill_concurrency,
+            faults=faults, name=self.instance,
+        )  # fmt: skip
         self.loop.start()
 
     def _sink(self, cfg: DecodeConfig, instance_id: str):
@@ -145,98 +101,6 @@ class DecodeModel:
         backend, address = cfg.kv_backend, cfg.kv_address
         return DistSink(self.runner.kv, self.runner.state, instance_id, backend, address, log=self._log)
 
-    def _metrics(self, args) -> None:
-        m = self.metrics = Metrics({"model": "pd_decode", "instance": self.instance})
-        g = m.gauge
-        self.g = {
-            "running": g("pd_decode_running_requests", "Requests in the decode batch"),
-            "queued": g("pd_decode_queued_requests", "Requests waiting for admission or for their prompt KV"),
-            "paused": g("pd_decode_paused_requests", "Requests paused for lack of KV slots"),
-            "recovering": g("pd_decode_recovering_requests", "Paused requests whose KV prefill is recomputing"),
-            "used": g("pd_kv_slots_used", "KV slots held by requests"),
-            "free": g("pd_kv_slots_free", "KV slots free in the decode pool"),
-            "cached": g("pd_kv_slots_cached", "KV slots held by the radix prefix cache"),
-            "total": g("pd_kv_slots_total", "KV slots in the decode pool"),
-            "epoch": g("pd_recovery_epoch_max", "Highest recovery epoch reached by any request"),
-        }
-        self.c_pauses = m.counter("pd_pauses_total", "Requests paused for lack of KV slots")
-        self.c_recover = {
-            k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k)
-            for k in ("local", "host", "prefill", "recompute")
-        }
-        self.c_rotations = m.counter("pd_rotations_total", "Running requests paused to give a paused one its turn")
-        self.c_swapped = {
-            d: m.counter("pd_host_swapped_tokens_total", "Tokens of KV copied to or from host memory", direction=d)
-            for d in ("out", "in", "prefetch")
-        }
-        self.c_host_skips = {
-            r: m.counter("pd_host_swap_skipped_total", "Pauses or recoveries that did not use host memory", reason=r)
-            for r in self.sched.host_skips
-        }
-        self._reported = {"swapped": dict(self.sched.swapped_tokens), "skips": dict(self.sched.host_skips)}
-        self.g["host_used"] = g("pd_host_kv_slots_used", "Host-memory KV slots holding copies of requests' KV")
-        self.g["host_total"] = g("pd_host_kv_slots_total", "Host-memory KV slots (0: no host tier)")
-        self.g["host_total"].set(self.sched.host_pool.num_slots if self.sched.host_pool else 0)
-        self.g["host_pages_used"] = g("pd_host_state_pages_used", "Host-memory state pages holding paused states")
-        self.g["host_pages_total"] = g("pd_host_state_pages_total", "Host-memory state pages (hybrid models)")
-        self.g["host_pages_total"].set(self.sched.host_pages.num_slots if self.sched.host_pages else 0)
-        self.c_stale = m.counter("pd_stale_messages_total", "Transfer completions from a stale epoch, dropped")
-        self.c_kv = {
-            "landed": m.counter(
-                "pd_kv_transfers_total", "KV transfers written into this pool", transport=self.sink.kind
-            ),
-            "bytes": m.counter("pd_kv_transfer_bytes_total", "Bytes of KV (and state) received over the network"),
-            "stale": m.counter(
-                "pd_kv_transfers_dropped_total", "KV transfers that arrived for no current attempt", reason="stale"
-            ),
-            "unexpected": m.counter(
-                "pd_kv_transfers_dropped_total", "KV transfers that arrived for no current attempt", reason="unexpected"
-            ),
-            "failover": m.counter("pd_prefill_failovers_total", "Prefill jobs retried on another prefill server"),
-        }
-        self.failovers = 0
-        self._reported["kv"] = {k: 0 for k in self.c_kv}
-        self.c_restarts = m.counter("pd_decode_restarts_total", "Segments ended for lack of KV (on_oom=restart)")
-        self.h_recovery = m.histogram("pd_recovery_seconds", "Time from pause to resumed decoding")
-        self.h_swap_in = m.histogram(
-            "pd_host_swap_in_seconds", "Time from a swap-in's start to decode seeing its copies done",
-            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0],
-        )  # fmt: skip
-        self.c_idle_swapping = m.counter(
-            "pd_decode_idle_swapping_seconds_total", "Seconds decode had nothing to run while a swap-in was in flight"
-        )
-        # where the scheduler loop's wall time goes: waiting (for events, a swap-in, the last step's tokens),
-        # scheduling, starting copies and transfers, launching steps and handing out their tokens
-        self.loop_time = dict.fromkeys(("wait", "schedule", "copies", "step"), 0.0)
-        self.c_loop = {
-            k: m.counter("pd_decode_loop_seconds_total", "Decode loop wall time by part", part=k)
-            for k in self.loop_time
-        }
-        self._reported["loop"] = dict(self.loop_time)
-        self.g["stalled"] = g("pd_decode_stalled_seconds", "Seconds without progress while requests wait")
-        self.c_stalls = m.counter("pd_decode_stalls_total", "Times decode made no progress for stall_seconds with work")
-        self.c_violations = m.counter("pd_decode_invariant_violations_total", "Scheduler invariant checks that failed")
-        self.c_unfittable = m.counter("pd_decode_unfittable_total", "Requests ended because they could never fit")
-        self.c_overlapped = {
-            "steps": m.counter(
-                "pd_decode_overlapped_steps_total", "Decode steps launched before the previous step's tokens were read"
-            )
-        }
-        self._reported["overlapped"] = {"steps": 0}
-        self.c_spec = {
-            "drafts": m.counter("pd_decode_spec_draft_tokens_total", "Speculative draft tokens verified"),
-            "accepted": m.counter("pd_decode_spec_accepted_tokens_total", "Speculative draft tokens kept"),
-        }
-        self._reported["spec"] = {"drafts": 0, "accepted": 0}
-        self.g["total"].set(self.sched.pool.num_slots)
-        self.g["state_free"] = g("pd_state_pages_free", "Linear-attention state pages free (hybrid models)")
-        self.g["state_used"] = g("pd_state_pages_used", "State pages held by requests (hybrid models)")
-        self.g["state_cached"] = g("pd_state_pages_cached", "State pages held as prefix-cache checkpoints")
-        self.g["state_total"] = g("pd_state_pages_total", "Linear-attention state pages (0: a dense model)")
-        self.g["state_total"].set(self.runner.num_state_pages)
-        self._last_gauges = 0.0
-
-    # ---- Triton entry points -----------------------------------------------------------------------------
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
@@ -253,278 +117,47 @@ class DecodeModel:
                 self.mailbox.post(msg.request_id, msg.cancel)
                 sender.send(flags=tio.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            self.events.put(Arrival(InferReq(msg.request_id, msg.input_ids, msg.params), sender))
+            self.loop.arrive(InferReq(msg.request_id, msg.input_ids, msg.params), sender)
         return None
 
     def finalize(self):
-        self.stop.set()
-        self.events.put(Wake())
-        self.loop.join(timeout=10)
-        self.transfers.shutdown(wait=False, cancel_futures=True)
+        self.loop.stop()
         self.sink.close()
-        if self.prefills is not None:
-            self.prefills.close()
-        self.sender.close()
+        self.prefill.close()
         if self.host_kv is not None:
             self.host_kv.close()
         self.runner.kv.close(unlink=True)
         if self.runner.state is not None:
             self.runner.state.close(unlink=True)
-        self.metrics.close()
+        self.loop.metrics.close()
 
-    # ---- the scheduler loop ------------------------------------------------------------------------------
-    def _run(self) -> None:
-        last_cancel_poll = 0.0
-        while not self.stop.is_set():
-            try:
-                lt, t0 = self.loop_time, time.monotonic()
-                running = any(r.state is ReqState.RUNNING for r in self.sched.reqs.values())
-                swapping = self.host_kv is not None and self.host_kv.in_flight() > 0
-                if swapping and not running and self.host_kv.cuda:
-                    # nothing to run until a copy lands: wait on the copy itself, not on a polling interval
-                    tw = time.monotonic()
-                    self.host_kv.wait_first()
-                    self.c_idle_swapping.increment(time.monotonic() - tw)
-                self._drain(block=not running and not swapping, timeout=0.05)
-                self._swaps_done()
-                now = time.monotonic()
-                poll = now - last_cancel_poll > 0.5
-                self._take_cancels(poll_senders=poll)
-                if poll:
-                    last_cancel_poll = now
-                if self.steps.pending and not self.steps.may_keep(busy=swapping):
-                    self.steps.flush()  # this schedule may look at token histories or hand slots out
-                t1 = time.monotonic()
-                lt["wait"] += t1 - t0
-                plan = self.sched.schedule()
-                for req in plan.ended:
-                    self._emit(req, [], "length")
-                for req in plan.failed:
-                    self.c_unfittable.increment(1)
-                    self._emit(req, [], None, error=req.error)
-                if plan.paused:
-                    self.c_pauses.increment(len(plan.paused))
-                if plan.rotated:
-                    self.c_rotations.increment(len(plan.rotated))
-                for req in plan.resumed_local:
-                    self.c_recover["local"].increment(1)
-                    self.h_recovery.observe(time.monotonic() - req.paused_at)
-                for req in plan.restarted:
-                    self.c_restarts.increment(1)
-                    self._emit(req, [], "restart")
-                t2 = time.monotonic()
-                lt["schedule"] += t2 - t1
-                self._swap_out(plan)  # read paused requests' slots and pages before this plan reuses any
-                if self.sched.state is not None:  # state copies the plan queued, before prefill or a step writes
-                    self.runner.apply_state_ops(self.sched.state.take_ops())
-                self._recompute(plan)
-                self._swap_in(plan)
-                for job in plan.transfers:
-                    self.transfers.submit(self._transfer, self._prefill_request(job))
-                    self.watchdog.progress()
-                t3 = time.monotonic()
-                lt["copies"] += t3 - t2
-                if plan.decode:
-                    if self.host_kv is not None:
-                        self.host_kv.order_compute()  # the step may write slots a swap-out is still reading
-                    self.steps.step(plan.decode)
-                else:
-                    self.steps.flush()
-                    self._check_invariants()
-                lt["step"] += time.monotonic() - t3
-                self._check_progress()
-                self._gauges()
-            except Exception as e:  # never let the loop die silently: fail what is running, keep serving
-                try:
-                    self._fail_all(f"decode loop error: {e!r}")
-                except Exception as e2:  # the loop must outlive even a failure to fail
-                    self._log(f"decode loop error {e!r}, then {e2!r} while failing its requests")
-
-    def _recompute(self, plan) -> None:
-        """Hybrid models: recompute the short trimmed tails of recovering histories here, from the state
-        checkpoint the cache restored (one forward pass over all of them), and answer them like transfers."""
-        if not plan.recomputes:
-            return
-        spans = []
-        for job in plan.recomputes:
-            req = self.sched.reqs[job.rid]
-            spans.append(Span(job.ids[job.start :], job.start, req.slots, req.rid, req.state_page))
-        self.runner.forward(spans)
-        self.watchdog.progress()
-        for job in plan.recomputes:
-            self._handle(TransferDone(job.rid, job.epoch, True))
-
-    def _swap_out(self, plan) -> None:
-        """Start the plan's swap-outs (FIFO on the copy stream) before anything else of the plan: the compute
-        stream's next work (the queued state copies, a recompute, the step) waits for them, so a slot or state page
-        of a request paused in this plan can be handed to another in the same plan."""
-        if self.host_kv is None or not plan.swap_outs:
-            return
-        self.watchdog.progress()
-        self.host_kv.swap_out(plan.swap_outs)
-        self.host_kv.order_compute()
-
-    def _swap_in(self, plan) -> None:
-        """Start the plan's swap-ins, after its swap-outs on the same copy stream. Prefill writes through its own
-        process, so slots go to prefill only after the swap-outs that read them are done."""
-        if self.host_kv is None:
-            return
-        if plan.swap_ins:
-            self.watchdog.progress()
-        for job in self.host_kv.swap_in(plan.swap_ins):
-            self._handle(TransferDone(job.rid, job.epoch, True))
-        if plan.transfers:
-            self.host_kv.wait_swap_outs()
-
-    def _swaps_done(self) -> None:
-        if self.host_kv is None:
-            return
-        for job in self.host_kv.done():
-            self._handle(TransferDone(job.rid, job.epoch, True))
-        for seconds in self.host_kv.durations:
-            self.h_swap_in.observe(seconds)
-        self.host_kv.durations.clear()
+    def _send(self, stream, response: DecodeResponse) -> None:
+        """Errors travel as an ordinary final response (finish_reason "error" + error_message): an error response
+        after data responses on a decoupled BLS stream did not reach master's iterator in Triton 2.51."""
+        pb = tio.pb()
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if response.final else 0
+        stream.sender.send(pb.InferenceResponse(output_tensors=tio.to_tensors(response.encode())), flags=flags)
 
     def _log(self, message: str) -> None:
         print(f"[triton-pd] {self.instance}: {message}", file=sys.stderr, flush=True)
 
-    def _check_invariants(self) -> None:
-        """Pool accounting, slot ownership and liveness, at most once a second while decode is not decoding."""
-        now = time.monotonic()
-        if now - self._last_invariant_check < 1.0:
-            return
-        self._last_invariant_check = now
-        violations = self.sched.check_invariants()
-        if violations:
-            self.c_violations.increment(1)
-            self._log("scheduler invariants violated: " + "; ".join(violations))
 
-    def _check_progress(self) -> None:
-        s = self.sched
-        stalled = self.watchdog.check(waiting=bool(s.reqs))
-        if stalled is None:
-            return
-        self.c_stalls.increment(1)
-        free, used, cached = s.accounting()
-        counts = ", ".join(f"{st.value} {n}" for st, n in s.counts().items())
-        self._log(
-            f"no progress for {stalled:.1f} s with work waiting: {counts}; {len(s.inflight)} transfers in flight; "
-            f"KV free {free} / used {used} / cached {cached} of {s.pool.num_slots}"
-        )
+class BlsPrefill:
+    """Prefill jobs to this server's pd_prefill, as BLS calls."""
 
-    def _drain(self, block: bool, timeout: float = 0.05) -> None:
-        try:
-            ev = self.events.get(timeout=timeout) if block else self.events.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(ev)
-            try:
-                ev = self.events.get_nowait()
-            except queue.Empty:
-                return
+    def __init__(self, key: str):
+        self.key = key
 
-    def _handle(self, ev: Event) -> None:
-        if isinstance(ev, Arrival):
-            req = ev.req
-            refusal = f"request_id {req.rid}: duplicate" if req.rid in self.sched.reqs else None
-            if refusal is None:
-                try:
-                    self.sched.add(req)
-                except ParamError as e:  # a prompt this instance can never hold
-                    refusal = str(e)
-            if refusal is not None:
-                self.sender.push(
-                    Item(Stream(req.rid, ev.sender), DecodeResponse(error=refusal, error_code="INVALID_ARG"))
-                )
-                return
-            self.streams[req.rid] = Stream(req.rid, ev.sender)
-        elif isinstance(ev, TransferDone):
-            self.watchdog.progress()
-            if (ev.rid, ev.epoch) in self.sched.orphans:  # cancelled meanwhile: prefill no longer needs the notice
-                self.sink.discard_cancel(prefill_notice(ev.rid, ev.epoch))
-            c = self.sched.on_transfer_done(ev.rid, ev.epoch, ev.ok, ev.first_token, ev.error)
-            if c.stale:
-                self.c_stale.increment(1)
-            elif c.failed:
-                self._emit(c.req, [], None, error=c.failed)
-            elif c.first_token is not None:
-                self._after_token(c.req, c.first_token)
-            elif c.recovered:
-                if "stale" in self.faults:
-                    self.events.put(TransferDone(ev.rid, ev.epoch - 1, True, 0))
-                self.c_recover[c.path].increment(1)
-                self.h_recovery.observe(time.monotonic() - c.req.paused_at)
+    def order(self) -> list:
+        return [None]
 
-    def _take_cancels(self, poll_senders: bool) -> None:
-        for rid, reason in self.mailbox.take(self.sched.reqs):
-            self._cancel(rid, reason)
-        if poll_senders:  # fallback: the caller's side of the BLS stream went away
-            for rid, st in list(self.streams.items()):
-                try:
-                    gone = st.sender.is_cancelled()
-                except Exception:
-                    gone = False
-                if gone:
-                    self._cancel(rid, "cancelled")
-
-    def _cancel(self, rid: str, reason: str) -> None:
-        self.steps.flush()  # a cancelled running request's tokens go to the cache: none may be a placeholder
-        req = self.sched.cancel(rid, reason)
-        if req is None:
-            return
-        job = self.sched.inflight.get((rid, req.epoch))
-        if (rid, req.epoch) in self.sched.orphans and job is not None and job.source == "prefill":
-            # prefill is computing for it: drop the job (this host's mailbox, or the network transport's store)
-            self.sink.post_cancel(prefill_notice(rid, req.epoch), reason)
-        self._emit(req, [], reason)
-
-    def _transfer(self, msg: PrefillRequest) -> None:
-        """Runs on a transfer thread: asks prefill (this server's over BLS, or a live prefill server over gRPC,
-        failing over to the next when one cannot be reached) and waits for the rows to land; the outcome goes back
-        to the loop as an event, only after the transport has stopped writing for this attempt."""
-        rid, epoch = msg.request_id, msg.epoch
-        exp = self.sink.expect(rid, epoch, msg.dst_slots, msg.dst_state_page)
-        done = TransferDone(rid, epoch, False, error="prefill: no server answered")
-        try:
-            for server in self.prefills.order() if self.prefills is not None else [None]:
-                attempt = replace(msg, kv_handle=exp.kv_handle, state_handle=exp.state_handle)
-                try:
-                    get, err = self._ask_prefill(server, attempt)
-                except Unreachable as e:
-                    done.error = str(e)
-                    self.failovers += 1
-                    exp = self.sink.retry(exp)  # rows the lost server may still send are dropped
-                    continue
-                if err is not None:
-                    done = TransferDone(rid, epoch, False, error=f"prefill: {err}")
-                    break
-                answer = PrefillResponse.decode(get)
-                if answer.epoch != epoch or (msg.sample and answer.first_token is None):
-                    raise ParamError("first_token", f"prefill answered epoch {answer.epoch} token {answer.first_token}")
-                if not self.sink.landed(exp, LAND_TIMEOUT_S):
-                    done = TransferDone(rid, epoch, False, error=f"prefill answered, but its KV did not arrive in "
-                                        f"{LAND_TIMEOUT_S:g} s")  # fmt: skip
-                    break
-                done = TransferDone(rid, epoch, True, answer.first_token)
-                break
-        except Exception as e:
-            done = TransferDone(rid, epoch, False, error=f"prefill call failed: {e}")
-        finally:
-            self.sink.forget(exp)  # nothing writes these slots for this attempt any more
-        self.events.put(done)
-
-    def _ask_prefill(self, server, msg: PrefillRequest):
-        """(getter, None) or (None, error message) from prefill; raises Unreachable for a server not there."""
-        tensors = msg.encode(self.key)
-        if server is not None:
-            get, err = self.prefills.call(server, tensors, f"{msg.request_id}:{msg.epoch}")
-            return get, (None if err is None else err[0])
+    def ask(self, server, msg: PrefillRequest):
+        """(getter, None) or (None, error message) from this server's prefill."""
         resp = (
             tio.pb()
             .InferenceRequest(
                 model_name=PrefillRequest.MODEL,
-                inputs=tio.to_tensors(tensors),
+                inputs=tio.to_tensors(msg.encode(self.key)),
                 requested_output_names=list(PrefillRequest.OUTPUTS),
             )
             .exec()
@@ -533,84 +166,24 @@ class DecodeModel:
             return None, resp.error().message()
         return tio.response_getter(resp), None
 
-    def _prefill_request(self, job: TransferJob) -> PrefillRequest:
-        req = self.sched.reqs[job.rid]
-        params = replace(req.params, seed=req.seed)  # resolved once here: prefill samples with decode's seed
-        # the transport's handles are filled in per attempt (_transfer)
-        return PrefillRequest(
-            job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, "",
-            "", job.state_page,
-        )  # fmt: skip
+    def close(self) -> None:
+        pass
 
-    def _after_token(self, req: InferReq, token: int, num_out: int | None = None) -> None:
-        """`token` is output number num_out (default: the last) of req."""
-        # "length" at sched.max_len: the model's context or the pool's size, whichever is smaller (a request that
-        # outgrew the pool could never be given its next slot)
-        reason = finish_reason(req, token, self.eos, self.sched.max_len, num_out=num_out)
-        if reason:
-            if num_out is not None:
-                drop_after(req, num_out)  # a step launched after this token computed a row for nothing
-            self.sched.finish(req, reason)
-        self._emit(req, [token], reason)
 
-    def _emit(self, req: InferReq, ids: list[int], reason: str | None, error: str | None = None) -> None:
-        final = reason is not None or error is not None
-        stream = self.streams.pop(req.rid, None) if final else self.streams.get(req.rid)
-        self.watchdog.progress()
-        if stream is not None:
-            self.sender.push(Item(stream, DecodeResponse(ids, reason, error, num_pauses=req.num_pauses)))
+class RemotePrefill:
+    """Prefill jobs to prefill servers over gRPC, round robin over the live ones (`PrefillServers`)."""
 
-    def _send(self, stream: Stream, response: DecodeResponse) -> None:
-        """Errors travel as an ordinary final response (finish_reason "error" + error_message): an error response
-        after data responses on a decoupled BLS stream did not reach master's iterator in Triton 2.51."""
-        pb = tio.pb()
-        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if response.final else 0
-        stream.sender.send(pb.InferenceResponse(output_tensors=tio.to_tensors(response.encode())), flags=flags)
+    def __init__(self, urls: str, key: str):
+        self.servers = PrefillServers(parse_urls(urls, "prefill_urls"), PrefillRequest.MODEL, PrefillRequest.OUTPUTS)
+        self.key = key
 
-    def _fail_all(self, message: str) -> None:
-        self.steps.drop()
-        for rid in list(self.sched.reqs):
-            req = self.sched.cancel(rid, "error")
-            if req is not None:
-                self._emit(req, [], None, error=message)
+    def order(self) -> list:
+        return self.servers.order()
 
-    def _gauges(self) -> None:
-        now = time.monotonic()
-        if now - self._last_gauges < 0.05:
-            return
-        self._last_gauges = now
-        s = self.sched
-        n = s.counts()
-        self.g["running"].set(n[ReqState.RUNNING])
-        self.g["queued"].set(n[ReqState.WAITING] + n[ReqState.WAITING_KV])
-        self.g["paused"].set(n[ReqState.PAUSED])
-        self.g["recovering"].set(n[ReqState.RECOVERING])
-        free, used, cached = s.accounting()
-        self.g["used"].set(used)
-        self.g["free"].set(free)
-        self.g["cached"].set(cached)
-        self.g["epoch"].set(s.max_epoch)
-        self.g["host_used"].set(s.host_accounting()[1])
-        if s.host_pages is not None:
-            self.g["host_pages_used"].set(s.host_pages.num_slots - s.host_pages.num_free)
-        if s.state is not None:
-            sfree, live, ckpts = s.state_accounting()
-            self.g["state_free"].set(sfree)
-            self.g["state_used"].set(live)
-            self.g["state_cached"].set(ckpts)
-        self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
-        self._count_deltas("skips", s.host_skips, self.c_host_skips)
-        self._count_deltas("loop", self.loop_time, self.c_loop)
-        self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
-        spec = {"drafts": self.steps.num_drafts, "accepted": self.steps.num_accepted}
-        self._count_deltas("spec", spec, self.c_spec)
-        self._count_deltas("kv", {**self.sink.counts, "failover": self.failovers}, self.c_kv)
-        self.g["stalled"].set(round(self.watchdog.stalled_for(bool(s.reqs)), 1))
+    def ask(self, server, msg: PrefillRequest):
+        """(getter, None) or (None, error message); raises Unreachable for a server not there."""
+        get, err = self.servers.call(server, msg.encode(self.key), f"{msg.request_id}:{msg.epoch}")
+        return get, (None if err is None else err[0])
 
-    def _count_deltas(self, name: str, totals: dict, counters: dict) -> None:
-        """Prometheus counters from the scheduler's running totals."""
-        last = self._reported[name]
-        for k, v in totals.items():
-            if v != last[k]:
-                counters[k].increment(v - last[k])
-                last[k] = v
+    def close(self) -> None:
+        self.servers.close()

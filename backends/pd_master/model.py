@@ -63,6 +63,28 @@ class ClientRequest:
     remote: object = None  # the current segment's stream to a decode server of its own (remote.RemoteStream)
 
 
+@dataclass
+class Answer:
+    """What the relay has built of a client's answer, across segments."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    last: float  # when the last token arrived (the request's start before the first)
+    ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class Segment:
+    """How one decode stream ended."""
+
+    restarted: bool = False  # decode ended it with "restart" (restart mode): master re-submits
+    failure: str | None = None  # an error from decode or from the stream
+    code: str = "INTERNAL"
+    final_part: tuple[str, list[int]] | None = None  # the client's last (text, ids), sent after the stream ends
+
+
 class DrainedStreams:
     """Finished BLS response iterators, held until Triton's stub has surely dropped its own reference to them.
 
@@ -270,98 +292,107 @@ class MasterModel:
         return bls.exec(decoupled=True)
 
     def _relay(self, req: ClientRequest) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopStrings(req.params.stop)
-        all_ids: list[int] = []
-        text_parts: list[str] = []
-        last = req.started
+        """The client's answer from decode's stream, segment by segment (a segment ends at decode's "restart" in
+        restart mode, and master re-submits prompt + generated ids as the next)."""
+        ans = Answer(IncrementalDetokenizer(self.tokenizer), StopStrings(req.params.stop), last=req.started)
         prompt_ids, params, segment = req.prompt_ids, req.params, 0
-        finish = None
-        while finish is None:
-            seg_rid = req.current_rid = req.rid if segment == 0 else f"{req.rid}.{segment}"
-            # every stream is read to its end, whatever happens: a response iterator dropped before its end (master
-            # used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died
-            restarted, failure, code = False, None, "INTERNAL"
-            stream = self._decode_stream(req, DecodeRequest(seg_rid, prompt_ids, params))
-            # final_part: the client's last response of a streamed answer, sent once decode's stream has ended
-            drained, final_part = False, None
-            try:
-                for error, get in self._responses(stream):
-                    if req.abort_reason or restarted or failure is not None:
-                        continue  # drain what decode still sends after a cancel, a restart or an error
-                    if error is not None:
-                        failure = error
-                        continue
-                    part = DecodeResponse.decode(get)
-                    if part is None:
-                        continue  # the empty closing response of the stream
-                    if part.error is not None:
-                        failure, code = part.error, part.error_code
-                        continue
-                    new_ids, reason = part.output_ids, part.finish_reason or ""
-                    if not new_ids and not reason:
-                        continue
-                    all_ids.extend(new_ids)
-                    delta = stops.feed(detok.add(new_ids))
-                    if stops.stopped:
-                        reason = "stop"
-                        self._cancel_everywhere(req, "stop")
-                    elif reason and reason != "restart":
-                        delta += stops.feed(detok.flush()) + stops.flush()
-                    now = time.monotonic()
-                    if new_ids:
-                        (self.m_ttft if last == req.started else self.m_itl).observe(now - last)
-                        last = now
-                    text_parts.append(delta)
-                    # decode's sender merges what is pending for a stream, so a segment's last tokens can arrive in
-                    # the same response as its "restart": they go to the client before the segment ends
-                    restarted = reason == "restart"
-                    final = bool(reason) and not restarted
-                    if final:
-                        finish, final_part = reason, (delta, new_ids)
-                        if stops.stopped:
-                            req.abort_reason = "stop"  # keep draining quietly
-                    elif req.stream and new_ids:
-                        self._send(req, delta, new_ids, None, len(all_ids), False)
-                drained = True
-            finally:
-                if not self._stream_ended(req, stream, drained):
-                    self.drained.keep(stream)
-                stream = None
-                self.drained.reap()
-            if req.stream and final_part is not None:
-                self._send(req, *final_part, finish, len(all_ids), True)
-            if failure is not None:
-                self._finish_with_error(req, failure, code)
+        while ans.finish is None:
+            req.current_rid = req.rid if segment == 0 else f"{req.rid}.{segment}"
+            seg = self._read_segment(req, ans, DecodeRequest(req.current_rid, prompt_ids, params))
+            if req.stream and seg.final_part is not None:
+                self._send(req, *seg.final_part, ans.finish, len(ans.ids), True)
+            if seg.failure is not None:
+                self._finish_with_error(req, seg.failure, seg.code)
                 return
-            if finish is None and not restarted and not req.abort_reason:
+            if ans.finish is None and not seg.restarted and not req.abort_reason:
                 raise RuntimeError("decode closed the stream without a final response")
-            if req.abort_reason and finish is None:
+            if req.abort_reason and ans.finish is None:
                 return  # the watchdog already answered the client (cancel or deadline)
-            if finish is None:  # restart: end of segment; re-submit prompt + generated ids, all recomputed
-                self.m_restarts.increment(1)
-                segment += 1
-                prompt_ids = req.prompt_ids + all_ids
-                left = req.params.max_tokens - len(all_ids)
-                if left <= 0 or len(prompt_ids) >= self.max_context:
-                    finish = "length"
-                    if req.stream:
-                        self._send(req, "", [], finish, len(all_ids), True)
+            if ans.finish is None:
+                nxt = self._next_segment(req, ans)
+                if nxt is None:
                     break
-                params = SamplingParams(
-                    **{
-                        **req.params.to_dict(),
-                        "max_tokens": left,
-                        "min_tokens": max(0, req.params.min_tokens - len(all_ids)),
-                    }
-                )
+                prompt_ids, params = nxt
+                segment += 1
+        self._complete(req, ans)
+
+    def _read_segment(self, req: ClientRequest, ans: Answer, msg: DecodeRequest) -> Segment:
+        """One decode stream, read to its end whatever happens: a response iterator dropped before its end (master
+        used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died."""
+        seg = Segment()
+        stream = self._decode_stream(req, msg)
+        drained = False
+        try:
+            for error, get in self._responses(stream):
+                if req.abort_reason or seg.restarted or seg.failure is not None:
+                    continue  # drain what decode still sends after a cancel, a restart or an error
+                if error is not None:
+                    seg.failure = error
+                    continue
+                part = DecodeResponse.decode(get)
+                if part is None:
+                    continue  # the empty closing response of the stream
+                if part.error is not None:
+                    seg.failure, seg.code = part.error, part.error_code
+                    continue
+                self._take(req, ans, seg, part.output_ids, part.finish_reason or "")
+            drained = True
+        finally:
+            if not self._stream_ended(req, stream, drained):
+                self.drained.keep(stream)
+            stream = None
+            self.drained.reap()
+        return seg
+
+    def _take(self, req: ClientRequest, ans: Answer, seg: Segment, new_ids: list[int], reason: str) -> None:
+        """One response of decode's: its tokens to text (stop strings cut it), latency metrics, and to the client
+        now (streaming) or with the final response."""
+        if not new_ids and not reason:
+            return
+        ans.ids.extend(new_ids)
+        delta = ans.stops.feed(ans.detok.add(new_ids))
+        if ans.stops.stopped:
+            reason = "stop"
+            self._cancel_everywhere(req, "stop")
+        elif reason and reason != "restart":
+            delta += ans.stops.feed(ans.detok.flush()) + ans.stops.flush()
+        now = time.monotonic()
+        if new_ids:
+            (self.m_ttft if ans.last == req.started else self.m_itl).observe(now - ans.last)
+            ans.last = now
+        ans.text_parts.append(delta)
+        # decode's sender merges what is pending for a stream, so a segment's last tokens can arrive in the same
+        # response as its "restart": they go to the client before the segment ends
+        seg.restarted = reason == "restart"
+        if reason and not seg.restarted:  # the answer's end: its last part goes out once decode's stream has ended
+            ans.finish, seg.final_part = reason, (delta, new_ids)
+            if ans.stops.stopped:
+                req.abort_reason = "stop"  # keep draining quietly
+        elif req.stream and new_ids:
+            self._send(req, delta, new_ids, None, len(ans.ids), False)
+
+    def _next_segment(self, req: ClientRequest, ans: Answer) -> tuple[list[int], SamplingParams] | None:
+        """After a restart: the next segment's prompt (prompt + generated ids, all recomputed) and parameters, or
+        None when the answer is already complete (it ends with "length")."""
+        self.m_restarts.increment(1)
+        prompt_ids = req.prompt_ids + ans.ids
+        left = req.params.max_tokens - len(ans.ids)
+        if left <= 0 or len(prompt_ids) >= self.max_context:
+            ans.finish = "length"
+            if req.stream:
+                self._send(req, "", [], ans.finish, len(ans.ids), True)
+            return None
+        left_min = max(0, req.params.min_tokens - len(ans.ids))
+        return prompt_ids, SamplingParams(**{**req.params.to_dict(), "max_tokens": left, "min_tokens": left_min})
+
+    def _complete(self, req: ClientRequest, ans: Answer) -> None:
+        """A non-streamed answer goes out whole (with the prompt unless excluded); the request counts as served."""
         if not req.stream:
-            text = "".join(text_parts)
-            ids = all_ids
+            text, ids = "".join(ans.text_parts), ans.ids
             if not req.exclude_input:
                 prompt_text = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(req.prompt_ids)
-                text, ids = prompt_text + text, req.prompt_ids + all_ids
-            self._send(req, text, ids, finish, len(all_ids), True)
+                text, ids = prompt_text + text, req.prompt_ids + ans.ids
+            self._send(req, text, ids, ans.finish, len(ans.ids), True)
         self.m_requests.increment(1)
 
     def _responses(self, stream):

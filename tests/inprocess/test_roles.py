@@ -210,3 +210,39 @@ def test_cancel_during_recovery_keeps_its_slots_until_prefill_has_answered(serve
         if i != victim:
             assert a.finish_reason == "length" and a.ids == expected[i], (i, a.finish_reason, a.error)
     released(s)
+
+
+class FailingOver:
+    """Decode's prefill client with a first server that cannot be reached: every job tries it, then this server's
+    prefill (the client decode uses for prefill servers over gRPC behaves the same way: `RemotePrefill`)."""
+
+    def __init__(self, live):
+        self.live, self.asked = live, []
+
+    def order(self) -> list:
+        return ["dead:1", None]
+
+    def ask(self, server, msg):
+        from backends.common.transfer.remote import Unreachable
+
+        self.asked.append(server)
+        if server == "dead:1":
+            raise Unreachable("dead:1: connection refused")
+        return self.live.ask(server, msg)
+
+    def close(self) -> None:
+        pass
+
+
+def test_prefill_jobs_fail_over_to_the_next_server_and_stay_exact(serve, expected):
+    """Every prompt and every recovery first goes to a prefill server that is not there: the job is retried on the
+    next (the first attempt's rows, were any to come, dropped), counted, and every answer is still exact."""
+    s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0, "host_kv_tokens": 0,
+                      "fault_injection": "drop_paused_kv"})  # fmt: skip
+    client = s.decode.loop.prefill = FailingOver(s.decode.prefill)
+    answers = run_all(s)
+    assert [a.ids for a in answers] == expected
+    assert client.asked.count("dead:1") == client.asked.count(None) >= 4 + 1  # four prompts and a recovery
+    assert s.metric("pd_prefill_failovers_total") == client.asked.count("dead:1")
+    assert s.metric("pd_recoveries_total", path="prefill") >= 1
+    released(s)
