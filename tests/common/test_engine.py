@@ -10,9 +10,10 @@ from tests.conftest import hf_greedy
 
 PROMPTS = [
     ("plain", "The history of the Roman Empire"),
-    ("plain", "def fibonacci(n):"),
     ("chat", "What is the capital of France?"),
-    ("chat", "Write a haiku about the sea."),
+    # one plain and one chat prompt in `make test-fast`; these two in `make test`
+    pytest.param("plain", "def fibonacci(n):", marks=pytest.mark.slow),
+    pytest.param("chat", "Write a haiku about the sea.", marks=pytest.mark.slow),
 ]
 
 

@@ -12,6 +12,10 @@ from backends.common.core.request import SamplingParams
 from tests.conftest import hf_greedy
 from tests.hybrid.conftest import chunked_logits, make_engine, prompt
 
+# whole-model runs through the kernels: seconds each on a GPU, tens of seconds in Triton's CPU interpreter, so
+# `make test-fast` (-m "not slow") leaves them to `make test`
+WHOLE_MODEL = pytest.mark.slow
+
 
 def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -108,6 +112,7 @@ def test_random_hybrid_shape_generates():
     assert len(out.output_ids) == 6 and eng.cfg.is_hybrid
 
 
+@WHOLE_MODEL
 def test_delta_rule_kernels_in_the_engine_give_the_same_tokens(hybrid_folder, engine):
     """The engine with the Triton delta-rule kernels (the interpreter on a CPU) against the PyTorch reference:
     mixed prefill spans (one varlen launch) and batched decode steps writing the pages in place."""

@@ -19,6 +19,10 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conft
 # interpreter: the tiny model's shapes; GPU: Qwen3-Next's (32 value heads of 128 x 128)
 SHAPES = [(2, 16, 32)] if DEVICE == "cpu" else [(2, 16, 32), (32, 128, 128)]
 
+# whole-model runs through the kernels: seconds each on a GPU, tens of seconds in Triton's CPU interpreter, so
+# `make test-fast` (-m "not slow") leaves them to `make test`
+WHOLE_MODEL = pytest.mark.slow
+
 
 def inputs(T, H, DK, DV, gen):
     def r(*s):
@@ -83,6 +87,7 @@ def test_chunked_varlen_equals_reference_and_recurrent(H, DK, DV):
     torch.testing.assert_close(s, s2, atol=1e-4, rtol=1e-4)
 
 
+@WHOLE_MODEL
 def test_engine_with_the_kernels_equals_the_pytorch_path():
     """random:tiny-hybrid end to end (fp32, greedy): ragged prefill spans in one varlen launch, batched decode
     steps in place, prefix hits restoring checkpoints; the same tokens as the PyTorch path. On the CPU with dense

@@ -31,6 +31,10 @@ TOL = dict(atol=3e-2, rtol=3e-2) if DTYPE == torch.bfloat16 else dict(atol=2e-4,
 # the CPU test shape: random:tiny-hybrid with dense MLPs; the GPU adds Qwen3-Next's head shapes
 DENSE_TINY = dataclasses.replace(SHAPES["tiny-hybrid"], num_experts=0)
 
+# whole-model runs through the kernels: seconds each on a GPU, tens of seconds in Triton's CPU interpreter, so
+# `make test-fast` (-m "not slow") leaves them to `make test`
+WHOLE_MODEL = pytest.mark.slow
+
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
@@ -196,6 +200,7 @@ def ref_forward(r, spans):
     return model.forward(build_batch(spans, torch.device(DEVICE)), kv, st)
 
 
+@WHOLE_MODEL
 @pytest.mark.parametrize("name,cfg", shapes(), ids=[n for n, _ in shapes()])
 def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
     """Three sequences prefilled (eagerly), then decode steps replayed from the graph of size 4 (one padding row),
@@ -236,6 +241,7 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
     assert not torch.equal(gpu.state.buffer[gpu.pad_page], pad_before)  # the padding row ran, on its own page
 
 
+@WHOLE_MODEL
 def test_launch_greedy_feeds_unread_tokens_and_equals_greedy_decoding():
     """Overlapped graph steps (ids of -1: the token the previous step sampled, still on the device) give the
     argmax tokens the PyTorch model's greedy decoding gives."""
@@ -271,6 +277,7 @@ def test_launch_greedy_feeds_unread_tokens_and_equals_greedy_decoding():
     assert outs == ref_out
 
 
+@WHOLE_MODEL
 @pytest.mark.parametrize("name,cfg", shapes()[:3], ids=[n for n, _ in shapes()[:3]])
 def test_eager_prefill_over_a_cached_prefix_with_a_lone_decode_equals_the_pytorch_model(name, cfg):
     """The eager path's full attention runs every span that is not one of several decodes in the paged flash
@@ -310,6 +317,7 @@ def test_folded_shared_expert_is_held_once():
     assert not any(".experts." in name for name in w)
 
 
+@WHOLE_MODEL
 def test_verify_and_mtp_graphs_equal_the_pytorch_model():
     """Speculative steps in graphs (GpuHybrid.capture_speculative): two sequences verify an input token and a
     draft, one has no draft (a padding column). Logits of every verified row, the MTP head's logits over the
