@@ -16,6 +16,7 @@ from .common.engine.sizing import (  # noqa: F401 (re-exported: the launcher's s
     default_host_kv_tokens,
     default_kv_tokens,
     default_max_streams,
+    default_dtype,
     default_prefill_kv_tokens,
     kv_bytes_per_token,
     state_bytes,
@@ -136,7 +137,7 @@ class Deployment:
 
         cfg = loader.load_config(loader.resolve(a.model))
         gpu = a.device == "gpu" or (a.device == "auto" and n_gpus > 0)
-        dtype = a.dtype or ("bfloat16" if gpu else "float32")
+        dtype = default_dtype(a.dtype, gpu)
         workdir = Path(a.workdir or PROJECT_ROOT / ".run" / f"serve-{a.http_port}").resolve()
         deployment_id = secrets.token_hex(4)
         per_token = kv_bytes_per_token(cfg, dtype)

@@ -6,6 +6,11 @@ from __future__ import annotations
 import os
 
 
+def default_dtype(dtype: str, gpu: bool) -> str:
+    """The weights' and KV's dtype: the one given, else float32 on CPU and bfloat16 on a GPU."""
+    return dtype or ("bfloat16" if gpu else "float32")
+
+
 def cpu_threads_per_instance(instances: int) -> int:
     """The cores this process may use, shared among the compute instances (prefill and decode run at the same
     time; torch's OpenMP threads spin at every barrier, so oversubscribed cores slow each step several-fold)."""
@@ -78,7 +83,7 @@ def resolve_decode(c, model_cfg, gpu: bool, device: int, instances: int):
     this model's instances in the server (the host tier's share of memory, the cores' share)."""
     from dataclasses import replace
 
-    dtype = c.dtype or ("bfloat16" if gpu else "float32")
+    dtype = default_dtype(c.dtype, gpu)
     per_token = kv_bytes_per_token(model_cfg, dtype)
     kv = c.kv_tokens or default_kv_tokens(
         model_cfg, per_token, gpu, c.kv_memory_fraction, device, c.state_pages, c.max_batch
@@ -96,7 +101,7 @@ def resolve_prefill(c, model_cfg, gpu: bool, instances: int):
 
     return replace(
         c,
-        dtype=c.dtype or ("bfloat16" if gpu else "float32"),
+        dtype=default_dtype(c.dtype, gpu),
         prefill_kv_tokens=c.prefill_kv_tokens or default_prefill_kv_tokens(model_cfg, gpu),
         cpu_threads=c.cpu_threads or cpu_threads_per_instance(instances + 1),
     )
