@@ -13,10 +13,10 @@ from .common.core import role_config
 from .common.core.role_config import DecodeConfig, MasterConfig, PrefillConfig, pbtxt_string
 from .common.engine.sizing import (  # noqa: F401 (re-exported: the launcher's sizing)
     cpu_threads_per_instance,
+    default_dtype,
     default_host_kv_tokens,
     default_kv_tokens,
     default_max_streams,
-    default_dtype,
     default_prefill_kv_tokens,
     kv_bytes_per_token,
     state_bytes,
