@@ -125,8 +125,8 @@ def test_delta_rule_kernels_in_the_engine_give_the_same_tokens(hybrid_folder, en
     fast = make_engine(hybrid_folder, device=device, backend="triton")
     fast_model = fast.runner.model  # the graph step (GpuHybrid) over an eager model with the kernels
     assert getattr(fast_model, "eager", fast_model).kd is not None and ref.runner.model.kd is None
-    want = [o.output_ids for o in ref.generate(prompts, greedy(12))]
-    assert [o.output_ids for o in fast.generate(prompts, greedy(12))] == want
+    want = [o.output_ids for o in ref.generate(prompts, greedy(6))]  # 6 steps: each takes seconds interpreted
+    assert [o.output_ids for o in fast.generate(prompts, greedy(6))] == want
     assert_idle(fast)
 
 
