@@ -47,9 +47,12 @@ def prefill_stub_pids(server) -> list[int]:
 
 
 def test_prefill_killed_during_recovery():
-    s = Server("--kv-tokens", "640", "--fault-injection", "drop_paused_kv", name="killprefill")
+    """random:tiny-test (the model does not matter here); every prefill job waits 3 s first, so the recovery job is
+    still held when its stub is killed, and paused KV is dropped (no host tier either), so recovery needs prefill."""
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "640", "--host-kv-tokens", "0",
+               "--fault-injection", "drop_paused_kv,slow_prefill", "--exit-timeout", "2", name="killprefill")  # fmt: skip
     try:
-        threads, results = start_streams(s, 3, 300)
+        threads, results = start_streams(s, 3, 300, repeat=2)  # byte tokens: prompts of about 180
         t0 = time.monotonic()
         while s.metric("pd_prefill_jobs_total", kind="recovery") < 1 and time.monotonic() - t0 < 120:
             time.sleep(0.02)
@@ -112,7 +115,7 @@ def test_a_killed_launcher_takes_its_tritonserver_and_stubs_with_it():
     Before, tritonserver ran on in a session of its own and held its ports for minutes."""
     from backends.supervisor import ports_in_use, process_alive, python_stubs
 
-    s = Server("--kv-tokens", "512", "--exit-timeout", "2", name="orphan")
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "512", "--exit-timeout", "2", name="orphan")
     try:
         out = subprocess.run(["pgrep", "-P", str(s.proc.pid), "tritonserver"], capture_output=True, text=True)
         (server_pid,) = [int(p) for p in out.stdout.split()]
@@ -175,7 +178,7 @@ def test_a_killed_bench_takes_the_servers_it_started_with_it(tmp_path):
 def test_a_client_holding_a_stream_open_does_not_hold_the_stop_for_ever():
     """Triton 2.51's shutdown waits for a gRPC stream a client keeps open, past its exit timeout (measured: the
     launcher was still waiting after 60 s). The launcher kills it `--exit-timeout` + 10 s after the stop began."""
-    s = Server("--kv-tokens", "512", "--exit-timeout", "2", name="held")
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "512", "--exit-timeout", "2", name="held")
     try:
         c = StreamClient(s.grpc_url, text="hi", params={"max_tokens": 2, "ignore_eos": True})
         assert c.read(timeout=60).error is None  # answered; the client never closes its stream
