@@ -19,6 +19,8 @@ from .common.engine.sizing import (  # noqa: F401 (re-exported: the launcher's s
     default_max_streams,
     default_prefill_kv_tokens,
     kv_bytes_per_token,
+    resolve_decode,
+    resolve_prefill,
     state_bytes,
 )
 
@@ -137,40 +139,31 @@ class Deployment:
 
         cfg = loader.load_config(loader.resolve(a.model))
         gpu = a.device == "gpu" or (a.device == "auto" and n_gpus > 0)
-        dtype = default_dtype(a.dtype, gpu)
         workdir = Path(a.workdir or PROJECT_ROOT / ".run" / f"serve-{a.http_port}").resolve()
         deployment_id = secrets.token_hex(4)
-        per_token = kv_bytes_per_token(cfg, dtype)
-        state_pages = getattr(a, "state_pages", 0) or 0
-        kv_tokens = a.kv_tokens or default_kv_tokens(
-            cfg, per_token, gpu, a.kv_memory_fraction, parse_gpus(a.decode_gpus)[0] if gpu else 0, state_pages,
-            a.max_batch,
-        )  # fmt: skip
         if getattr(a, "exit_timeout", EXIT_TIMEOUT_S) < 0:
             raise ValueError("--exit-timeout: must be >= 0 seconds")
-        host_kv = a.host_kv_tokens
-        if host_kv is None:
-            host_kv = 0 if cfg.is_hybrid else default_host_kv_tokens(per_token, kv_tokens, a.decode_instances)
         role, urls = _role_urls(a)
         key = getattr(a, "internal_key_file", None)
         key_file = Path(key).resolve() if key else workdir / "internal_key"
         mailbox = Path("/dev/shm") / f"triton-pd-{deployment_id}"
         wiring = dict(model=a.model, internal_key_file=str(key_file), deployment=deployment_id)
+        # the cores are shared by every compute instance this server runs; the rest of the machine-dependent
+        # defaults (dtype, pools, host tier) are filled in by the same functions a role given no config uses
         threads = a.cpu_threads or cpu_threads_per_instance(
             (a.prefill_instances if role in ("all", "prefill") else 0)
             + (a.decode_instances if role in ("all", "decode") else 0)
         )
+        state_pages = getattr(a, "state_pages", 0) or 0
         decode = role_config.from_args(
-            DecodeConfig, a, **wiring, mailbox_dir=str(mailbox), dtype=dtype, cpu_threads=threads,
-            kv_tokens=kv_tokens, host_kv_tokens=host_kv, state_pages=state_pages,
+            DecodeConfig, a, **wiring, mailbox_dir=str(mailbox), cpu_threads=threads, state_pages=state_pages,
             speculative=_speculative(getattr(a, "speculative", "off"), cfg), prefill_urls=",".join(urls["prefill"]),
             kv_transport=getattr(a, "kv_transport", None) or ("dist" if role == "decode" else "ipc"),
             kv_address=getattr(a, "kv_address", None) or (socket.gethostname() if role == "decode" else "127.0.0.1"),
         )  # fmt: skip
-        prefill = role_config.from_args(
-            PrefillConfig, a, **wiring, dtype=dtype, cpu_threads=threads, state_pages=state_pages,
-            prefill_kv_tokens=a.prefill_kv_tokens or default_prefill_kv_tokens(cfg, gpu),
-        )  # fmt: skip
+        decode = resolve_decode(decode, cfg, gpu, parse_gpus(a.decode_gpus)[0] if gpu else 0, a.decode_instances)
+        prefill = role_config.from_args(PrefillConfig, a, **wiring, cpu_threads=threads, state_pages=state_pages)
+        prefill = resolve_prefill(prefill, cfg, gpu, a.prefill_instances)
         master = role_config.from_args(
             MasterConfig, a, **wiring, mailbox_dir=str(mailbox), decode_urls=",".join(urls["decode"]),
             max_streams=a.max_streams

@@ -52,7 +52,6 @@ class DecodeModel:
             cfg.model, cfg.dtype, device, kv_tokens, kv_shm_name=shm, max_batch=cfg.max_batch,
             state_pages=cfg.state_pages or None, state_shm_name=shm and shm + "_state",
         )  # fmt: skip
-        self.eos = self.runner.cfg.eos_token_ids
         state = self.runner.state
         self.mailbox = Mailbox(mailbox_dir(cfg))
         self.sink = self._sink(cfg, f"{cfg.deployment}:{self.instance}")
