@@ -49,8 +49,8 @@ def prefill_stub_pids(server) -> list[int]:
 def test_prefill_killed_during_recovery():
     """random:tiny-test (the model does not matter here); every prefill job waits 3 s first, so the recovery job is
     still held when its stub is killed, and paused KV is dropped (no host tier either), so recovery needs prefill."""
-    s = Server("--model", "random:tiny-test", "--kv-tokens", "640", "--host-kv-tokens", "0",
-               "--fault-injection", "drop_paused_kv,slow_prefill", "--exit-timeout", "2", name="killprefill")  # fmt: skip
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "640", "--host-kv-tokens", "0", "--exit-timeout", "2",
+               "--fault-injection", "drop_paused_kv,slow_prefill", name="killprefill")  # fmt: skip
     try:
         threads, results = start_streams(s, 3, 300, repeat=2)  # byte tokens: prompts of about 180
         t0 = time.monotonic()
