@@ -62,7 +62,7 @@ GROUPS = {
     "model": {"core"},  # weights, tokenizers, KV and state stores, the models and their GPU paths
     "engine": {"core", "model"},  # the runner, the offline engine, sampling, sizing
     "transfer": {"core", "model"},  # KV between roles and servers, mailbox, gRPC clients
-    "serving": {"core"},  # Triton I/O, wire messages, stream sender, metrics
+    "serving": {"core"},  # Triton I/O, wire messages, stream sender, reply channel, metrics
 }
 
 

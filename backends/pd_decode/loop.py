@@ -86,6 +86,7 @@ class DecodeLoop:
         send: Callable[[Stream, DecodeResponse], None],
         metrics: Metrics,
         *,
+        send_flush: Callable[[], None] | None = None,
         overlap: bool = True,
         speculative: str = "off",
         stall_seconds: float = 30.0,
@@ -104,7 +105,7 @@ class DecodeLoop:
         self.faults = faults
         self.events: queue.Queue = queue.Queue()
         self.streams: dict[str, Stream] = {}
-        self.sender = StreamSender(send)
+        self.sender = StreamSender(send, send_flush)
         self.transfers = ThreadPoolExecutor(max_workers=prefill_concurrency, thread_name_prefix="pd-transfer")
         self._metrics(metrics)
         self.stopping = threading.Event()

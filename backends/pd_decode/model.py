@@ -7,6 +7,10 @@ Triton glue: it reads the config, builds the runner, scheduler, host tier and KV
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
 
 from backends.common.core.kv_pool import KVPool
 from backends.common.core.request import InferReq, ParamError
@@ -18,6 +22,7 @@ from backends.common.engine.sizing import resolve_decode
 from backends.common.model.loader import load_config, resolve
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
+from backends.common.serving.reply_channel import ReplyChannels
 from backends.common.serving.wire import DecodeRequest, DecodeResponse, PrefillRequest
 from backends.common.transfer.kv_transport import DistSink, IpcSink, check_kind
 from backends.common.transfer.mailbox import Mailbox
@@ -30,6 +35,10 @@ from .scheduler import DecodeScheduler
 # --rotation-prefetch: slots per running request left free for its growth until the prefetched request's turn
 # (a quantum of 0.1 s is about 10-25 decode steps; speculation can take two slots a step)
 PREFETCH_MARGIN = 64
+# reply channel: the sender's pause after each round, per stream open through it, and at most. Master's work goes
+# with the parts it relays: one token per part at 256 streams outpaced it (perf/results/served_replies_h200.md)
+REPLY_PACE_S = 160e-6
+REPLY_PACE_MAX_S = 0.04
 
 
 class DecodeModel:
@@ -54,6 +63,9 @@ class DecodeModel:
         )  # fmt: skip
         state = self.runner.state
         self.mailbox = Mailbox(mailbox_dir(cfg))
+        self.replies = ReplyChannels(mailbox_dir(cfg), self.key)
+        self._pending: list = []  # reply-channel parts of the sender's current round (its thread only)
+        self._open_replies, self._open_lock = 0, threading.Lock()  # streams answered through a reply channel
         self.sink = self._sink(cfg, f"{cfg.deployment}:{self.instance}")
         # prefill of this server (BLS) or prefill servers over gRPC, with failover between them
         self.prefill = RemotePrefill(cfg.prefill_urls, self.key) if cfg.prefill_urls else BlsPrefill(self.key)
@@ -87,7 +99,7 @@ class DecodeModel:
             self.runner, self.sched, self.sink, self.mailbox, self.host_kv, self.prefill, self._send,
             Metrics({"model": "pd_decode", "instance": self.instance}), overlap=cfg.decode_overlap == "on",
             speculative=spec, stall_seconds=cfg.stall_seconds, prefill_concurrency=cfg.prefill_concurrency,
-            faults=faults, name=self.instance,
+            faults=faults, name=self.instance, send_flush=self._flush_replies,
         )  # fmt: skip
         self.loop.start()
 
@@ -116,6 +128,23 @@ class DecodeModel:
                 self.mailbox.post(msg.request_id, msg.cancel)
                 sender.send(flags=tio.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
+            if msg.reply_to:
+                try:
+                    path = self.replies.check(msg.reply_to)
+                    self.replies.get(path)
+                except (ValueError, OSError) as e:
+                    pb = tio.pb()
+                    code = "INVALID_ARG" if isinstance(e, ValueError) else "UNAVAILABLE"
+                    sender.send(
+                        pb.InferenceResponse(output_tensors=[], error=tio.error(f"reply_to: {e}", code)),
+                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                    )
+                    continue
+                # the response exec() returns to master; the next on this stream is its final flag
+                sender.send(tio.pb().InferenceResponse(output_tensors=tio.to_tensors(DecodeResponse().encode())))
+                sender = Replied(sender, path)
+                with self._open_lock:
+                    self._open_replies += 1
             self.loop.arrive(InferReq(msg.request_id, msg.input_ids, msg.params), sender)
         return None
 
@@ -123,6 +152,7 @@ class DecodeModel:
         self.loop.stop()
         self.sink.close()
         self.prefill.close()
+        self.replies.close()
         if self.host_kv is not None:
             self.host_kv.close()
         self.runner.kv.close(unlink=True)
@@ -132,13 +162,70 @@ class DecodeModel:
 
     def _send(self, stream, response: DecodeResponse) -> None:
         """Errors travel as an ordinary final response (finish_reason "error" + error_message): an error response
-        after data responses on a decoupled BLS stream did not reach master's iterator in Triton 2.51."""
+        after data responses on a decoupled BLS stream did not reach master's iterator in Triton 2.51. A stream
+        with a reply channel has its part queued for `_flush_replies`, at the end of the sender's round."""
+        if isinstance(stream.sender, Replied):
+            self._pending.append((stream, response))
+            return
         pb = tio.pb()
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if response.final else 0
         stream.sender.send(pb.InferenceResponse(output_tensors=tio.to_tensors(response.encode())), flags=flags)
 
+    def _flush_replies(self) -> None:
+        """One frame per master socket with every part of this round, then the final flag of each stream that
+        ended. A socket that fails ends its streams with an error on their BLS streams (master answers its
+        clients with it), and the loop drops those requests at its next look at the senders."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        by_path: dict[str, list] = defaultdict(list)
+        for stream, response in pending:
+            by_path[stream.sender.path].append((stream, response))
+        pb = tio.pb()
+        for path, parts in by_path.items():
+            try:
+                self.replies.get(path).send([(stream.rid, response) for stream, response in parts])
+                failed = None
+            except OSError as e:
+                failed = f"decode lost its reply channel to master ({e})"
+                self._log(failed)
+            for stream, response in parts:
+                r: Replied = stream.sender
+                if failed is None and not response.final:
+                    continue
+                r.gone = failed is not None
+                stream.closed = True
+                try:
+                    if failed is None:
+                        r.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    else:
+                        out = tio.to_tensors(DecodeResponse(error=failed, error_code="UNAVAILABLE").encode())
+                        r.sender.send(
+                            pb.InferenceResponse(output_tensors=out), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+                        )
+                except Exception as e:
+                    self._log(f"final flag to {stream.rid} not sent: {e!r}")
+        # the next round merges what is pending meanwhile (REPLY_PACE_S)
+        with self._open_lock:
+            self._open_replies -= sum(1 for stream, _ in pending if stream.closed)
+            open_now = self._open_replies
+        time.sleep(min(REPLY_PACE_S * open_now, REPLY_PACE_MAX_S))
+
     def _log(self, message: str) -> None:
         print(f"[triton-pd] {self.instance}: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(eq=False)
+class Replied:
+    """A request's sender when master named a reply socket: the BLS stream's own sender (for the final flag and
+    cancellation) and the socket's path."""
+
+    sender: object
+    path: str
+    gone: bool = False  # the socket failed: the request ends at the loop's next look at its senders
+
+    def is_cancelled(self) -> bool:
+        return self.gone or self.sender.is_cancelled()
 
 
 class BlsPrefill:

@@ -5,6 +5,7 @@ enforces the total deadline and notices client cancellation, even while decode h
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from backends.common.model.loader import load_config, load_tokenizer, resolve
 from backends.common.model.tokenizer import TemplateError
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
+from backends.common.serving.reply_channel import ReplyInbox, socket_path
 from backends.common.serving.wire import DecodeRequest, DecodeResponse
 from backends.common.transfer.mailbox import Mailbox
 from backends.common.transfer.remote import DecodeServers, parse_urls
@@ -85,6 +87,23 @@ class Segment:
     final_part: tuple[str, list[int]] | None = None  # the client's last (text, ids), sent after the stream ends
 
 
+BLS_END = object()  # queued by a reply channel's BLS reader after the stream's last response
+REPLY_GRACE_S = 10.0  # how long the last parts may trail the BLS stream's end (they were sent before it)
+
+
+@dataclass(eq=False)
+class ReplyWait:
+    """One decode stream answered through the reply channel: the queue its socket parts and its BLS stream's
+    responses meet in, and whether the BLS stream has ended."""
+
+    q: queue.SimpleQueue
+    ended: bool = False
+
+    def wait_end(self) -> None:
+        while not self.ended:
+            self.ended = self.q.get() is BLS_END
+
+
 class DrainedStreams:
     """Finished BLS response iterators, held until Triton's stub has surely dropped its own reference to them.
 
@@ -145,6 +164,11 @@ class MasterModel:
         # decode servers of their own, over gRPC; none: this server's pd_decode
         self.decoders = DecodeServers(parse_urls(cfg.decode_urls, "decode_urls"), DecodeRequest.MODEL,
                                       DecodeResponse.OUTPUTS) if cfg.decode_urls else None  # fmt: skip
+        # this server's decode answers through a socket beside each BLS stream (reply_channel.py says why)
+        self.inbox = None
+        if self.decoders is None and cfg.decode_replies == "socket":
+            instance = args.get("model_instance_name", "pd_master")
+            self.inbox = ReplyInbox(socket_path(mailbox_dir(cfg), instance), self.key)
         self.max_inflight = cfg.max_inflight
         # decode streams open at once; requests beyond wait here (their wait counts in TTFT and in the deadline)
         self.streams = threading.BoundedSemaphore(cfg.max_streams or DEFAULT_MAX_STREAMS)
@@ -255,6 +279,8 @@ class MasterModel:
         self.stop_event.set()
         for req in list(self.active.values()):
             self._cancel_everywhere(req, "shutdown")
+        if self.inbox is not None:
+            self.inbox.close()
         self.metrics.close()
 
     # ---- one request -------------------------------------------------------------------------------------
@@ -284,6 +310,8 @@ class MasterModel:
                 lambda reason: DecodeRequest(msg.request_id, [], msg.params, reason).encode(self.key),
             )  # fmt: skip
             return req.remote
+        if self.inbox is not None:
+            msg.reply_to = self.inbox.path
         bls = tio.pb().InferenceRequest(
             model_name=DecodeRequest.MODEL,
             inputs=tio.to_tensors(msg.encode(self.key)),
@@ -320,16 +348,21 @@ class MasterModel:
         """One decode stream, read to its end whatever happens: a response iterator dropped before its end (master
         used to stop reading at "restart" or at an error) is the pattern under which Triton 2.51's stub died."""
         seg = Segment()
-        stream = self._decode_stream(req, msg)
+        wait = ReplyWait(self.inbox.open(msg.request_id)) if self.inbox is not None else None
+        try:
+            stream = self._decode_stream(req, msg)
+        except BaseException:
+            if wait is not None:
+                self.inbox.discard(msg.request_id)
+            raise
         drained = False
         try:
-            for error, get in self._responses(stream):
+            for error, part in self._parts(stream, wait):
                 if req.abort_reason or seg.restarted or seg.failure is not None:
                     continue  # drain what decode still sends after a cancel, a restart or an error
                 if error is not None:
                     seg.failure = error
                     continue
-                part = DecodeResponse.decode(get)
                 if part is None:
                     continue  # the empty closing response of the stream
                 if part.error is not None:
@@ -338,7 +371,9 @@ class MasterModel:
                 self._take(req, ans, seg, part.output_ids, part.finish_reason or "")
             drained = True
         finally:
-            if not self._stream_ended(req, stream, drained):
+            if wait is not None:
+                self.inbox.discard(msg.request_id)
+            if not self._stream_ended(req, stream, drained, wait):
                 self.drained.keep(stream)
             stream = None
             self.drained.reap()
@@ -395,21 +430,77 @@ class MasterModel:
             self._send(req, text, ids, ans.finish, len(ans.ids), True)
         self.m_requests.increment(1)
 
-    def _responses(self, stream):
-        """(error message or None, output getter) per response, from either kind of decode stream."""
+    def _parts(self, stream, wait: ReplyWait | None):
+        """(error message or None, DecodeResponse or None) per response of decode's, from any kind of stream: a
+        gRPC stream to a decode server, this server's BLS stream, or its reply channel with the BLS stream."""
         if self.decoders is not None:
-            yield from stream
+            for error, get in stream:
+                yield error, None if error is not None else DecodeResponse.decode(get)
             return
+        if wait is None:
+            for error, get in self._bls_responses(stream):
+                yield error, None if error is not None else DecodeResponse.decode(get)
+            return
+        threading.Thread(target=self._read_bls, args=(stream, wait.q), name="pd-master-bls", daemon=True).start()
+        final, held = False, None
+        while not (final and wait.ended):
+            try:
+                item = held if held is not None else wait.q.get(timeout=REPLY_GRACE_S if wait.ended else None)
+                held = None
+            except queue.Empty:
+                final = True
+                yield "decode's stream ended before its last response arrived", None
+                continue
+            if isinstance(item, DecodeResponse) and not final:
+                # parts that queued up while the client's last response went out go out as one
+                while not item.final:
+                    try:
+                        more = wait.q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(more, DecodeResponse) or more.error is not None:
+                        held = more
+                        break
+                    item = DecodeResponse(item.output_ids + more.output_ids, more.finish_reason, None, "INTERNAL",
+                                          more.num_pauses)  # fmt: skip
+            if item is BLS_END:
+                wait.ended = True
+            elif isinstance(item, tuple):  # on the BLS stream: the accept (empty), or decode refusing the request
+                error, part = item
+                if error is not None or (part is not None and (part.final or part.output_ids)):
+                    if not final:
+                        yield error, part
+                    final = True
+            elif not final:  # a part from the socket
+                final = item.final
+                yield None, item
+
+    def _bls_responses(self, stream):
         for resp in stream:
             yield (resp.error().message(), None) if resp.has_error() else (None, tio.response_getter(resp))
 
-    def _stream_ended(self, req: ClientRequest, stream, drained: bool) -> bool:
+    def _read_bls(self, stream, q: queue.SimpleQueue) -> None:
+        """A reply channel's BLS stream, read to its end on a thread of its own (its relay reads the socket's
+        parts): its responses, then BLS_END, go to the relay's queue."""
+        try:
+            for error, get in self._bls_responses(stream):
+                q.put((error, None if error is not None else DecodeResponse.decode(get)))
+        except Exception as e:
+            q.put((f"decode stream failed: {e}", None))
+        finally:
+            stream = None
+            q.put(BLS_END)
+
+    def _stream_ended(self, req: ClientRequest, stream, drained: bool, wait: ReplyWait | None = None) -> bool:
         """After a decode stream's end (or a failure while reading it): True when the stub has surely erased its
         own reference to the iterator, so that the relay may drop it now; else DrainedStreams holds it."""
         if not drained:  # read to its end whatever happened: an iterator dropped before its end stays in the map
             self._cancel_everywhere(req, "cancelled")
-            for _ in stream:
-                pass
+            if wait is None:
+                for _ in stream:
+                    pass
+        if wait is not None:
+            wait.wait_end()  # the reader thread has read it to its end
         return self._barrier(req)
 
     def _send(self, req: ClientRequest, text: str, ids: list[int], reason: str | None, n_out: int, final: bool):

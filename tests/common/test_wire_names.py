@@ -76,10 +76,11 @@ PREFILL = dict(request_id="r", input_ids=[1, 2, 3], start=1, dst_slots=[4, 5], e
     [
         DecodeRequest("r", [1, 2], SamplingParams(max_tokens=4)),
         DecodeRequest("r", [], SamplingParams(), cancel="timeout"),
+        DecodeRequest("r", [1, 2], SamplingParams(), reply_to="/dev/shm/triton-pd-x/pd_master_0.sock"),
         PrefillRequest(**PREFILL),
         PrefillRequest(**PREFILL, state_handle="{}", dst_state_page=3),
     ],
-    ids=["decode", "decode-cancel", "prefill", "prefill-hybrid"],
+    ids=["decode", "decode-cancel", "decode-reply", "prefill", "prefill-hybrid"],
 )
 def test_internal_requests_match_the_receivers_inputs(msg):
     model = type(msg).MODEL

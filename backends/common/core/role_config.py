@@ -271,6 +271,12 @@ class MasterConfig(RoleConfig):
     )
     request_timeout: float = opt(1800.0, "total deadline per request in seconds, pauses included; negative disables")
     decode_urls: str = opt("", "--role master: decode servers' gRPC host:port, comma-separated", flag_default=None)
+    decode_replies: str = opt(
+        "socket",
+        "master: how this server's decode answers: 'socket' (tokens over a Unix socket beside each BLS stream) or "
+        "'bls' (on the BLS stream itself, where Triton 2.51's stub can deadlock under many short streams)",
+        choices=("socket", "bls"),
+    )
 
 
 ROLES = (DecodeConfig, PrefillConfig, MasterConfig)

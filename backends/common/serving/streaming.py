@@ -27,9 +27,11 @@ class Item:
 
 
 class StreamSender:
-    def __init__(self, send_fn):
-        """send_fn(stream, response: DecodeResponse) does the actual send (final when response.final)."""
+    def __init__(self, send_fn, flush_fn=None):
+        """send_fn(stream, response: DecodeResponse) does the actual send (final when response.final), or queues
+        it; flush_fn(), when given, is called after each round of sends (one per stream with pending parts)."""
         self._send = send_fn
+        self._flush_fn = flush_fn
         self._q: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="pd-stream-sender", daemon=True)
         self._thread.start()
@@ -88,3 +90,8 @@ class StreamSender:
             except Exception as e:
                 stream.closed = True  # the receiver is gone; decode learns it through cancellation
                 print(f"[triton-pd] response to {stream.rid} not sent: {e!r}", file=sys.stderr, flush=True)
+        if self._flush_fn is not None:
+            try:
+                self._flush_fn()
+            except Exception as e:  # the flush answers its own streams' failures; this only keeps the thread alive
+                print(f"[triton-pd] responses not flushed: {e!r}", file=sys.stderr, flush=True)

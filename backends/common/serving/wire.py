@@ -136,6 +136,9 @@ class DecodeRequest:
     # not empty: no new request, but the notice that cancels `request_id` with this reason (master reaching a
     # decode server of its own over gRPC, where the host's mailbox does not reach)
     cancel: str = ""
+    # not empty: master's reply socket (backends/common/serving/reply_channel.py); decode then answers the stream
+    # with one empty response at once and the final flag at the end, and sends everything else there
+    reply_to: str = ""
 
     def encode(self, key: str) -> Tensors:
         return {
@@ -144,6 +147,7 @@ class DecodeRequest:
             "request_id": _text(self.request_id),
             KEY_FIELD: _text(key),
             **({"cancel": _text(self.cancel)} if self.cancel else {}),
+            **({"reply_to": _text(self.reply_to)} if self.reply_to else {}),
         }
 
     @classmethod
@@ -158,7 +162,7 @@ class DecodeRequest:
         ids = _get_ints(get, "input_ids", required=False) or []
         if not rid or not ids:
             raise ParamError("input_ids", "request_id and input_ids are required")
-        return cls(rid, ids, _get_params(get))
+        return cls(rid, ids, _get_params(get), reply_to=_get_text(get, "reply_to", ""))
 
 
 # ---- decode -> master ---------------------------------------------------------------------------------------
