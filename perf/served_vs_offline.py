@@ -1,6 +1,6 @@
 """Served time per output token against the offline engine's step time, same machine, same run (CPU by default).
 
-    python -m perf.served_vs_offline [--batches 1 16] [--new-tokens 64] [--overlap on off]
+    python -m perf.served_vs_offline [--batches 1 16] [--new-tokens 64] [--overlap on off] [--replies socket bls]
     python perf/served_vs_offline.py --model random:llama3.1-8b --device gpu --batches 1 32 128 \
         --new-tokens 256 --kv-tokens 65536 --overlap on off --out perf/results/served_vs_offline_h200.md (H200)
 
@@ -73,13 +73,13 @@ def served_tpot(server: Server, prompts, n: int) -> float:
     return statistics.mean(tpots)
 
 
-def serve(a, dtype: str, overlap: str) -> Server:
+def serve(a, dtype: str, overlap: str, replies: str) -> Server:
     args = ["--model", a.model, "--device", a.device, "--dtype", dtype, "--kv-tokens", str(a.kv_tokens)]
     args += ["--max-batch", str(max(a.batches)), "--max-streams", str(max(max(a.batches), 64))]
-    args += ["--decode-overlap", overlap]
+    args += ["--decode-overlap", overlap, "--decode-replies", replies]
     if a.device == "gpu":
         args += ["--prefill-kv-tokens", "32768"]
-    return Server(*args, name=f"perf-{overlap}")
+    return Server(*args, name=f"perf-{overlap}-{replies}")
 
 
 def write(a, lines: list[str]) -> None:
@@ -98,6 +98,13 @@ def main():
     ap.add_argument(
         "--overlap", nargs="+", choices=["on", "off"], default=["on"], help="served decode loops to measure"
     )
+    ap.add_argument(
+        "--replies",
+        nargs="+",
+        choices=["socket", "bls"],
+        default=["socket"],
+        help="how decode answers master (--decode-replies) in the served runs",
+    )
     ap.add_argument("--time-limit", type=float, default=1200, help="seconds; then what was measured is written")
     ap.add_argument("--out", default=None, help="also write the table (markdown) here, after every row")
     a = ap.parse_args()
@@ -106,8 +113,8 @@ def main():
     head = [
         f"Served TPOT vs offline decode step ({a.model}, {dtype}, {a.device}, {a.new_tokens} new tokens)",
         "",
-        "| decode overlap | batch | served ms/token | offline step ms | ratio | overlapped steps |",
-        "|---|---|---|---|---|---|",
+        "| decode overlap | decode replies | batch | served ms/token | offline step ms | ratio | overlapped steps |",
+        "|---|---|---|---|---|---|---|",
     ]
     rows: list[str] = []
     servers: list[Server] = []
@@ -130,8 +137,8 @@ def main():
 
         gc.collect()
         torch.cuda.empty_cache()
-    for overlap in a.overlap:
-        server = serve(a, dtype, overlap)
+    for overlap, replies in [(o, r) for o in a.overlap for r in a.replies]:
+        server = serve(a, dtype, overlap, replies)
         servers.append(server)
         try:
             served_tpot(server, prompts[a.batches[0]], 16)  # warm-up
@@ -140,7 +147,8 @@ def main():
                 sv = served_tpot(server, prompts[b], a.new_tokens)
                 n = int(server.metric("pd_decode_overlapped_steps_total") - before)
                 rows.append(
-                    f"| {overlap} | {b} | {sv * 1e3:.2f} | {offline[b] * 1e3:.2f} | {sv / offline[b]:.2f} | {n} |"
+                    f"| {overlap} | {replies} | {b} | {sv * 1e3:.2f} | {offline[b] * 1e3:.2f} "
+                    f"| {sv / offline[b]:.2f} | {n} |"
                 )
                 write(a, head + rows)
         finally:
