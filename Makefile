@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 test: setup
 	$(PY) -m pytest -q --durations=15 tests
 
-# the edit loop: every in-process test, no tritonserver (about 2.5 min on 2 cores); `make test` runs them all
+# the edit loop: every in-process test, no tritonserver (2 min 47 s on 2 cores); `make test` runs them all
 test-fast: setup
 	$(PY) -m pytest -q -m "not server and not slow" tests
 

@@ -104,16 +104,17 @@ def test_chunked_prefill_and_prefix_hit_equal_whole_prefill(engine):
 
 
 def test_preemption_under_tiny_pool_keeps_tokens(engine):
-    """A pool too small for all requests at once: preempted requests recompute and still match."""
+    """A pool too small for all requests at once: preempted requests recompute and still match the same batch run
+    with room for all (which equals each prompt alone: test_batched_ragged_shared_prefix_equals_alone)."""
     prompts = _batch_prompts(engine)[:4]
-    expected = [engine.generate([p], greedy(40))[0].output_ids for p in prompts]
+    expected = [o.output_ids for o in engine.generate(prompts, greedy(32))]
     tiny = Engine.__new__(Engine)
     tiny.__dict__.update(engine.__dict__)
     from backends.common.core.kv_pool import KVPool
     from backends.common.core.scheduler import Scheduler
 
     tiny.scheduler = Scheduler(KVPool(160), max_batch=4, chunk_size=64, max_batch_tokens=256)
-    got = tiny.generate(prompts, greedy(40))
+    got = tiny.generate(prompts, greedy(32))
     assert [o.output_ids for o in got] == expected
     assert tiny.scheduler.num_preemptions > 0
     assert_idle(tiny)
