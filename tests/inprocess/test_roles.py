@@ -251,9 +251,10 @@ def test_prefill_jobs_fail_over_to_the_next_server_and_stay_exact(serve, expecte
 
 
 def test_a_broken_reply_channel_ends_its_answers_with_an_error_and_the_next_connects_again(serve):
-    """Decode's socket to master fails: the answers that were to go through it end with an error naming the reply
-    channel (never a hang), decode drops their requests and frees their slots, and the next request connects
-    again and is answered whole."""
+    """Decode's socket to master fails: the answer that was to go through it ends with an error naming the reply
+    channel (never a hang), decode drops its request and frees its slots, and the next request connects again and
+    is answered whole. (One request at a time: a request that arrives after decode saw the socket fail already
+    gets a new connection.)"""
     import socket
 
     s = serve(decode={"kv_tokens": 1024, "max_batch": 4})
@@ -261,10 +262,8 @@ def test_a_broken_reply_channel_ends_its_answers_with_an_error_and_the_next_conn
     assert first.error is None and len(first.ids) == 4
     (channel,) = s.decode.replies.channels.values()
     channel.sock.shutdown(socket.SHUT_RDWR)  # as a connection that broke: decode's next send fails
-    broken = [generate(s, prompt(i), max_tokens=40, temperature=0, ignore_eos=True) for i in (1, 2)]
-    for a in broken:
-        a.wait()
-        assert a.error is not None and "reply channel" in a.error, (a.error, a.finish_reason)
+    broken = generate(s, prompt(1), max_tokens=40, temperature=0, ignore_eos=True).wait()
+    assert broken.error is not None and "reply channel" in broken.error, (broken.error, broken.finish_reason)
     released(s)
     again = generate(s, prompt(3), max_tokens=12, temperature=0, ignore_eos=True).wait()
     assert again.error is None and again.finish_reason == "length" and len(again.ids) == 12
