@@ -433,13 +433,8 @@ class MasterModel:
     def _parts(self, stream, wait: ReplyWait | None):
         """(error message or None, DecodeResponse or None) per response of decode's, from any kind of stream: a
         gRPC stream to a decode server, this server's BLS stream, or its reply channel with the BLS stream."""
-        if self.decoders is not None:
-            for error, get in stream:
-                yield error, None if error is not None else DecodeResponse.decode(get)
-            return
         if wait is None:
-            for error, get in self._bls_responses(stream):
-                yield error, None if error is not None else DecodeResponse.decode(get)
+            yield from self._decoded(stream if self.decoders is not None else self._bls_responses(stream))
             return
         threading.Thread(target=self._read_bls, args=(stream, wait.q), name="pd-master-bls", daemon=True).start()
         final, held = False, None
@@ -476,15 +471,23 @@ class MasterModel:
                 yield None, item
 
     def _bls_responses(self, stream):
+        """(error message or None, output getter) per response of this server's BLS stream."""
         for resp in stream:
             yield (resp.error().message(), None) if resp.has_error() else (None, tio.response_getter(resp))
+
+    @staticmethod
+    def _decoded(pairs):
+        """(error message or None, output getter) pairs, from either kind of stream, to (error, DecodeResponse or
+        None)."""
+        for error, get in pairs:
+            yield error, None if error is not None else DecodeResponse.decode(get)
 
     def _read_bls(self, stream, q: queue.SimpleQueue) -> None:
         """A reply channel's BLS stream, read to its end on a thread of its own (its relay reads the socket's
         parts): its responses, then BLS_END, go to the relay's queue."""
         try:
-            for error, get in self._bls_responses(stream):
-                q.put((error, None if error is not None else DecodeResponse.decode(get)))
+            for item in self._decoded(self._bls_responses(stream)):
+                q.put(item)
         except Exception as e:
             q.put((f"decode stream failed: {e}", None))
         finally:

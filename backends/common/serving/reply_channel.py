@@ -144,7 +144,11 @@ class ReplyInbox:
             try:
                 hello = _read_frame(conn)
                 if not (isinstance(hello, dict) and hmac.compare_digest(str(hello.get("key", "")), self.key)):
-                    print("[triton-pd] reply channel: a connection without the internal key, closed", file=sys.stderr)
+                    print(
+                        "[triton-pd] reply channel: a connection without the internal key, closed",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return
                 while (frame := _read_frame(conn)) is not None:
                     for rec in frame["r"]:
