@@ -7,7 +7,6 @@ Triton glue: it reads the config, builds the runner, scheduler, host tier and KV
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from .scheduler import DecodeScheduler
 # --rotation-prefetch: slots per running request left free for its growth until the prefetched request's turn
 # (a quantum of 0.1 s is about 10-25 decode steps; speculation can take two slots a step)
 PREFETCH_MARGIN = 64
-# reply channel: the sender's pause after each round, per stream open through it, and at most. Master's work goes
+# reply channel: the sender's pause after a round that used it, per open stream, and at most. Master's work goes
 # with the parts it relays: one token per part at 256 streams outpaced it (perf/results/served_replies_h200.md)
 REPLY_PACE_S = 160e-6
 REPLY_PACE_MAX_S = 0.04
@@ -65,7 +64,6 @@ class DecodeModel:
         self.mailbox = Mailbox(mailbox_dir(cfg))
         self.replies = ReplyChannels(mailbox_dir(cfg), self.key)
         self._pending: list = []  # reply-channel parts of the sender's current round (its thread only)
-        self._open_replies, self._open_lock = 0, threading.Lock()  # streams answered through a reply channel
         self.sink = self._sink(cfg, f"{cfg.deployment}:{self.instance}")
         # prefill of this server (BLS) or prefill servers over gRPC, with failover between them
         self.prefill = RemotePrefill(cfg.prefill_urls, self.key) if cfg.prefill_urls else BlsPrefill(self.key)
@@ -143,8 +141,6 @@ class DecodeModel:
                 # the response exec() returns to master; the next on this stream is its final flag
                 sender.send(tio.pb().InferenceResponse(output_tensors=tio.to_tensors(DecodeResponse().encode())))
                 sender = Replied(sender, path)
-                with self._open_lock:
-                    self._open_replies += 1
             self.loop.arrive(InferReq(msg.request_id, msg.input_ids, msg.params), sender)
         return None
 
@@ -205,11 +201,8 @@ class DecodeModel:
                         )
                 except Exception as e:
                     self._log(f"final flag to {stream.rid} not sent: {e!r}")
-        # the next round merges what is pending meanwhile (REPLY_PACE_S)
-        with self._open_lock:
-            self._open_replies -= sum(1 for stream, _ in pending if stream.closed)
-            open_now = self._open_replies
-        time.sleep(min(REPLY_PACE_S * open_now, REPLY_PACE_MAX_S))
+        # the next round merges what is pending meanwhile (REPLY_PACE_S); the loop's table holds the open streams
+        time.sleep(min(REPLY_PACE_S * len(self.loop.streams), REPLY_PACE_MAX_S))
 
     def _log(self, message: str) -> None:
         print(f"[triton-pd] {self.instance}: {message}", file=sys.stderr, flush=True)
