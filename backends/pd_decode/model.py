@@ -81,6 +81,7 @@ class DecodeModel:
             host_pages=KVPool(host_pages) if host_pages > 0 else None,
             quantum=cfg.rotation_quantum,
             turn_wait=cfg.rotation_wait,
+            rotation_victims=cfg.rotation_victims,
             prefetch_margin=PREFETCH_MARGIN if cfg.rotation_prefetch == "on" else None,
             costs=default_costs(
                 self.runner.cfg, self.runner.kv.bytes_per_slot, gpu, state.bytes_per_page if state is not None else 0

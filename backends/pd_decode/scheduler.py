@@ -24,8 +24,9 @@ its positions; each swap-out copies the live page there with the new positions, 
 missing K/V and the whole page, so the request resumes at exactly the paused position.
 
 Rotation (`quantum` > 0): when a request has been paused for `turn_wait` seconds (at least `quantum`) and does not
-fit, requests that have run for at least `quantum` since they last resumed are paused to make room for it, and
-paused requests recover strictly in the order they paused. With k requests paused, a turn lasts about
+fit, requests that have run for at least `quantum` since they last resumed are paused to make room for it (by
+default those holding the fewest positions: the ones furthest along keep running and finish, and each turn swaps the
+least K/V back), and paused requests recover strictly in the order they paused. With k requests paused, a turn lasts about
 max(quantum, turn_wait / k) and a paused stream waits about max(turn_wait, k * quantum) while the pool is
 over-committed: few streams taking turns pay for few turns, and many still get one quantum each.
 With a host tier, the next paused request's positions are copied back ahead of its turn into slots that are free
@@ -186,14 +187,18 @@ class DecodeScheduler:
         recompute_max: int = 128,
         prefetch_margin: int | None = 64,
         prefetch_min: int = 64,
+        rotation_victims: str = "smallest",
     ):
         """prefetch_margin: with rotation and a host tier, the next paused request's positions are copied back
         ahead of its turn into free slots, leaving this many free per running request for their growth until
         then (None: no prefetch); prefetch_min: a smaller prefetch (unless it is all that is missing) is not worth
         a copy's overhead. turn_wait: with rotation, how long the longest-paused request waits before it takes
-        running requests' place (never less than `quantum`)."""
+        running requests' place (never less than `quantum`); rotation_victims: which running requests give way
+        (see `_rotate`)."""
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
+        if rotation_victims not in ("smallest", "longest-running"):
+            raise ValueError(f"rotation_victims must be smallest or longest-running, got {rotation_victims!r}")
         if on_oom not in ("pause", "restart"):
             raise ValueError(f"on_oom must be pause or restart, got {on_oom!r}")
         if state is not None and host_pool is not None and (host_pages is None or host_pages.num_slots == 0):
@@ -219,6 +224,7 @@ class DecodeScheduler:
         self.host: dict[str, HostCopy] = {}
         self.quantum = quantum if on_oom == "pause" else 0.0
         self.turn_wait = max(self.quantum, turn_wait) if self.quantum > 0 else 0.0
+        self.rotation_victims = rotation_victims
         self.prefetch_margin, self.prefetch_min = prefetch_margin, prefetch_min
         self.num_prefetches = 0
         self._prefetched: dict[str, float] = {}  # rid -> the pause (its paused_at) its one prefetch was made in
@@ -702,8 +708,12 @@ class DecodeScheduler:
     # ---- rotation ------------------------------------------------------------------------------------------
     def _rotate(self, plan: Plan) -> None:
         """Give the longest-paused request its turn: once it has waited `turn_wait` and does not fit, pause
-        requests that have run a quantum since they resumed (longest first) until it does. Nobody is paused when the
-        eligible ones would not free enough: that would cost a turn and bring nothing."""
+        requests that have run a quantum since they resumed until it does. Which ones (`rotation_victims`):
+        "smallest", the fewest positions first (the one that alone makes room if there is one, else the smallest
+        until they do), so the requests furthest along keep running and finish and what comes back at the next
+        turn is the least K/V; "longest-running", the longest since it resumed first (every stream advances at the
+        same pace). Nobody is paused when the eligible ones would not free enough: that would cost a turn and bring
+        nothing."""
         if self.quantum <= 0:
             return
         paused = self._paused_in_order()
@@ -719,20 +729,27 @@ class DecodeScheduler:
         self.kv.release(head, keep_in_cache=False)
         if deficit <= 0:
             return
-        eligible = sorted(
-            (r for r in self.reqs.values() if r.state is ReqState.RUNNING and now - r.running_since >= self.quantum),
-            key=lambda r: (r.running_since, r.arrival),
-        )
-        victims, gain = [], 0
-        for r in eligible:
-            if gain >= deficit:
-                break
-            victims.append(r)
-            # its own slots, and the cached ones only it locks (a hybrid request's checkpoints move its K/V
-            # into the cache as it runs): all evictable once it is paused
-            gain += len(r.slots) - r.cached_len + self.radix.locked_only_by(r.last_node) + self.reserve_per_running
-        if gain < deficit:
-            return
+        eligible = [r for r in self.reqs.values() if r.state is ReqState.RUNNING and now - r.running_since >= self.quantum]
+        if self.rotation_victims == "smallest":
+            eligible.sort(key=lambda r: (len(r.slots), -r.arrival))
+        else:
+            eligible.sort(key=lambda r: (r.running_since, r.arrival))
+        # its own slots, and the cached ones only it locks (a hybrid request's checkpoints move its K/V into the
+        # cache as it runs): all evictable once it is paused
+        gains = [len(r.slots) - r.cached_len + self.radix.locked_only_by(r.last_node) + self.reserve_per_running
+                 for r in eligible]  # fmt: skip
+        one = next((i for i, g in enumerate(gains) if g >= deficit), None) if self.rotation_victims == "smallest" else None
+        if one is not None:
+            victims = [eligible[one]]
+        else:
+            victims, gain = [], 0
+            for r, g in zip(eligible, gains):
+                if gain >= deficit:
+                    break
+                victims.append(r)
+                gain += g
+            if gain < deficit:
+                return
         for r in victims:
             self._pause(r, plan)
             plan.rotated.append(r)

@@ -167,6 +167,13 @@ class DecodeConfig(RoleConfig):
         "streams taking turns pay for fewer turns while each still waits about this long; 0: a quantum",
         minimum=0.0,
     )
+    rotation_victims: str = opt(
+        "smallest",
+        "rotating, which running requests give a paused one its turn: smallest, those holding the fewest positions "
+        "(the ones furthest along keep running and finish, and the next turn swaps back the least K/V); "
+        "longest-running, the longest since they resumed (every stream advances at the same pace)",
+        choices=("smallest", "longest-running"),
+    )
     rotation_prefetch: str = opt(
         "off",
         "rotating with a host tier (dense models): the next paused request's KV is copied back ahead of its turn "
