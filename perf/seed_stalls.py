@@ -3,10 +3,12 @@
 
     plain   --rotation-quantum 0 --host-kv-tokens 0   a paused stream waits until the running ones finish
     host    --rotation-quantum 0                      same, recovering from host memory instead of prefill
-    rotate  (defaults: --rotation-quantum 0.1 --rotation-wait 0.3, host tier on)   paused and running streams
-            take turns; a paused one takes its turn once it has waited 0.3 s
+    rotate  (defaults: --rotation-quantum 0.1 --rotation-wait 0.3, --rotation-victims smallest,
+            --rotation-prefetch on, host tier on)   paused and running streams take turns; a paused one takes its
+            turn once it has waited 0.3 s, its KV copied back ahead of it where free slots allow
     rotate-quantum   rotate with --rotation-wait 0: a turn every quantum (the behaviour before --rotation-wait)
-    rotate-prefetch  rotate with --rotation-prefetch on: the next one's KV is copied back ahead of its turn
+    rotate-late  rotate with --rotation-prefetch off: a turn's KV is copied back only at the turn
+    rotate-fair  rotate with --rotation-victims longest-running: round robin, every stream at the same pace
     roomy   plain on a pool that holds all of a phase's streams: nothing pauses (the throughput reference)
 
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
@@ -44,7 +46,8 @@ POLICIES = {
     "host": ["--rotation-quantum", "0"],
     "rotate": [],
     "rotate-quantum": ["--rotation-wait", "0"],  # a turn every quantum
-    "rotate-prefetch": ["--rotation-prefetch", "on"],  # the next one's KV copied back ahead of its turn
+    "rotate-late": ["--rotation-prefetch", "off"],  # a turn's KV copied back only at the turn
+    "rotate-fair": ["--rotation-victims", "longest-running"],  # round robin
 }
 POLICIES["roomy"] = POLICIES["plain"]  # on a pool that holds every stream of a phase
 LOOP_PARTS = ("wait", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts

@@ -175,10 +175,10 @@ class DecodeConfig(RoleConfig):
         choices=("smallest", "longest-running"),
     )
     rotation_prefetch: str = opt(
-        "off",
+        "on",
         "rotating with a host tier (dense models): the next paused request's KV is copied back ahead of its turn "
-        "into free or evictable slots, so that at its turn decode waits only for the rest (experimental: 1-2%% "
-        "more throughput on an H200 in the seed scenario)",
+        "into free or evictable slots, so that at its turn decode waits only for the rest; off: copied back at "
+        "its turn",
         choices=("on", "off"),
     )
     decode_overlap: str = opt(
