@@ -11,18 +11,7 @@ from pathlib import Path
 
 from .common.core import role_config
 from .common.core.role_config import DecodeConfig, MasterConfig, PrefillConfig, pbtxt_string
-from .common.engine.sizing import (  # noqa: F401 (re-exported: the launcher's sizing)
-    cpu_threads_per_instance,
-    default_dtype,
-    default_host_kv_tokens,
-    default_kv_tokens,
-    default_max_streams,
-    default_prefill_kv_tokens,
-    kv_bytes_per_token,
-    resolve_decode,
-    resolve_prefill,
-    state_bytes,
-)
+from .common.engine.sizing import cpu_threads_per_instance, default_max_streams, resolve_decode, resolve_prefill
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EXIT_TIMEOUT_S = 20  # tritonserver --exit-timeout-secs: how long its shutdown waits for requests in flight

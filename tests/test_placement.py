@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from backends.common.engine.runner import set_cpu_threads
-from backends.deployment import cpu_threads_per_instance, instance_groups, parse_gpus
+from backends.common.engine.sizing import cpu_threads_per_instance, default_host_kv_tokens
+from backends.deployment import instance_groups, parse_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,15 +62,14 @@ def test_compute_instances_take_their_thread_count():
 
 
 def test_host_kv_default_is_four_pools_within_a_quarter_of_ram_per_decode_instance(monkeypatch):
-    from backends import deployment
     from backends.common.engine import sizing
 
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (64 << 30) // 4096}  # 64 GiB of RAM
     monkeypatch.setattr(sizing.os, "sysconf", pages.__getitem__)
     mib = 1 << 20  # KV bytes per token
-    assert deployment.default_host_kv_tokens(mib, 1000) == 4000
-    assert deployment.default_host_kv_tokens(mib, 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
-    assert deployment.default_host_kv_tokens(mib, 100_000, instances=4) == 4 * 1024
+    assert default_host_kv_tokens(mib, 1000) == 4000
+    assert default_host_kv_tokens(mib, 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
+    assert default_host_kv_tokens(mib, 100_000, instances=4) == 4 * 1024
 
 
 def test_deployment_values_fill_every_template_and_reach_the_configs(tmp_path):

@@ -25,9 +25,9 @@ missing K/V and the whole page, so the request resumes at exactly the paused pos
 
 Rotation (`quantum` > 0): when a request has been paused for `turn_wait` seconds (at least `quantum`) and does not
 fit, requests that have run for at least `quantum` since they last resumed are paused to make room for it (by
-default those holding the fewest positions: the ones furthest along keep running and finish, and each turn swaps the
-least K/V back), and paused requests recover strictly in the order they paused. With k requests paused, a turn lasts about
-max(quantum, turn_wait / k) and a paused stream waits about max(turn_wait, k * quantum) while the pool is
+default those holding the fewest positions: the ones furthest along keep running and finish, and each turn swaps
+the least K/V back), and paused requests recover strictly in the order they paused. With k requests paused, a turn
+lasts about max(quantum, turn_wait / k) and a paused stream waits about max(turn_wait, k * quantum) while the pool is
 over-committed: few streams taking turns pay for few turns, and many still get one quantum each.
 With a host tier, the next paused request's positions are copied back ahead of its turn into slots that are free
 or hold evictable cache (`Plan.swap_ins`, jobs with `prefetch`): it stays paused, and when the copy answers those
@@ -729,8 +729,10 @@ class DecodeScheduler:
         self.kv.release(head, keep_in_cache=False)
         if deficit <= 0:
             return
-        eligible = [r for r in self.reqs.values() if r.state is ReqState.RUNNING and now - r.running_since >= self.quantum]
-        if self.rotation_victims == "smallest":
+        running = (r for r in self.reqs.values() if r.state is ReqState.RUNNING)
+        eligible = [r for r in running if now - r.running_since >= self.quantum]
+        smallest = self.rotation_victims == "smallest"
+        if smallest:
             eligible.sort(key=lambda r: (len(r.slots), -r.arrival))
         else:
             eligible.sort(key=lambda r: (r.running_since, r.arrival))
@@ -738,7 +740,7 @@ class DecodeScheduler:
         # cache as it runs): all evictable once it is paused
         gains = [len(r.slots) - r.cached_len + self.radix.locked_only_by(r.last_node) + self.reserve_per_running
                  for r in eligible]  # fmt: skip
-        one = next((i for i, g in enumerate(gains) if g >= deficit), None) if self.rotation_victims == "smallest" else None
+        one = next((i for i, g in enumerate(gains) if g >= deficit), None) if smallest else None
         if one is not None:
             victims = [eligible[one]]
         else:

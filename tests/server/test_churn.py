@@ -78,7 +78,7 @@ def test_256_concurrent_streams_with_the_default_stream_limit():
     """256 clients at once under the defaults (--max-batch 256, so --max-streams 256 and a Python backend pool of
     320 threads, where it was 64 streams before): all decode streams open at once, every answer is complete, the
     server stays up, and master lets go of every drained stream without a timed hold. (At 512 streams tritonserver
-    2.51 itself crashed in one of three runs: see deployment.default_max_streams.) On SmolLM2, whose steps are slow
+    2.51 itself crashed in one of three runs: see sizing.default_max_streams.) On SmolLM2, whose steps are slow
     enough that every stream is still open when the last one arrives: on random:tiny-test the first answers ended
     before the last streams opened, and as few as 98 were open at once."""
     s = Server("--kv-tokens", "16384", name="streams512")
