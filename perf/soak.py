@@ -48,7 +48,12 @@ COUNTERS = {
     "rec_host": ("pd_recoveries_total", {"path": "host"}),
     "rec_prefill": ("pd_recoveries_total", {"path": "prefill"}),
     "swapped_in": ("pd_host_swapped_tokens_total", {"direction": "in"}),
+    # where decode's time went and how much prefill computed: a window that is slower says why
+    **{f"loop_{k}": ("pd_decode_loop_seconds_total", {"part": k}) for k in ("wait", "schedule", "copies", "step")},
+    "prefill_computed": ("pd_prefill_computed_tokens_total", {}),
+    "prefill_cached": ("pd_prefill_cached_tokens_total", {}),
 }
+LOOP_PARTS = ("wait", "schedule", "copies", "step")
 GAUGES = {
     "running": "pd_decode_running_requests",
     "queued": "pd_decode_queued_requests",
@@ -151,7 +156,8 @@ def write(out: Path, a, windows: list[dict], checks: dict, command: str) -> None
     (out / "soak.json").write_text(json.dumps({"command": command, "windows": windows, "checks": checks}, indent=1))
     procs = sorted({k for w in windows for k in w["rss"]})
     head = ["t (s)", "tokens/s", "finished", "cancelled", "errors", "pauses", "rotations", "rec host/prefill/local",
-            "swapped in", "running/queued/paused", "KV used", "host used"]  # fmt: skip
+            "swapped in", "running/queued/paused", "KV used", "host used",
+            "decode loop s wait/schedule/copies/step", "prefill tokens computed/cached"]  # fmt: skip
     head += [f"RSS {p} (MB)" for p in procs]
     head.append("GPU mem (MB)")
     lines = [f"# Soak: {a.users} users, {a.duration:.0f} s in windows of {a.window:.0f} s", "", f"`{command}`", "",
@@ -162,7 +168,8 @@ def write(out: Path, a, windows: list[dict], checks: dict, command: str) -> None
                f"{d['pauses']:.0f}", f"{d['rotations']:.0f}",
                f"{d['rec_host']:.0f}/{d['rec_prefill']:.0f}/{d['rec_local']:.0f}", f"{d['swapped_in']:.0f}",
                f"{g['running']:.0f}/{g['queued']:.0f}/{g['paused']:.0f}", f"{g['kv_used']:.0f}",
-               f"{g['host_used']:.0f}"]  # fmt: skip
+               f"{g['host_used']:.0f}", "/".join(f"{d.get('loop_' + k, 0):.1f}" for k in LOOP_PARTS),
+               f"{d.get('prefill_computed', 0):.0f}/{d.get('prefill_cached', 0):.0f}"]  # fmt: skip
         row += [f"{w['rss'].get(p, 0) / 2**20:.0f}" for p in procs]
         row.append("-" if w["gpu_mem"] is None else f"{w['gpu_mem'] / 2**20:.0f}")
         lines.append("| " + " | ".join(row) + " |")
