@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # python3 perf/soak.py: the project root on the p
 from tests.server.client import StreamClient  # noqa: E402
 from tests.server.conftest import Server  # noqa: E402
 
+LOOP_PARTS = ("wait", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
 COUNTERS = {
     "pauses": ("pd_pauses_total", {}),
     "rotations": ("pd_rotations_total", {}),
@@ -49,11 +50,10 @@ COUNTERS = {
     "rec_prefill": ("pd_recoveries_total", {"path": "prefill"}),
     "swapped_in": ("pd_host_swapped_tokens_total", {"direction": "in"}),
     # where decode's time went and how much prefill computed: a window that is slower says why
-    **{f"loop_{k}": ("pd_decode_loop_seconds_total", {"part": k}) for k in ("wait", "schedule", "copies", "step")},
+    **{f"loop_{k}": ("pd_decode_loop_seconds_total", {"part": k}) for k in LOOP_PARTS},
     "prefill_computed": ("pd_prefill_computed_tokens_total", {}),
     "prefill_cached": ("pd_prefill_cached_tokens_total", {}),
 }
-LOOP_PARTS = ("wait", "schedule", "copies", "step")
 GAUGES = {
     "running": "pd_decode_running_requests",
     "queued": "pd_decode_queued_requests",
@@ -168,8 +168,8 @@ def write(out: Path, a, windows: list[dict], checks: dict, command: str) -> None
                f"{d['pauses']:.0f}", f"{d['rotations']:.0f}",
                f"{d['rec_host']:.0f}/{d['rec_prefill']:.0f}/{d['rec_local']:.0f}", f"{d['swapped_in']:.0f}",
                f"{g['running']:.0f}/{g['queued']:.0f}/{g['paused']:.0f}", f"{g['kv_used']:.0f}",
-               f"{g['host_used']:.0f}", "/".join(f"{d.get('loop_' + k, 0):.1f}" for k in LOOP_PARTS),
-               f"{d.get('prefill_computed', 0):.0f}/{d.get('prefill_cached', 0):.0f}"]  # fmt: skip
+               f"{g['host_used']:.0f}", "/".join(f"{d['loop_' + k]:.1f}" for k in LOOP_PARTS),
+               f"{d['prefill_computed']:.0f}/{d['prefill_cached']:.0f}"]  # fmt: skip
         row += [f"{w['rss'].get(p, 0) / 2**20:.0f}" for p in procs]
         row.append("-" if w["gpu_mem"] is None else f"{w['gpu_mem'] / 2**20:.0f}")
         lines.append("| " + " | ".join(row) + " |")
