@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch
+
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, stride_gu, stride_o, F, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
@@ -27,5 +30,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if T == 0:
         return out
     block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(f, block))](gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block)
+    _silu_mul_kernel[(T, triton.cdiv(f, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, **launch(gate_up)
+    )
     return out

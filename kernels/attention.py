@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch
+
 _LOG2E = 1.4426950408889634
 
 
@@ -31,7 +33,9 @@ def _decode_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -218,7 +222,7 @@ def decode_attention(
         scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
-        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
+        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages, **launch(q),
     )  # fmt: skip
     return out
 

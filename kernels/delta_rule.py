@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch
+
 CHUNK = 64
 
 
@@ -317,11 +319,13 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
 def _conv_step_kernel(
     X, W, S, Out, Pages, OutPages, stride_x, stride_o, s_page, C,
     KM1: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Depthwise causal conv over one new input per sequence, then SiLU. X [B, >= C] (the projection's first C
     columns), W [C, KM1 + 1], S: conv state rows [pages, C, KM1] (page stride s_page), read at Pages[b] and the
     new state written at OutPages[b]; Out [B, C] float32. Every load comes before any store, so the loads are not
     ordered behind the stores."""
+    enter(PDL)
     b, cb = tl.program_id(0), tl.program_id(1)
     page = tl.load(Pages + b).to(tl.int64)
     out_page = tl.load(OutPages + b).to(tl.int64)
@@ -358,7 +362,7 @@ def conv_step(
     _conv_step_kernel[(B, triton.cdiv(C, block))](
         x, weight, conv_state, out, pages, pages if out_pages is None else out_pages, x.stride(0), out.stride(0),
         conv_state.stride(0), C,
-        KM1=K - 1, BLOCK=block, num_warps=4,
+        KM1=K - 1, BLOCK=block, num_warps=4, **launch(x),
     )  # fmt: skip
     return out
 
@@ -369,10 +373,12 @@ def _gated_delta_step_kernel(
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
     all DV outputs."""
+    enter(PDL)
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     page = tl.load(Pages + b).to(tl.int64)
     out_page = tl.load(OutPages + b).to(tl.int64)
@@ -453,6 +459,6 @@ def gated_delta_step(
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
         DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
-        num_warps=num_warps,
+        num_warps=num_warps, **launch(mixed),
     )  # fmt: skip
     return out

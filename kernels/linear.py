@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch
+
 MAX_ROWS = 64
 TUNE_ROWS = 64  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
 
@@ -69,7 +71,7 @@ def _kind(rows: int) -> str:
 def _skinny_kernel(
     X, W, Y, P, C, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -81,6 +83,7 @@ def _skinny_kernel(
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     w_ptr = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    enter(PDL)
     if DOT:  # tensor cores over x padded to BLOCK_M rows
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -178,7 +181,7 @@ def skinny_linear(
     _skinny_kernel[grid](
         x, w, out, part, counters, M, N, K, K // splits, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits,
-        GATED=gated, num_warps=num_warps, num_stages=num_stages,
+        GATED=gated, num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch
+
 BLOCK_M = 16
 
 
@@ -40,9 +42,10 @@ def align_bound(n: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_count_kernel(TopI, Counts, Pairs, n, P, BR: tl.constexpr):
+def _align_count_kernel(TopI, Counts, Pairs, n, P, BR: tl.constexpr, PDL: tl.constexpr):
     """Per block of BR rows: the sentinel n in the sorted list's rows, and the block's pairs counted per expert
     (integer atomics: the counts do not depend on their order)."""
+    enter(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     tl.store(Pairs + r, tl.zeros((BR,), dtype=tl.int32) + n, mask=r < P)
     fe = tl.load(TopI + r, mask=r < n, other=0).to(tl.int32)
@@ -52,10 +55,11 @@ def _align_count_kernel(TopI, Counts, Pairs, n, P, BR: tl.constexpr):
 @triton.jit
 def _align_scatter_kernel(TopI, Counts, Pairs, BlockExpert, n, nb,
                           BM: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, BQ: tl.constexpr,
-                          BB: tl.constexpr):  # fmt: skip
+                          BB: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Each program: the runs' starts from the counts (each expert's run padded to BM rows); BR pairs each stored
     at its expert's start + its rank among the earlier pairs of that expert (the pairs' own order: the list is
     deterministic); and the expert of BB blocks (-1 past the used ones)."""
+    enter(PDL)
     i = tl.program_id(0)
     e = tl.arange(0, BE)
     padded = (tl.load(Counts + e) + BM - 1) // BM * BM
@@ -93,11 +97,11 @@ def align(top_i: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
         pairs, block_expert = pairs[:P], pairs[P:]
         counts = torch.zeros(be, dtype=torch.int32, device=top_i.device)
         flat = top_i.reshape(-1)
-        _align_count_kernel[(triton.cdiv(P, 256),)](flat, counts, pairs, n, P, BR=256)
+        _align_count_kernel[(triton.cdiv(P, 256),)](flat, counts, pairs, n, P, BR=256, **launch(flat))
         br, bb = 32, max(16, min(64, 8192 // be))
         grid = max(triton.cdiv(n, br), triton.cdiv(nb, bb))
         _align_scatter_kernel[(grid,)](flat, counts, pairs, block_expert, n, nb, BM=block_m, BE=be, BR=br, BQ=256,
-                                       BB=bb)  # fmt: skip
+                                       BB=bb, **launch(flat))  # fmt: skip
         return pairs, block_expert
     return _align_torch(top_i, num_experts, block_m, P)
 
@@ -128,7 +132,9 @@ def _align_torch(top_i: torch.Tensor, num_experts: int, block_m: int, P: int):
 def _gate_up_kernel(
     X, W, Inter, Pairs, BlockExpert, H, I, n_pairs, stride_x, stride_we, stride_wn,
     K_TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     b, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + b)
     if e < 0:
@@ -158,7 +164,9 @@ def _gate_up_kernel(
 def _down_kernel(
     Inter, W, Wt, Out, Pairs, BlockExpert, H, I, n_pairs, stride_we, stride_wn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     b, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + b)
     if e < 0:
@@ -184,9 +192,12 @@ def _down_kernel(
 
 @triton.jit
 def _router_kernel(Logits, TopI, TopW, E, stride_l,
-                   K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr):  # fmt: skip
+                   K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr,
+                   KP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Per token: softmax over the E experts (fp32), the top K by repeated arg-max (highest first, the lowest index
-    on a tie), renormalised over the K when NORM; SHARED: one more pair, expert E with weight sigmoid(logit E)."""
+    on a tie), renormalised over the K when NORM; SHARED: one more pair, expert E with weight sigmoid(logit E).
+    The weights are rounded to TopW's dtype once, at the store (KP: K_TOP + SHARED rounded up to a power of 2)."""
+    enter(PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BE)
     row = Logits + t.to(tl.int64) * stride_l
@@ -194,45 +205,51 @@ def _router_kernel(Logits, TopI, TopW, E, stride_l,
     p = tl.exp(z - tl.max(z, 0))
     p = p / tl.sum(p, 0)
     K_OUT: tl.constexpr = K_TOP + SHARED
-    out = t * K_OUT
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int32)
+    ws = tl.zeros([KP], dtype=tl.float32)
     total = 0.0
     for k in tl.static_range(K_TOP):
         best = tl.max(p, 0)
         idx = tl.min(tl.where(p == best, e, BE), 0)
-        tl.store(TopI + out + k, idx)
-        tl.store(TopW + out + k, best)
+        ids = tl.where(kk == k, idx, ids)
+        ws = tl.where(kk == k, best, ws)
         total += best
         p = tl.where(e == idx, -1.0, p)
     if NORM:
-        for k in tl.static_range(K_TOP):
-            w = tl.load(TopW + out + k)
-            tl.store(TopW + out + k, w / total)
+        ws = ws / total
     if SHARED:
         g = tl.load(row + E).to(tl.float32)
-        tl.store(TopI + out + K_TOP, E)
-        tl.store(TopW + out + K_TOP, 1.0 / (1.0 + tl.exp(-g)))
+        ids = tl.where(kk == K_TOP, E, ids)
+        ws = tl.where(kk == K_TOP, 1.0 / (1.0 + tl.exp(-g)), ws)
+    out = t * K_OUT
+    tl.store(TopI + out + kk, ids, mask=kk < K_OUT)
+    tl.store(TopW + out + kk, ws.to(TopW.dtype.element_ty), mask=kk < K_OUT)
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype, num_experts: int | None = None,
           shared: bool = False):  # fmt: skip
     """The router's softmax and top-k in one launch: (top_w [T, K] in dtype, top_i [T, K] int32), as
-    torch.topk(softmax(logits[:, :E], fp32)) (then / sum when norm) gives them; E = num_experts (default: every
-    column). shared: logits[:, E] is a shared expert's gate, added as pair K (expert E, weight its sigmoid)."""
+    torch.topk(softmax(logits[:, :E], fp32)) (then / sum when norm, then rounded to dtype) gives them; E =
+    num_experts (default: every column). shared: logits[:, E] is a shared expert's gate, added as pair K (expert E,
+    weight its sigmoid)."""
     T = logits.shape[0]
     E = logits.shape[1] if num_experts is None else num_experts
     k_out = top_k + int(shared)
     top_i = torch.empty((T, k_out), dtype=torch.int32, device=logits.device)
-    top_w = torch.empty((T, k_out), dtype=torch.float32, device=logits.device)
+    top_w = torch.empty((T, k_out), dtype=dtype, device=logits.device)
     if T:
         _router_kernel[(T,)](logits, top_i, top_w, E, logits.stride(0), K_TOP=top_k, NORM=norm, SHARED=shared,
-                             BE=triton.next_power_of_2(E))  # fmt: skip
-    return top_w.to(dtype), top_i
+                             BE=triton.next_power_of_2(E), KP=max(2, triton.next_power_of_2(k_out)),
+                             **launch(logits))  # fmt: skip
+    return top_w, top_i
 
 
 @triton.jit
 def _combine_kernel(PerPair, Out, Shared, Gate, H, stride_gate,
-                    K_TOP: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr):  # fmt: skip
+                    K_TOP: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[t] = sum over k (in order) of per_pair[t, k] (+ sigmoid(gate[t]) * shared[t]), in fp32."""
+    enter(PDL)
     t, hb = tl.program_id(0), tl.program_id(1)
     rh = hb * BH + tl.arange(0, BH)
     m = rh < H
@@ -249,9 +266,10 @@ def _combine_kernel(PerPair, Out, Shared, Gate, H, stride_gate,
 
 @triton.jit
 def _pair_gate_up_kernel(X, W, TopI, Inter, H, I, stride_x, stride_we, stride_wn,
-                         K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                         K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Small batches: per (pair, block of intermediate columns) SiLU(gate) * up of the pair's token with its
     expert, as a matrix-vector product (no grouping: each expert is read by the few pairs that use it)."""
+    enter(PDL)
     p, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(TopI + p).to(tl.int64)
     x_row = X + (p // K_TOP).to(tl.int64) * stride_x
@@ -275,9 +293,10 @@ def _pair_gate_up_kernel(X, W, TopI, Inter, H, I, stride_x, stride_we, stride_wn
 
 @triton.jit
 def _token_down_kernel(Inter, W, TopI, TopW, Out, H, I, stride_we, stride_wn,
-                       K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                       K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Small batches: per (token, block of hidden columns) the down projections of the token's K pairs, each
     scaled by its routing weight and summed in pair order in fp32 (the combine, without a launch of its own)."""
+    enter(PDL)
     t, nb = tl.program_id(0), tl.program_id(1)
     rn = nb * BN + tl.arange(0, BN)
     mn = rn < H
@@ -328,18 +347,19 @@ def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, 
     _gate_up_kernel[(P // block_m, triton.cdiv(I, st["bn"]))](
         x, gate_up, inter, pairs, block_expert, H, I, T * K, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         K_TOP=K, BM=block_m, BN=st["bn"], BK=st["bk"], num_warps=st["warps"], num_stages=st["stages"],
+        **launch(x),
     )  # fmt: skip
     per_pair = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
     _down_kernel[(P // block_m, triton.cdiv(H, st["down_bn"]))](
         inter, down, top_w.reshape(-1).contiguous(), per_pair, pairs, block_expert, H, I, T * K,
         down.stride(0), down.stride(1), BM=block_m, BN=st["down_bn"], BK=st["down_bk"], num_warps=st["down_warps"],
-        num_stages=st["down_stages"],
+        num_stages=st["down_stages"], **launch(x),
     )  # fmt: skip
     out = torch.empty_like(x)
     gate, sh = shared if shared is not None else (per_pair, per_pair)
     bh = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, bh))](
-        per_pair, out, sh, gate, H, gate.stride(0), K_TOP=K, HAS_SHARED=shared is not None, BH=bh,
+        per_pair, out, sh, gate, H, gate.stride(0), K_TOP=K, HAS_SHARED=shared is not None, BH=bh, **launch(x),
     )  # fmt: skip
     return out
 
@@ -353,11 +373,12 @@ def _routed_small(x, top_i, top_w, gate_up, down, st) -> torch.Tensor:
     inter = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
     _pair_gate_up_kernel[(T * K, triton.cdiv(I, st["small_bn"]))](
         x, gate_up, top_i.contiguous(), inter, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K_TOP=K, BN=st["small_bn"], BK=st["small_bk"], num_warps=st["small_warps"],
+        K_TOP=K, BN=st["small_bn"], BK=st["small_bk"], num_warps=st["small_warps"], **launch(x),
     )  # fmt: skip
     out = torch.empty_like(x)
     _token_down_kernel[(T, triton.cdiv(H, st["small_down_bn"]))](
         inter, down, top_i.contiguous(), top_w.contiguous(), out, H, I, down.stride(0), down.stride(1),
         K_TOP=K, BN=st["small_down_bn"], BK=st["small_down_bk"], num_warps=st["small_warps"],
+        **launch(x),
     )  # fmt: skip
     return out

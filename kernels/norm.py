@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -27,7 +29,9 @@ def _add_rms_norm_kernel(
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     OFFSET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -64,6 +68,6 @@ def add_rms_norm(
     _add_rms_norm_kernel[(T,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps,
         HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), OFFSET=offset,
-        num_warps=8 if N >= 2048 else 4,
+        num_warps=8 if N >= 2048 else 4, **launch(x),
     )  # fmt: skip
     return out

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch
+
 
 @triton.jit
 def _rotate(src, stride_h, dst, dst_stride_h, nh, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
@@ -118,7 +120,9 @@ def _norm_partial_rope(src, stride_h, w_ptr, nh, c, sn, eps, D: tl.constexpr, R:
 def _qk_norm_rope_store_kernel(
     QKV, QOut, QW, KW, Pos, Cos, Sin, KP, VP, Slots, stride_t, stride_qo, stride_c, stride_ps, k_off, v_off, eps,
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
@@ -158,6 +162,6 @@ def qk_norm_rope_store_kv_(qkv, num_heads, num_kv_heads, q_w, k_w, eps, position
         qkv, q_out, q_w, k_w, positions, cos, sin, k_pool, v_pool, slots, qkv.stride(0), q_out.stride(0),
         cos.stride(0), k_pool.stride(0), k_off, k_off + num_kv_heads * D, eps,
         HQ=num_heads, HK=num_kv_heads, D=D, R=2 * cos.shape[1], BLOCK_H=triton.next_power_of_2(num_heads),
-        num_warps=4,
+        num_warps=4, **launch(qkv),
     )  # fmt: skip
     return q_out
