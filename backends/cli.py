@@ -61,7 +61,7 @@ def generate_offline(a: argparse.Namespace, params: SamplingParams) -> dict:
     from .common.model import loader
 
     loader.resolve(a.model)  # fail fast on a bad model spec, before loading anything
-    engine = Engine(a.model, dtype=a.dtype, device=a.device, kv_tokens=a.kv_tokens)
+    engine = Engine(a.model, dtype=a.dtype, device=a.device, kv_tokens=a.kv_tokens, deterministic=a.deterministic)
     tok = engine.tokenizer
     ids = tok.encode_chat(a.prompt) if a.chat else tok.encode(a.prompt)
     out = engine.generate([ids], params)[0]
@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="offline: float32 (default), bfloat16 or float16")
     g.add_argument("--device", default=None, help="offline: cpu or cuda (default: cuda when available)")
     g.add_argument("--kv-tokens", type=int, default=16384, help="offline: KV pool size in tokens (default 16384)")
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="offline, GPU: batch-invariant kernels (serve's --deterministic; dense models)",
+    )
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 

@@ -101,7 +101,7 @@ ROLE_OPTIONS = [
     "max_prefill_tokens", "prefill_max_batch", "prefill_concurrency", "max_inflight", "max_streams", "decode_replies",
     "request_timeout", "on_decode_oom", "pause_policy", "fault_injection", "host_kv_tokens", "rotation_quantum",
     "rotation_wait", "rotation_victims", "rotation_prefetch", "decode_overlap", "speculative", "state_pages",
-    "stall_seconds",
+    "deterministic", "stall_seconds",
 ]  # fmt: skip
 
 

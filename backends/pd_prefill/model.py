@@ -66,6 +66,7 @@ class PrefillModel:
             max_batch_tokens=cfg.max_prefill_tokens,
             overlap=False,  # each step's first tokens are handed off as soon as they exist
             state_pages=cfg.state_pages or None,
+            deterministic=cfg.deterministic == "on",
         )
         # test hook: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations)
         self.faults = set(filter(None, cfg.fault_injection.split(",")))

@@ -19,11 +19,13 @@ from typing import Any, ClassVar
 PARAMETER = "config"  # the model-config parameter holding a role's JSON
 
 
-def opt(default, help: str, choices=None, minimum=None, cli: bool = True, flag_default=dataclasses.MISSING):
+def opt(default, help: str, choices=None, minimum=None, cli: bool = True, flag_default=dataclasses.MISSING,
+        const=None):  # fmt: skip
     """A config field. minimum: the smallest value allowed (None: any). cli: `serve` has an option for it (named
     after the field). flag_default: the option's default when it differs from the field's (None: `serve` computes
-    the value from other options, as the help says)."""
-    meta = dict(help=help, choices=choices, minimum=minimum, cli=cli)
+    the value from other options, as the help says). const: the value of the option given without one
+    (`--deterministic` for `--deterministic on`)."""
+    meta = dict(help=help, choices=choices, minimum=minimum, cli=cli, const=const)
     if flag_default is not dataclasses.MISSING:
         meta["flag_default"] = flag_default
     return field(default=default, metadata=meta)
@@ -111,6 +113,12 @@ FAULTS = (
     "'drop_paused_kv' keeps no paused KV, forcing prefill recovery; 'slow_prefill' makes prefill wait 3 s before "
     "each batch (cancellations still end its jobs)"
 )
+DETERMINISTIC = (
+    "on: batch-invariant kernels on the GPU (every matmul and attention reduces a row in an order fixed by its own "
+    "shape), so an answer paused, swapped, recomputed or served from the prefix cache is bit for bit the answer "
+    "given alone; costs decode and prefill speed (README, deterministic mode). Dense models; give the same value to "
+    "every prefill and decode server of a deployment. `--deterministic` alone means on"
+)
 STATE_PAGES = (
     "hybrid (linear-attention) models: state pages per prefill and decode instance, one per running request plus "
     "the prefix cache's state checkpoints. Default: 2 x --max-batch + 8 (decode) and 2 x 64 + 8 (prefill); ignored "
@@ -195,6 +203,7 @@ class DecodeConfig(RoleConfig):
         choices=("off", "ngram", "mtp"),
     )
     state_pages: int = opt(0, STATE_PAGES, minimum=0)
+    deterministic: str = opt("off", DETERMINISTIC, choices=("off", "on"), const="on")
     stall_seconds: float = opt(
         30.0,
         "decode reports (log and pd_decode_stalls_total) when requests wait and nothing progresses this long; "
@@ -253,6 +262,7 @@ class PrefillConfig(RoleConfig):
     chunk_size: int = opt(512, "prefill: chunk size in tokens", minimum=1)
     max_prefill_tokens: int = opt(4096, "prefill: tokens per forward pass at most", minimum=1)
     state_pages: int = opt(0, STATE_PAGES, minimum=0)
+    deterministic: str = opt("off", DETERMINISTIC, choices=("off", "on"), const="on")
     fault_injection: str = opt("", FAULTS)
 
 
@@ -316,6 +326,8 @@ def add_options(p: argparse.ArgumentParser, names: list[str] | None = None) -> N
         kw = dict(default=default, help=m["help"])
         if m.get("choices"):
             kw["choices"] = list(m["choices"])
+        if m.get("const") is not None:
+            kw.update(nargs="?", const=m["const"])
         elif kinds[0] is not str:
             kw["type"] = kinds[0]
         p.add_argument("--" + name.replace("_", "-"), **kw)

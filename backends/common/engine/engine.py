@@ -57,12 +57,13 @@ class Engine:
         cuda_graphs: bool = True,
         overlap: bool = True,
         state_pages: int | None = None,
+        deterministic: bool = False,
     ):
         self.overlap = overlap
         self._pending: LaunchedStep | None = None
         self.runner = ModelRunner(
             model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs,
-            state_pages=state_pages,
+            state_pages=state_pages, deterministic=deterministic,
         )  # fmt: skip
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings

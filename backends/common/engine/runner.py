@@ -84,7 +84,10 @@ class ModelRunner:
         cuda_graphs: bool = True,
         state_pages: int | None = None,
         state_shm_name: str | None = None,
+        deterministic: bool = False,
     ):
+        """deterministic: batch-invariant kernels on the GPU path (kernels.invariant; dense models only: a hybrid
+        model on the GPU path is refused with a ValueError). The CPU path is exact without them."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
@@ -96,6 +99,10 @@ class ModelRunner:
         self.num_state_pages = 0
         self.hybrid = None  # hybrid models: the eager HybridModel (also inside GpuHybrid)
         if cfg.is_hybrid:
+            if deterministic and pick_backend(backend, self.device) == "triton" and self.device.type == "cuda":
+                raise ValueError(
+                    "deterministic: hybrid (linear-attention) models are not covered yet on the GPU; dense models are"
+                )
             self._init_hybrid(
                 weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages, state_shm_name
             )
@@ -113,7 +120,7 @@ class ModelRunner:
 
             self.model = GpuLlama(
                 cfg, weights, self.kv, scratch_slot=kv_tokens, max_batch=max_batch,
-                graph_sizes=None if not cuda_graphs else GRAPH_SIZES,
+                graph_sizes=None if not cuda_graphs else GRAPH_SIZES, deterministic=deterministic,
             )  # fmt: skip
         else:
             self.model = LlamaModel(cfg, weights)

@@ -32,12 +32,17 @@ class GpuLlama(DecodeGraphs):
         max_ctx: int | None = None,
         graph_sizes: tuple[int, ...] | None = (1, 2, 4, 8, 16, 32, 64, 128, 256),
         linear_choice: dict[tuple[str, int], dict] | None = None,
+        deterministic: bool = False,
     ):
         """linear_choice: {(projection, graph batch size): skinny_linear settings} to use as given instead of timing
-        cuBLAS against skinny_linear at capture (tests; reproducing a run)."""
-        from kernels import act, attention, linear, norm, rope
+        cuBLAS against skinny_linear at capture (tests; reproducing a run). deterministic: every matmul and
+        attention in kernels.invariant's batch-invariant kernels (a row's logits and K/V do not depend on the batch,
+        the chunking or the graph: issue #29), the rotary embedding in its own launch."""
+        from kernels import act, attention, invariant, linear, norm, rope
 
         self.k_attn, self.k_norm, self.k_rope, self.k_act, self.k_lin = attention, norm, rope, act, linear
+        self.k_inv = invariant
+        self.deterministic = deterministic
         self.cfg, self.kv = cfg, kv
         emb = weights["model.embed_tokens.weight"]
         self.device, self.dtype = emb.device, emb.dtype
@@ -81,7 +86,15 @@ class GpuLlama(DecodeGraphs):
         attention output into attn. bs: the decode graph's batch size, whose projections may run skinny_linear."""
         cfg = self.cfg
         choice = {n: self.linear_choice.get((n, bs)) for n in ("qkv", "o", "gate_up", "down")}
-        lin = self.k_lin.linear
+        lin, gated = self.k_lin.linear, self.k_lin.gated_linear
+        if self.deterministic:
+
+            def lin(x, w, choice=None, bias=None):  # choice: tile settings (`_tune_linear`); bits are the same
+                return self.k_inv.linear(x, w, bias, settings=choice)
+
+            def gated(gate_up, w, choice=None):
+                return lin(self.k_act.silu_mul(gate_up), w, choice)
+
         T = ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.embedding(ids, self.embed)
@@ -90,21 +103,28 @@ class GpuLlama(DecodeGraphs):
         for i, L in enumerate(self.layers):
             if L["qkv_bias"] is None:
                 qkv = lin(x, L["qkv"], choice["qkv"]).view(T, H + 2 * Hkv, D)
+            elif self.deterministic:
+                qkv = lin(x, L["qkv"], bias=L["qkv_bias"]).view(T, H + 2 * Hkv, D)
             else:
                 qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
             q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]
-            if L["q_norm"] is not None:
+            if L["q_norm"] is not None and self.deterministic:  # one program per head row: batch-invariant
+                q = self.k_norm.add_rms_norm(q.reshape(-1, D), None, L["q_norm"], cfg.rms_norm_eps).view(T, H, D)
+                k = self.k_norm.add_rms_norm(k.reshape(-1, D), None, L["k_norm"], cfg.rms_norm_eps).view(T, Hkv, D)
+            elif L["q_norm"] is not None:
                 q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps).contiguous()
                 k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps).contiguous()
             attend(q, k, v, self.kv.k(i), self.kv.v(i), attn)
             o = lin(attn.view(T, H * D), L["o"], choice["o"])
             x = self.k_norm.add_rms_norm(o, h, L["ln2"], cfg.rms_norm_eps)
-            m = self.k_lin.gated_linear(lin(x, L["gate_up"], choice["gate_up"]), L["down"], choice["down"])
+            m = gated(lin(x, L["gate_up"], choice["gate_up"]), L["down"], choice["down"])
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
             x = self.k_norm.add_rms_norm(m, h, nxt, cfg.rms_norm_eps)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return self.k_inv.linear(x, self.lm_head).float()
         return F.linear(x, self.lm_head).float()
 
     # ----- eager: any mix of prefill chunks and decode tokens -----
@@ -133,6 +153,18 @@ class GpuLlama(DecodeGraphs):
 
         def attend(q, k, v, k_pool, v_pool, attn):
             self.k_rope.rope_store_kv_(q, k, v, pos_t, self.cos, self.sin, k_pool, v_pool, out_t)
+            if self.deterministic:
+                if dec:
+                    ctr = self.attn_counters if len(dec) * self.cfg.num_kv_heads <= self.attn_counters.numel() else None
+                    self.k_inv.decode_attention(
+                        q, k_pool, v_pool, table, d[7], d[8], self.scale, self.max_ctx, out=attn, q_idx=d[9],
+                        counters=ctr,
+                    )  # fmt: skip
+                if pre:
+                    self.k_inv.prefill_attention(
+                        q, k_pool, v_pool, table, d[10], d[11], d[12], d[13], max_q, self.scale, out=attn
+                    )
+                return
             if dec:
                 ctr = self.attn_counters if len(dec) * self.cfg.num_kv_heads <= self.attn_counters.numel() else None
                 self.k_attn.decode_attention(
@@ -155,6 +187,13 @@ class GpuLlama(DecodeGraphs):
         table.index_put_((inp[3], inp[1]), inp[2])  # each sequence's new slot (padding rewrites the scratch entry)
 
         def attend(q, k, v, k_pool, v_pool, attn):  # rotary embedding and KV store inside the attention kernel
+            if self.deterministic:  # the eager path's launches: the same bits as a prefill of these positions
+                self.k_rope.rope_store_kv_(q, k, v, inp[1], self.cos, self.sin, k_pool, v_pool, inp[2])
+                self.k_inv.decode_attention(
+                    q, k_pool, v_pool, table, inp[3], inp[4], self.scale, self.max_ctx, out=attn, q_idx=qidx,
+                    counters=self.attn_counters,
+                )  # fmt: skip
+                return
             self.k_attn.decode_attention(
                 q, k_pool, v_pool, table, inp[3], inp[4], self.scale, out=attn, q_idx=qidx,
                 counters=self.attn_counters, rope=(k, v, self.cos, self.sin, inp[2]), **launch,
@@ -168,7 +207,8 @@ class GpuLlama(DecodeGraphs):
         self._warm_eager_prefill()
 
     def _tune_groups(self) -> dict[str, list[torch.Tensor]]:
-        """Every projection but q|k|v with a bias (that one keeps cuBLAS)."""
+        """Every projection but q|k|v with a bias (that one keeps cuBLAS; in deterministic mode, the default
+        tile)."""
         mats = ["o", "gate_up", "down"] + (["qkv"] if self.layers[0]["qkv_bias"] is None else [])
         return {name: [L[name] for L in self.layers] for name in mats}
 
@@ -197,6 +237,8 @@ class GpuLlama(DecodeGraphs):
         cfg = self.cfg
         inp = self.graph_inputs[bs]
         q = torch.zeros(bs, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        if self.deterministic:  # the graph runs the eager path's kernels: compiled by the body already
+            return
         split = self.k_attn.default_splits(bs, cfg.num_kv_heads)
         self.k_attn.decode_attention(
             q, self.kv.k(0), self.kv.v(0), self.table.table, inp[3], inp[4], self.scale, q_idx=self.qidx[:bs],

@@ -1,0 +1,332 @@
+"""Batch-invariant kernels for `--deterministic` (issue #29): a row's result has the same bits whatever else is in
+the batch, and the K/V that a prefill (whole or in chunks) writes for a position are the bits decode writes for it.
+
+The rule every kernel here follows: **a row's reduction order is fixed by the data's own shape (K, the context
+length), never by the number of rows, the chunking or the launch grid.**
+
+- `linear(x, w)`: x @ w.T (+ bias): each output is one float32 tensor-core accumulation chain over K in steps of
+  BLOCK_K columns, in order, never split across programs. Only the tile around it changes with the number of rows
+  (narrow column tiles for decode's few rows, wide ones for prefill), which the H200 was checked not to change
+  (tests/kernels/test_invariant.py compares every tile setting bitwise).
+- `decode_attention` / `prefill_attention`: the keys of a query are cut into segments of `SEG_KV` positions
+  counted from position 0. Each segment is reduced from a fresh online softmax in blocks of BLOCK_N keys
+  (64-row query tiles in both), giving (out, log-sum-exp); segments are merged in order with one elementwise
+  formula. Decode computes segments in parallel programs and the last to finish merges them; prefill merges them
+  in registers. A segment or block that holds none of a row's keys leaves its result unchanged, bit for bit.
+
+Everything else on the deterministic path is already per row: the Triton RMSNorm (one program per row, its
+reduction shaped by the hidden size), rope, SiLU-mul, embedding, argmax."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import enter, launch
+
+SEG_KV = 256  # key positions per attention segment
+BLOCK_K = 64
+_LOG2E = 1.4426950408889634
+
+
+# ---- linear ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _linear_kernel(
+    X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program -> (row tile, column tile), GROUP row tiles side by side per column sweep (L2 reuse of weights and
+    rows); x[rm] @ w[rn].T summed from zero in steps of BK columns in order (float32, one tensor-core accumulation
+    chain per output), + bias, rounded once."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * tiles_n
+    first_m = (pid // per_group) * GROUP
+    size_m = tl.minimum(tiles_m - first_m, GROUP)
+    pm = first_m + (pid % per_group) % size_m
+    pn = (pid % per_group) // size_m
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    mask_m, mask_n = rm < M, rn < N
+    x_ptr = X + rm.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BK)[None, :]
+    w_ptr = W + rn.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BK)[None, :]
+    enter(PDL)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            x = tl.load(x_ptr + k0, mask=mask_m[:, None], other=0.0)
+            w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+        else:
+            mk = (k0 + tl.arange(0, BK)) < K
+            x = tl.load(x_ptr + k0, mask=mask_m[:, None] & mk[None, :], other=0.0)
+            w = tl.load(w_ptr + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
+
+
+# launch settings by row count: rows and columns per tile, warps, stages, and columns per step (bk, default
+# BLOCK_K). Every one runs the same chain of tensor-core steps of 16 columns, in order, on each output, so a row's
+# bits do not depend on which one a batch gets (tests/kernels/test_invariant.py checks TILES against each other on
+# the H200; perf/invariant_sweep.py found no difference among 22-40 settings on Llama-3.1-8B's projections).
+# Defaults from that sweep (graph-timed, H200: within 0.94-1.10x cuBLAS up to 32 rows, 1.31-1.35x at 8,192).
+SETTINGS = [
+    (64, dict(bm=64, bn=64, bk=128, warps=4, stages=4)),
+    (256, dict(bm=64, bn=128, bk=128, warps=4, stages=4)),
+    (1 << 62, dict(bm=128, bn=128, bk=64, warps=8, stages=3)),
+]
+# what `tune` times for a decode graph's projections (the best differed by projection in the sweep)
+CANDIDATES = {
+    "few": [dict(bm=64, bn=64, bk=128, warps=4, stages=4), dict(bm=64, bn=32, bk=256, warps=4, stages=4),
+            dict(bm=64, bn=128, bk=128, warps=4, stages=4), dict(bm=64, bn=64, bk=64, warps=4, stages=3)],
+    "many": [dict(bm=64, bn=128, bk=128, warps=4, stages=4), dict(bm=64, bn=64, bk=256, warps=4, stages=3),
+             dict(bm=128, bn=128, bk=64, warps=8, stages=3)],
+}  # fmt: skip
+TILES = [st for _, st in SETTINGS] + [
+    dict(bm=64, bn=16, warps=4, stages=4), dict(bm=64, bn=32, bk=256, warps=4, stages=3),
+    dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, bk=128, warps=8, stages=3),
+]  # fmt: skip
+
+
+def settings_for(m: int) -> dict:
+    return next(st for rows, st in SETTINGS if m <= rows)
+
+
+def tune(weights: list[torch.Tensor], rows: int) -> tuple[dict, dict]:
+    """The fastest of CANDIDATES for `rows` rows times each of `weights` (one projection of every layer), timed as
+    a CUDA graph as kernels.linear.tune times. Any choice gives the same bits, so processes may choose
+    differently. Returns (settings, {description: seconds per weight or an error})."""
+    from kernels.linear import graph_time
+
+    N, K = weights[0].shape
+    x = torch.randn(rows, K, device=weights[0].device, dtype=weights[0].dtype)
+    out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
+    best, best_t, times = settings_for(rows), float("inf"), {}
+    for st in CANDIDATES["few" if rows <= 64 else "many"]:
+        try:
+            t = graph_time(lambda st=st: [linear(x, w, out=out, settings=st) for w in weights], 10) / len(weights)
+        except Exception as e:  # a setting that needs more shared memory than there is
+            times[str(st)] = repr(e)[:200]
+            continue
+        times[str(st)] = t
+        if t < best_t:
+            best, best_t = st, t
+    return best, times
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           settings: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ w [N, K].T (+ bias [N]), each output summed over K in one fixed order (see the module docstring).
+    settings: tile settings (default `settings_for(M)`; any of TILES gives the same bits)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1, (x.shape, w.shape)
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    st = settings or settings_for(M)
+    bk = st.get("bk", BLOCK_K)
+    _linear_kernel[(triton.cdiv(M, st["bm"]) * triton.cdiv(N, st["bn"]),)](
+        x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        BM=st["bm"], BN=st["bn"], BK=bk, GROUP=st.get("group", 8), EVEN_K=K % bk == 0, HAS_BIAS=bias is not None,
+        num_warps=st["warps"], num_stages=st["stages"], **launch(x),
+    )  # fmt: skip
+    return out
+
+
+# ---- attention ----------------------------------------------------------------------------------------------
+@triton.jit
+def _segment_attn(q, K, V, Table, row, kvh, limit, lo, hi, ctx, stride_ks, stride_kh, stride_vs, stride_vh,
+                  stride_tr, scale_log2, BM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """One segment [lo, hi) of keys for a [BM, D] query tile: a fresh online softmax in blocks of BLOCK_N from lo;
+    a query row keeps key n when n < limit[row]; keys at or past ctx are not loaded. Returns (out [BM, D] float32,
+    log2-sum-exp [BM], -inf for a row without keys here)."""
+    offs_d = tl.arange(0, D)
+    m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < ctx
+        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys yet: p = 0, alpha = 0
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has = l_sum > 0
+    out = acc / tl.where(has, l_sum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two softmax partials merged (elementwise, the same bits wherever it runs); a partial with lse -inf leaves the
+    other unchanged."""
+    m = tl.maximum(lse_a, lse_b)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp2(lse_a - m_use)
+    wb = tl.exp2(lse_b - m_use)
+    tot = wa + wb
+    has = tot > 0
+    out = (out_a * wa[:, None] + out_b * wb[:, None]) / tl.where(has, tot, 1.0)[:, None]
+    lse = tl.where(has, m_use + tl.log2(tl.where(has, tot, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, O, Table, Rows, QStart, QLen, CtxLen,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tr, scale_log2,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence, block of BM queries, head): the queries' segments merged in order, in registers."""
+    i, mb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    enter(PDL)
+    q_len = tl.load(QLen + i)
+    if mb * BM >= q_len:
+        return
+    q_start = tl.load(QStart + i).to(tl.int64)
+    ctx = tl.load(CtxLen + i)
+    row = tl.load(Rows + i).to(tl.int64)
+    kvh = h // GROUP
+    prefix = ctx - q_len
+    offs_m = mb * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < q_len
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None],
+                other=0.0)  # fmt: skip
+    limit = prefix + offs_m + 1  # query at position p sees keys 0..p
+    end = tl.minimum(ctx, prefix + (mb + 1) * BM)
+    out = tl.zeros([BM, D], dtype=tl.float32)
+    lse = tl.full([BM], float("-inf"), dtype=tl.float32)
+    for lo in range(0, end, SEG):
+        o_s, l_s = _segment_attn(q, K, V, Table, row, kvh, limit, lo, tl.minimum(lo + SEG, end), ctx, stride_ks,
+                                 stride_kh, stride_vs, stride_vh, stride_tr, scale_log2, BM, D, BLOCK_N)  # fmt: skip
+        out, lse = _merge(out, lse, o_s, l_s)
+    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=mask_m[:, None])  # fmt: skip
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, O, Table, Rows, SeqLens, QIdx, MidO, MidL, Counter,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tr,
+    stride_mb, stride_mh, stride_ms, scale_log2,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence, kv head, p): the query's heads of that kv head as rows of a BM-row tile; segments p,
+    p + programs, ... each stored as (out, lse); the last program to finish merges all in segment order."""
+    b, kvh, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    np_ = tl.num_programs(2)
+    enter(PDL)
+    ctx = tl.load(SeqLens + b)
+    row = tl.load(Rows + b).to(tl.int64)
+    qrow = tl.load(QIdx + b).to(tl.int64)
+    offs_g = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + qrow * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    limit = tl.zeros([BM], dtype=tl.int32) + ctx
+    nseg = tl.cdiv(ctx, SEG)
+    mid_o = MidO + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
+    mid_l = MidL + b.to(tl.int64) * (stride_mb // D) + heads * (stride_mh // D)
+    for s in range(p, nseg, np_):
+        o_s, l_s = _segment_attn(q, K, V, Table, row, kvh, limit, s * SEG, tl.minimum(s * SEG + SEG, ctx), ctx,
+                                 stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, scale_log2, BM, D,
+                                 BLOCK_N)  # fmt: skip
+        tl.store(mid_o + s * stride_ms, o_s, mask=mask_g[:, None])
+        tl.store(mid_l + s * (stride_ms // D), l_s, mask=mask_g)
+    tl.debug_barrier()
+    done = tl.atomic_add(Counter + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
+    if done == np_ - 1:
+        out = tl.zeros([BM, D], dtype=tl.float32)
+        lse = tl.full([BM], float("-inf"), dtype=tl.float32)
+        for s in range(0, nseg):
+            o_s = tl.load(mid_o + s * stride_ms, mask=mask_g[:, None], other=0.0, cache_modifier=".cg")
+            l_s = tl.load(mid_l + s * (stride_ms // D), mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+            out, lse = _merge(out, lse, o_s, l_s)
+        tl.store(O + qrow * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mask_g[:, None])  # fmt: skip
+        tl.store(Counter + b * tl.num_programs(1) + kvh, 0)
+
+
+ATTN = dict(bm=64, block_n=64, warps=4, stages=2)
+
+
+def _block_n(D: int) -> int:
+    return ATTN["block_n"] if D <= 128 else 32
+
+
+def prefill_attention(q, k_pool, v_pool, table, rows, q_start, q_len, ctx_len, max_q_len: int, scale: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """As kernels.attention.prefill_attention (same arguments), with the segment order of the module docstring."""
+    N = rows.shape[0]
+    _, H, D = q.shape
+    group = H // k_pool.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    if N == 0:
+        return out
+    grid = (N, triton.cdiv(max_q_len, ATTN["bm"]), H)
+    _prefill_kernel[grid](
+        q, k_pool, v_pool, out, table, rows, q_start, q_len, ctx_len,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1), table.stride(0), scale * _LOG2E,
+        GROUP=group, D=D, BM=ATTN["bm"], BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=ATTN["warps"],
+        num_stages=ATTN["stages"], **launch(q),
+    )  # fmt: skip
+    return out
+
+
+def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float, max_ctx: int,
+                     out: torch.Tensor | None = None, q_idx: torch.Tensor | None = None,
+                     counters: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:  # fmt: skip
+    """One query per sequence (rows q_idx[b] of q [T, H, D], default b) over its seq_lens[b] keys, with the segment
+    order of the module docstring. max_ctx: the longest context any sequence may have (sizes the segment
+    buffer, so a CUDA graph serves every length up to it); programs: per (sequence, kv head), default from the
+    batch (does not change the bits); counters as kernels.attention.decode_attention's."""
+    from kernels.attention import default_splits
+
+    B = rows.shape[0]
+    _, H, D = q.shape
+    Hkv = k_pool.shape[1]
+    group = H // Hkv
+    assert group <= ATTN["bm"]
+    if q_idx is None:
+        q_idx = torch.arange(B, device=q.device, dtype=torch.int32)
+    if out is None:
+        out = torch.empty_like(q)
+    if B == 0:
+        return out
+    if counters is None:
+        counters = torch.zeros(B * Hkv, device=q.device, dtype=torch.int32)
+    assert counters.numel() >= B * Hkv
+    nseg = triton.cdiv(max_ctx, SEG_KV)
+    mid_o = torch.empty(B, H, nseg, D, device=q.device, dtype=torch.float32)
+    mid_l = torch.empty(B, H, nseg, device=q.device, dtype=torch.float32)  # strides: mid_o's / D
+    programs = programs or min(nseg, default_splits(B, Hkv))
+    _decode_kernel[(B, Hkv, programs)](
+        q, k_pool, v_pool, out, table, rows, seq_lens, q_idx, mid_o, mid_l, counters,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1), table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        scale * _LOG2E,
+        GROUP=group, D=D, BM=ATTN["bm"], BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=ATTN["warps"],
+        num_stages=ATTN["stages"], **launch(q),
+    )  # fmt: skip
+    return out
