@@ -9,15 +9,19 @@ length), never by the number of rows, the chunking or the launch grid.**
   (narrow column tiles for decode's few rows, wide ones for prefill), which the H200 was checked not to change
   (tests/kernels/test_invariant.py compares every tile setting bitwise).
 - `decode_attention` / `prefill_attention`: the keys of a query are cut into segments of `SEG_KV` positions
-  counted from position 0. Each segment is reduced from a fresh online softmax in blocks of BLOCK_N keys
-  (64-row query tiles in both), giving (out, log-sum-exp); segments are merged in order with one elementwise
-  formula. Decode computes segments in parallel programs and the last to finish merges them; prefill merges them
-  in registers. A segment or block that holds none of a row's keys leaves its result unchanged, bit for bit.
+  counted from position 0. Each segment is reduced from a fresh online softmax in blocks of BLOCK_N keys, giving
+  (out, log-sum-exp); every sum over keys (scores, the softmax's row sums, p @ V) runs on the tensor cores, so
+  prefill's 64-query tiles and decode's 16-row tiles (a GQA group) give the same bits. Segments are merged in order
+  with one elementwise formula: decode computes them in parallel programs and the last to finish merges them,
+  prefill merges them in registers. A segment or block that holds none of a row's keys leaves the result
+  unchanged, bit for bit.
 
 Everything else on the deterministic path is already per row: the Triton RMSNorm (one program per row, its
 reduction shaped by the hidden size), rope, SiLU-mul, embedding, argmax."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -161,9 +165,14 @@ def _segment_attn(q, K, V, Table, row, kvh, limit, lo, hi, ctx, stride_ks, strid
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys yet: p = 0, alpha = 0
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        pv = p.to(v.dtype)
+        # the row sums through the tensor cores too (p @ ones: only column 0 kept, an exact pick): tl.sum's order
+        # follows the tile's register layout, which differs between 16- and 64-row tiles
+        ones = tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0).to(v.dtype) + tl.zeros([BLOCK_N, 16], v.dtype)
+        rows = tl.dot(pv, ones)
+        l_sum = l_sum * alpha + tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, rows, 0.0), 1)
+        acc = acc * alpha[:, None] + tl.dot(pv, v)
         m = m_new
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
@@ -266,7 +275,11 @@ def _decode_kernel(
         tl.store(Counter + b * tl.num_programs(1) + kvh, 0)
 
 
-ATTN = dict(bm=64, block_n=64, warps=4, stages=2)
+# query rows per tile: prefill's 64 queries; decode's GQA group padded to decode_bm rows (16 on a GPU: a quarter of
+# the tensor-core work of 64 for the same bits; 64 under Triton's CPU interpreter, whose dot is numpy's matmul and
+# rounds differently per tile shape; TRITON_PD_DET_DECODE_BM overrides, for measuring)
+_DECODE_BM = "64" if os.environ.get("TRITON_INTERPRET") == "1" else "16"
+ATTN = dict(bm=64, decode_bm=int(os.environ.get("TRITON_PD_DET_DECODE_BM", _DECODE_BM)), block_n=64, warps=4, stages=2)
 
 
 def _block_n(D: int) -> int:
@@ -307,7 +320,7 @@ def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float, max
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
     group = H // Hkv
-    assert group <= ATTN["bm"]
+    bm = max(ATTN["decode_bm"], triton.next_power_of_2(group))
     if q_idx is None:
         q_idx = torch.arange(B, device=q.device, dtype=torch.int32)
     if out is None:
@@ -326,7 +339,7 @@ def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float, max
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         scale * _LOG2E,
-        GROUP=group, D=D, BM=ATTN["bm"], BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=ATTN["warps"],
+        GROUP=group, D=D, BM=bm, BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=ATTN["warps"],
         num_stages=ATTN["stages"], **launch(q),
     )  # fmt: skip
     return out

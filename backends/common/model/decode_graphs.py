@@ -212,7 +212,9 @@ class DecodeGraphs:
             self.graph_sizes = sorted(self.graphs)
             return
         if not self.linear_fixed and os.environ.get("TRITON_PD_LINEAR_TUNE", "1") != "0":
-            self._tune_linear([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
+            # deterministic mode times its tiles for every size (no choice changes the bits)
+            tuned = sizes if getattr(self, "deterministic", False) else [b for b in sizes if b <= self.k_lin.TUNE_ROWS]
+            self._tune_linear(tuned)
         pool = self._graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
