@@ -129,3 +129,18 @@ def test_serve_options_reach_the_roles_configs(tmp_path):
     assert (dep.decode.prefill_concurrency, dep.decode.rotation_wait, dep.decode.kv_backend) == (3, 0.5, "gloo")
     assert dep.prefill.prefill_max_batch == 5 and dep.master.max_inflight == 9
     assert dep.decode.deployment == dep.prefill.deployment == dep.master.deployment == dep.deployment_id
+
+
+@pytest.mark.parametrize("extra,want", [((), "off"), (("--deterministic",), "on"), (("--deterministic", "off"), "off")])
+def test_deterministic_reaches_prefill_and_decode_alike(tmp_path, extra, want):
+    """`--deterministic` alone means on; prefill and decode must agree, or a recomputed K/V would differ."""
+    dep = Deployment.from_args(serve_args("--workdir", str(tmp_path), *extra), n_gpus=0)
+    assert dep.decode.deterministic == dep.prefill.deterministic == want
+
+
+def test_deterministic_refuses_a_hybrid_model_on_the_gpu_before_starting(tmp_path):
+    args = build_parser().parse_args(
+        ["serve", "--device", "gpu", "--model", "random:qwen3.5-9b", "--workdir", str(tmp_path), "--deterministic"]
+    )
+    with pytest.raises(ValueError, match="--deterministic: hybrid"):
+        Deployment.from_args(args, n_gpus=1)
