@@ -19,7 +19,10 @@ Per phase and policy it reports answers completed with the right length, the lar
 answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
 throughput loss of a policy is against `plain` and, when run, `roomy`, measured in the same run), pauses, rotations,
 recoveries by path, the highest epoch and stale messages; after close-all, decode's counts and whether a new request
-works. Every phase has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the
+works. Every answer is kept (answers.json) and compared token for token with the `--reference` policy's (default
+roomy, where nothing pauses): with `--deterministic` on a GPU (issue #29) or on the CPU they must be identical,
+whichever path recovered them; `--sampling seeded` repeats it with seeded sampling, `--require-identical` makes any
+difference exit 1. Every phase has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the
 results written so far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1 --model
 smollm2` (the default model, random:llama3.1-8b, does not fit a small CPU machine) runs the same shape in a few
 minutes on a laptop-class CPU.
@@ -83,7 +86,7 @@ CLOSE_ALL = {
 class Stream:
     """One gRPC stream, one request; token arrival times recorded by the callback."""
 
-    def __init__(self, url: str, ids: list[int], max_tokens: int):
+    def __init__(self, url: str, ids: list[int], max_tokens: int, seed: int | None = None):
         import tritonclient.grpc as grpcclient
 
         from tests.server.client import build_inputs
@@ -98,6 +101,8 @@ class Stream:
         self.client = grpcclient.InferenceServerClient(url)
         self.client.start_stream(callback=self._on)
         params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        if seed is not None:  # seeded sampling: the answer is a function of (seed, position) and the logits
+            params.update(temperature=1.0, seed=seed)
         self.client.async_stream_infer(
             "pd_master", build_inputs(ids=ids, params=params), enable_empty_final_response=True
         )
@@ -148,10 +153,12 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(min(1000, hi // 4), hi, size=length).tolist() for _ in range(n)]
 
 
-def run_phase(url: str, metrics: str, n: int, prompt: int, out_len: int, limit: float, seed: int) -> dict:
+def run_phase(url: str, metrics: str, n: int, prompt: int, out_len: int, limit: float, seed: int,
+              sampled: bool = False) -> dict:  # fmt: skip
+    """sampled: each stream samples with seed 1000 + its index (else greedy)."""
     before = scrape(metrics, COUNTERS)
     t0 = time.monotonic()
-    streams = [Stream(url, p, out_len) for p in prompts(n, prompt, seed)]
+    streams = [Stream(url, p, out_len, 1000 + i if sampled else None) for i, p in enumerate(prompts(n, prompt, seed))]
     for s in streams:
         s.done.wait(max(0.0, limit - (time.monotonic() - t0)))
     wall = time.monotonic() - t0
@@ -174,6 +181,7 @@ def run_phase(url: str, metrics: str, n: int, prompt: int, out_len: int, limit: 
         "wall_s": wall,
         "output_tok_s": tokens / wall,
         "ids_sha": [hash(tuple(s.ids)) & 0xFFFFFFFF for s in streams],
+        "ids": [s.ids for s in streams],  # moved to answers.json by main
         **{k: after[k] - before[k] for k in COUNTERS if k != "epoch_max"},
         "epoch_max": after["epoch_max"],
     }
@@ -251,6 +259,28 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
     return lines + [""]
 
 
+def same_answers(mine: list[list[int]], ref: list[list[int]]) -> str:
+    """'k of n' streams whose tokens equal the reference's, and where the others first differ."""
+    firsts = []
+    for a, b in zip(mine, ref):
+        if a != b:
+            firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    text = f"{len(ref) - len(firsts)} of {len(ref)}"
+    return text + (f" (first differences at tokens {', '.join(map(str, firsts))})" if firsts else "")
+
+
+def compare_answers(answers: dict, reference: str | None) -> dict:
+    """{phase: {policy: same_answers text}} against `reference`'s answers (None: nothing compared)."""
+    out: dict = {}
+    if reference not in answers:
+        return out
+    for phase, ref in answers[reference].items():
+        for pol, runs in answers.items():
+            if pol != reference and phase in runs:
+                out.setdefault(phase, {})[pol] = same_answers(runs[phase], ref)
+    return out
+
+
 def report(summary: dict) -> str:
     lines = [f"# Seed scenario: {summary['setup']}", "", f"Command: `{summary['command']}`", ""]
     runs = summary["policies"]
@@ -258,6 +288,11 @@ def report(summary: dict) -> str:
     for phase, _, _ in PHASES:
         if any(phase in runs[p] for p in pols):
             lines += _phase_rows(phase, pols, runs)
+            same = summary.get("same_answers", {}).get(phase)
+            if same:
+                ref = summary["reference"]
+                lines += [f"Answers token for token equal to {ref}'s ({summary['sampling']}):", ""]
+                lines += [f"- {pol}: {text}" for pol, text in same.items()] + [""]
     lines += ["## close all streams while some are paused", "", "| | " + " | ".join(pols) + " |"]
     lines.append("|---|" + "---|" * len(pols))
     for label, fn in (
@@ -299,6 +334,16 @@ def main(argv=None) -> int:
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
     ap.add_argument("--phases", nargs="+", default=[p[0] for p in PHASES], choices=[p[0] for p in PHASES],
                     help="which phases to run (close-all always runs)")  # fmt: skip
+    ap.add_argument("--sampling", choices=["greedy", "seeded"], default="greedy",
+                    help="seeded: temperature 1 with seed 1000 + the stream's index")  # fmt: skip
+    ap.add_argument("--reference", default="roomy",
+                    help="the policy whose answers the others are compared with, token for token (answers.json "
+                    "holds them all)")  # fmt: skip
+    ap.add_argument(
+        "--require-identical",
+        action="store_true",
+        help="exit 1 unless every policy's answers equal the reference's (e.g. with --deterministic)",
+    )
     a = ap.parse_args(argv)
     policies = dict(POLICIES)
     for d in a.define:
@@ -327,8 +372,11 @@ def main(argv=None) -> int:
             else ""
         ),  # fmt: skip
         "command": "python perf/seed_stalls.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "sampling": a.sampling,
+        "reference": a.reference,
         "policies": {},
     }
+    answers: dict = {}  # policy -> phase -> every stream's output ids
     for pol in a.policies:
         res = summary["policies"][pol] = {}
         print(f"[seed] {pol}: starting a server", flush=True)
@@ -350,7 +398,11 @@ def main(argv=None) -> int:
         try:
             for phase, n, n_out in ((name, n, sc(n_out)) for name, n, n_out in PHASES if name in a.phases):
                 print(f"[seed] {pol}: {phase} ({n} x {prompt}+{n_out})", flush=True)
-                res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(phase))
+                res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(phase),
+                                       sampled=a.sampling == "seeded")  # fmt: skip
+                answers.setdefault(pol, {})[phase] = res[phase].pop("ids")
+                summary["same_answers"] = compare_answers(answers, a.reference)
+                (out / "answers.json").write_text(json.dumps(answers))
                 brief = {
                     k: res[phase][k] for k in ("completed", "largest_gap_s", "wall_s", "output_tok_s", "epoch_max")
                 }
@@ -367,6 +419,11 @@ def main(argv=None) -> int:
     text = report(summary)
     print(text)
     (out / "report.md").write_text(text)
+    if a.require_identical:
+        compared = [t for by_pol in summary.get("same_answers", {}).values() for t in by_pol.values()]
+        if not compared or any("differences" in t for t in compared):
+            print(f"[seed] answers not all identical to {a.reference}'s (or nothing compared)", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -1,0 +1,27 @@
+"""perf/seed_stalls.py's answer comparison: which streams equal the reference policy's token for token, and where
+the others first differ (the served check of `--deterministic`, issue #29)."""
+
+from __future__ import annotations
+
+from perf import seed_stalls
+
+
+def test_same_answers_names_the_first_difference_of_each_stream():
+    ref = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    assert seed_stalls.same_answers([[1, 2, 3, 4], [5, 6, 7], [8, 9]], ref) == "3 of 3"
+    got = seed_stalls.same_answers([[1, 2, 0, 4], [5, 6, 7], [8]], ref)
+    assert got == "1 of 3 (first differences at tokens 2, 1)"  # a shorter answer differs where it stops
+
+
+def test_compare_answers_against_the_reference_policy_per_phase():
+    answers = {
+        "roomy": {"3x5500": [[1, 2], [3, 4]], "4x4000": [[9]]},
+        "rotate": {"3x5500": [[1, 2], [3, 5]]},
+        "plain": {"3x5500": [[1, 2], [3, 4]], "4x4000": [[9]]},
+    }
+    got = seed_stalls.compare_answers(answers, "roomy")
+    assert got == {
+        "3x5500": {"rotate": "1 of 2 (first differences at tokens 1)", "plain": "2 of 2"},
+        "4x4000": {"plain": "1 of 1"},
+    }
+    assert seed_stalls.compare_answers(answers, "missing") == {}
