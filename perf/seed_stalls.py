@@ -22,10 +22,10 @@ recoveries by path, the highest epoch and stale messages; after close-all, decod
 works. Every answer is kept (answers.json) and compared token for token with the `--reference` policy's (default
 roomy, where nothing pauses): with `--deterministic` on a GPU (issue #29) or on the CPU they must be identical,
 whichever path recovered them; `--sampling seeded` repeats it with seeded sampling, `--require-identical` makes any
-difference exit 1. Every phase has a wall-clock limit: streams still open then are cancelled and counted as unfinished, and the
-results written so far stay on disk (summary.json, report.md; rewritten after every phase). `--scale 0.1 --model
-smollm2` (the default model, random:llama3.1-8b, does not fit a small CPU machine) runs the same shape in a few
-minutes on a laptop-class CPU.
+difference exit 1. Every phase has a wall-clock limit: streams still open then are cancelled and counted as
+unfinished, and the results written so far stay on disk (summary.json, report.md; rewritten after every phase).
+`--scale 0.1 --model smollm2` (the default model, random:llama3.1-8b, does not fit a small CPU machine) runs the
+same shape in a few minutes on a laptop-class CPU.
 """
 
 from __future__ import annotations
