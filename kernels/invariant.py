@@ -73,15 +73,45 @@ def _linear_kernel(
              mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
+@triton.jit
+def _linear_tma_kernel(
+    x_desc, w_desc, y_desc, Bias, M, N, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """`_linear_kernel` for many rows, persistent (PROGRAMS programs walk the tiles) with TMA tile loads; the same
+    accumulation chain per output (tiles past K are zeros, as the masked loads give)."""
+    start = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    per_group = GROUP * tiles_n
+    enter(PDL)
+    for tile in tl.range(start, tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN):
+        first_m = (tile // per_group) * GROUP
+        size_m = tl.minimum(tiles_m - first_m, GROUP)
+        pm = first_m + (tile % per_group) % size_m
+        pn = (tile % per_group) // size_m
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for ki in range(k_tiles):
+            x = x_desc.load([pm * BM, ki * BK])
+            w = w_desc.load([pn * BN, ki * BK])
+            acc = tl.dot(x, w.T, acc)
+        if HAS_BIAS:
+            rn = pn * BN + tl.arange(0, BN)
+            acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
+
+
 # launch settings by row count: rows and columns per tile, warps, stages, and columns per step (bk, default
 # BLOCK_K). Every one runs the same chain of tensor-core steps of 16 columns, in order, on each output, so a row's
 # bits do not depend on which one a batch gets (tests/kernels/test_invariant.py checks TILES against each other on
 # the H200; perf/invariant_sweep.py found no difference among 22-40 settings on Llama-3.1-8B's projections).
-# Defaults from that sweep (graph-timed, H200: within 0.94-1.10x cuBLAS up to 32 rows, 1.31-1.35x at 8,192).
+# Defaults from that sweep (graph-timed, H200: within 0.94-1.10x cuBLAS up to 32 rows; at 8,192 rows the persistent
+# TMA kernel, 0.97-1.04x cuBLAS, where the plain loop took 1.31-1.35x).
 SETTINGS = [
     (64, dict(bm=64, bn=64, bk=128, warps=4, stages=4)),
     (256, dict(bm=64, bn=128, bk=128, warps=4, stages=4)),
-    (1 << 62, dict(bm=128, bn=128, bk=64, warps=8, stages=3)),
+    (1 << 62, dict(tma=True, bm=128, bn=256, bk=64, warps=8, stages=3, flatten=True)),
 ]
 # what `tune` times for a decode graph's projections (the best differed by projection in the sweep)
 CANDIDATES = {
@@ -93,6 +123,7 @@ CANDIDATES = {
 TILES = [st for _, st in SETTINGS] + [
     dict(bm=64, bn=16, warps=4, stages=4), dict(bm=64, bn=32, bk=256, warps=4, stages=3),
     dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, bk=128, warps=8, stages=3),
+    dict(tma=True, bm=128, bn=128, warps=8, stages=3), dict(tma=True, bm=128, bn=256, warps=8, stages=3, flatten=True),
 ]  # fmt: skip
 
 
@@ -122,6 +153,35 @@ def tune(weights: list[torch.Tensor], rows: int) -> tuple[dict, dict]:
     return best, times
 
 
+def _tma_ok(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides, unit stride along the row."""
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               for t in (x, w, out))  # fmt: skip
+
+
+def _linear_tma(x, w, bias, out, st, bk) -> torch.Tensor:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = x.shape
+    N = w.shape[0]
+    bm, bn = st["bm"], st["bn"]
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    programs = min(tiles, _num_sms(x.device))
+    _linear_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), bias if bias is not None else w, M, N, K,
+        BM=bm, BN=bn, BK=bk, GROUP=st.get("group", 8), PROGRAMS=programs, FLATTEN=st.get("flatten", False),
+        HAS_BIAS=bias is not None, num_warps=st["warps"], num_stages=st["stages"], **launch(x),
+    )  # fmt: skip
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each walking several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            settings: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w [N, K].T (+ bias [N]), each output summed over K in one fixed order (see the module docstring).
@@ -135,6 +195,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
         return out
     st = settings or settings_for(M)
     bk = st.get("bk", BLOCK_K)
+    if st.get("tma") and _tma_ok(x, w, out):
+        return _linear_tma(x, w, bias, out, st, bk)
     _linear_kernel[(triton.cdiv(M, st["bm"]) * triton.cdiv(N, st["bn"]),)](
         x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BM=st["bm"], BN=st["bn"], BK=bk, GROUP=st.get("group", 8), EVEN_K=K % bk == 0, HAS_BIAS=bias is not None,

@@ -41,6 +41,9 @@ def candidates(rows: int) -> list[dict]:
         for warps in (4, 8) if bm == 128 else (4,):
             if rows >= 1024 or warps == 8 or bm == 64:
                 out.append(dict(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages))
+    if rows >= 1024:  # the persistent TMA kernel
+        for bn, stages, flatten in itertools.product((128, 256), (3, 4), (False, True)):
+            out.append(dict(tma=True, bm=128, bn=bn, bk=64, warps=8, stages=stages, flatten=flatten))
     return out
 
 
