@@ -326,10 +326,10 @@ def add_options(p: argparse.ArgumentParser, names: list[str] | None = None) -> N
         kw = dict(default=default, help=m["help"])
         if m.get("choices"):
             kw["choices"] = list(m["choices"])
-        if m.get("const") is not None:
-            kw.update(nargs="?", const=m["const"])
         elif kinds[0] is not str:
             kw["type"] = kinds[0]
+        if m.get("const") is not None:
+            kw.update(nargs="?", const=m["const"])
         p.add_argument("--" + name.replace("_", "-"), **kw)
 
 
