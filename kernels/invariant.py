@@ -6,8 +6,8 @@ length), never by the number of rows, the chunking or the launch grid.**
 
 - `linear(x, w)`: x @ w.T (+ bias): each output is one float32 tensor-core accumulation chain over K in steps of
   BLOCK_K columns, in order, never split across programs. Only the tile around it changes with the number of rows
-  (narrow column tiles for decode's few rows, wide ones for prefill), which the H200 was checked not to change
-  (tests/kernels/test_invariant.py compares every tile setting bitwise).
+  (narrow column tiles for decode's few rows; for prefill a persistent kernel with TMA tile loads), which the
+  H200 was checked not to change (tests/kernels/test_invariant.py compares the tile settings bitwise).
 - `decode_attention` / `prefill_attention`: the keys of a query are cut into segments of `SEG_KV` positions
   counted from position 0. Each segment is reduced from a fresh online softmax in blocks of BLOCK_N keys, giving
   (out, log-sum-exp); every sum over keys (scores, the softmax's row sums, p @ V) runs on the tensor cores, so
