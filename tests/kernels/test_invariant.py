@@ -135,7 +135,7 @@ def test_gpu_model_deterministic_logits_and_kv():
     kw = {} if sizes is None else {"graph_sizes": sizes}
     model = GpuLlama(cfg, w, kv, scratch_slot=slots, max_batch=max_batch, deterministic=True, **kw)
     gen = torch.Generator().manual_seed(5)
-    prompt, n_gen = (270 if GPU else 40), len(counts)
+    prompt, n_gen = (270 if GPU else 24), len(counts)
     ids = torch.randint(0, cfg.vocab_size, (prompt + n_gen,), generator=gen).tolist()
     free = iter(range(slots))
 
@@ -157,7 +157,7 @@ def test_gpu_model_deterministic_logits_and_kv():
     model.forward([Span(ids[:prompt], 0, b_slots, "b")])
     others = []
     for j in range(max(counts)):
-        o_ids = torch.randint(0, cfg.vocab_size, (20 + 37 * j % (300 if GPU else 30),), generator=gen).tolist()
+        o_ids = torch.randint(0, cfg.vocab_size, (20 + 37 * j % (300 if GPU else 9),), generator=gen).tolist()
         o_slots = take(len(o_ids) + n_gen)
         model.forward([Span(o_ids, 0, o_slots, f"o{j}")])
         others.append((o_ids, o_slots, [len(o_ids)]))
