@@ -35,6 +35,8 @@ class DecodeGraphs:
     """Input rows of a graph (`pad_column` gives them): ids, positions, out slots, table rows, sequence lengths;
     subclasses may add rows."""
 
+    deterministic = False  # kernels.invariant's batch-invariant kernels (GpuLlama sets it; see issue #29)
+
     def _init_graphs(self, max_batch: int, max_ctx: int, scratch_slot: int, linear_choice) -> None:
         self.table = SlotTable(2 * max_batch + 1, max_ctx, scratch_slot, self.device)
         self.scratch_slot, self.max_batch, self.max_ctx = scratch_slot, max_batch, max_ctx
@@ -213,7 +215,7 @@ class DecodeGraphs:
             return
         if not self.linear_fixed and os.environ.get("TRITON_PD_LINEAR_TUNE", "1") != "0":
             # deterministic mode times its tiles for every size (no choice changes the bits)
-            tuned = sizes if getattr(self, "deterministic", False) else [b for b in sizes if b <= self.k_lin.TUNE_ROWS]
+            tuned = sizes if self.deterministic else [b for b in sizes if b <= self.k_lin.TUNE_ROWS]
             self._tune_linear(tuned)
         pool = self._graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -240,7 +242,7 @@ class DecodeGraphs:
         groups = self._tune_groups()
         for bs in sizes:
             for name, ws in groups.items():
-                if getattr(self, "deterministic", False):  # tiles of kernels.invariant: any choice, the same bits
+                if self.deterministic:  # tiles of kernels.invariant: any choice, the same bits
                     choice, self.linear_times[(name, bs)] = self.k_inv.tune(ws, bs)
                 else:  # the down projection's input is silu(gate) * up, which a skinny launch can compute as it reads
                     choice, self.linear_times[(name, bs)] = self.k_lin.tune(ws, bs, gated=name == "down")
