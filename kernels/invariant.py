@@ -36,21 +36,24 @@ _LOG2E = 1.4426950408889634
 
 # ---- linear ---------------------------------------------------------------------------------------------------
 @triton.jit
+def _tile(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """Program index -> (row tile, column tile), GROUP row tiles side by side per column sweep (L2 reuse)."""
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * tiles_n
+    first_m = (tile // per_group) * GROUP
+    size_m = tl.minimum(tiles_m - first_m, GROUP)
+    return first_m + (tile % per_group) % size_m, (tile % per_group) // size_m
+
+
+@triton.jit
 def _linear_kernel(
     X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program -> (row tile, column tile), GROUP row tiles side by side per column sweep (L2 reuse of weights and
-    rows); x[rm] @ w[rn].T summed from zero in steps of BK columns in order (float32, one tensor-core accumulation
-    chain per output), + bias, rounded once."""
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    per_group = GROUP * tiles_n
-    first_m = (pid // per_group) * GROUP
-    size_m = tl.minimum(tiles_m - first_m, GROUP)
-    pm = first_m + (pid % per_group) % size_m
-    pn = (pid % per_group) // size_m
+    """Program -> (row tile, column tile) by `_tile`; x[rm] @ w[rn].T summed from zero in steps of BK columns in
+    order (float32, one tensor-core accumulation chain per output), + bias, rounded once."""
+    pm, pn = _tile(tl.program_id(0), M, N, BM, BN, GROUP)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     mask_m, mask_n = rm < M, rn < N
@@ -81,16 +84,10 @@ def _linear_tma_kernel(
 ):  # fmt: skip
     """`_linear_kernel` for many rows, persistent (PROGRAMS programs walk the tiles) with TMA tile loads; the same
     accumulation chain per output (tiles past K are zeros, as the masked loads give)."""
-    start = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    per_group = GROUP * tiles_n
     enter(PDL)
-    for tile in tl.range(start, tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN):
-        first_m = (tile // per_group) * GROUP
-        size_m = tl.minimum(tiles_m - first_m, GROUP)
-        pm = first_m + (tile % per_group) % size_m
-        pn = (tile % per_group) // size_m
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), PROGRAMS, flatten=FLATTEN):
+        pm, pn = _tile(tile, M, N, BM, BN, GROUP)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for ki in range(k_tiles):
             x = x_desc.load([pm * BM, ki * BK])
@@ -135,22 +132,13 @@ def tune(weights: list[torch.Tensor], rows: int) -> tuple[dict, dict]:
     """The fastest of CANDIDATES for `rows` rows times each of `weights` (one projection of every layer), timed as
     a CUDA graph as kernels.linear.tune times. Any choice gives the same bits, so processes may choose
     differently. Returns (settings, {description: seconds per weight or an error})."""
-    from kernels.linear import graph_time
+    from kernels.linear import fastest
 
     N, K = weights[0].shape
     x = torch.randn(rows, K, device=weights[0].device, dtype=weights[0].dtype)
     out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
-    best, best_t, times = settings_for(rows), float("inf"), {}
-    for st in CANDIDATES["few" if rows <= 64 else "many"]:
-        try:
-            t = graph_time(lambda st=st: [linear(x, w, out=out, settings=st) for w in weights], 10) / len(weights)
-        except Exception as e:  # a setting that needs more shared memory than there is
-            times[str(st)] = repr(e)[:200]
-            continue
-        times[str(st)] = t
-        if t < best_t:
-            best, best_t = st, t
-    return best, times
+    run = lambda st: [linear(x, w, out=out, settings=st) for w in weights]  # noqa: E731
+    return fastest(CANDIDATES["few" if rows <= 64 else "many"], run, len(weights), settings_for(rows))
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:

@@ -239,15 +239,22 @@ def tune(weights: list[torch.Tensor], rows: int, gated: bool = False) -> tuple[d
     out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
     times = {"cublas": graph_time(lambda: [gated_linear(x, w, None) if gated else F.linear(x, w) for w in weights],
                                   10) / len(weights)}  # fmt: skip
-    best, best_t = None, times["cublas"]
     extra = dict(gated=True) if gated else {}
-    for s in CANDIDATES[_kind(rows)] + SPLIT_CANDIDATES[_kind(rows)]:
-        s = dict(s, **extra)
-        if K % (s["block_k"] * s.get("splits", 1)):
-            continue
+    settings = [dict(s, **extra) for s in CANDIDATES[_kind(rows)] + SPLIT_CANDIDATES[_kind(rows)]]
+    settings = [s for s in settings if K % (s["block_k"] * s.get("splits", 1)) == 0]
+    run = lambda s: [skinny_linear(x, w, out=out, **s) for w in weights]  # noqa: E731
+    return fastest(settings, run, len(weights), None, times["cublas"], times)
+
+
+def fastest(settings: list[dict], run, per: int, best=None, best_t: float = float("inf"), times=None):
+    """Each setting's run(setting) timed as a CUDA graph (seconds per weight: the replay over `per`); a setting that
+    does not run (e.g. triton's OutOfResources: more shared memory than there is) is recorded with its error.
+    Returns (the fastest setting, or `best` when none beats `best_t`; {str(setting): seconds or error})."""
+    times = {} if times is None else times
+    for s in settings:
         try:
-            t = graph_time(lambda s=s: [skinny_linear(x, w, out=out, **s) for w in weights], 10) / len(weights)
-        except Exception as e:  # e.g. triton's OutOfResources: this setting needs more shared memory than there is
+            t = graph_time(lambda s=s: run(s), 10) / per
+        except Exception as e:
             times[str(s)] = repr(e)[:200]
             continue
         times[str(s)] = t

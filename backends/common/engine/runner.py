@@ -87,7 +87,7 @@ class ModelRunner:
         deterministic: bool = False,
     ):
         """deterministic: batch-invariant kernels on the GPU path (kernels.invariant; dense models only: a hybrid
-        model on the GPU path is refused with a ValueError). The CPU path is exact without them."""
+        model on the GPU path is refused with loader.ModelError). The CPU path is exact without them."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
@@ -100,8 +100,9 @@ class ModelRunner:
         self.hybrid = None  # hybrid models: the eager HybridModel (also inside GpuHybrid)
         if cfg.is_hybrid:
             if deterministic and pick_backend(backend, self.device) == "triton" and self.device.type == "cuda":
-                raise ValueError(
-                    "deterministic: hybrid (linear-attention) models are not covered yet on the GPU; dense models are"
+                raise loader.ModelError(
+                    f"{model_spec}: deterministic mode covers dense models; hybrid (linear-attention) models are not "
+                    "covered yet on the GPU"
                 )
             self._init_hybrid(
                 weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages, state_shm_name

@@ -151,11 +151,13 @@ class GpuLlama(DecodeGraphs):
         max_q = max((q_len[i] for i in pre), default=0)
         table = self.table.table
 
+        # decode attention's split counters (a batch larger than the graphs' gets fresh ones)
+        ctr = self.attn_counters if len(dec) * self.cfg.num_kv_heads <= self.attn_counters.numel() else None
+
         def attend(q, k, v, k_pool, v_pool, attn):
             self.k_rope.rope_store_kv_(q, k, v, pos_t, self.cos, self.sin, k_pool, v_pool, out_t)
             if self.deterministic:
                 if dec:
-                    ctr = self.attn_counters if len(dec) * self.cfg.num_kv_heads <= self.attn_counters.numel() else None
                     self.k_inv.decode_attention(
                         q, k_pool, v_pool, table, d[7], d[8], self.scale, self.max_ctx, out=attn, q_idx=d[9],
                         counters=ctr,
@@ -166,7 +168,6 @@ class GpuLlama(DecodeGraphs):
                     )
                 return
             if dec:
-                ctr = self.attn_counters if len(dec) * self.cfg.num_kv_heads <= self.attn_counters.numel() else None
                 self.k_attn.decode_attention(
                     q, k_pool, v_pool, table, d[7], d[8], self.scale, out=attn, q_idx=d[9], counters=ctr
                 )
