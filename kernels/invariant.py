@@ -195,35 +195,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
 
 # ---- attention ----------------------------------------------------------------------------------------------
 @triton.jit
-def _segment_attn(q, K, V, Table, row, kvh, limit, lo, hi, ctx, stride_ks, stride_kh, stride_vs, stride_vh,
-                  stride_tr, scale_log2, BM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """One segment [lo, hi) of keys for a [BM, D] query tile: a fresh online softmax in blocks of BLOCK_N from lo;
-    a query row keeps key n when n < limit[row]; keys at or past ctx are not loaded. Returns (out [BM, D] float32,
-    log2-sum-exp [BM], -inf for a row without keys here)."""
+def _block_step(q, K, V, Table, row, kvh, limit, n0, ctx, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
+                scale_log2, m, l_sum, acc, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """One block of BLOCK_N keys from n0 folded into a segment's online softmax (m, l_sum, acc) for a [BM, D]
+    query tile: a query row keeps key n when n < limit[row]; keys at or past ctx are not loaded."""
     offs_d = tl.arange(0, D)
-    m = tl.full([BM], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < ctx
-        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys yet: p = 0, alpha = 0
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        pv = p.to(v.dtype)
-        # the row sums through the tensor cores too (p @ ones: only column 0 kept, an exact pick): tl.sum's order
-        # follows the tile's register layout, which differs between 16- and 64-row tiles
-        ones = tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0).to(v.dtype) + tl.zeros([BLOCK_N, 16], v.dtype)
-        rows = tl.dot(pv, ones)
-        l_sum = l_sum * alpha + tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, rows, 0.0), 1)
-        acc = acc * alpha[:, None] + tl.dot(pv, v)
-        m = m_new
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < ctx
+    slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
+    k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys yet: p = 0, alpha = 0
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    pv = p.to(v.dtype)
+    # the row sums through the tensor cores too (p @ ones: only column 0 kept, an exact pick): tl.sum's order
+    # follows the tile's register layout, which differs between 16- and 64-row tiles
+    ones = tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0).to(v.dtype) + tl.zeros([BLOCK_N, 16], v.dtype)
+    rows = tl.dot(pv, ones)
+    l_sum = l_sum * alpha + tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, rows, 0.0), 1)
+    acc = acc * alpha[:, None] + tl.dot(pv, v)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _finish(m, l_sum, acc):
+    """A segment's online softmax -> (out [BM, D] float32, log2-sum-exp [BM], -inf for a row without keys)."""
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
     lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
@@ -272,10 +272,21 @@ def _prefill_kernel(
     end = tl.minimum(ctx, prefix + (mb + 1) * BM)
     out = tl.zeros([BM, D], dtype=tl.float32)
     lse = tl.full([BM], float("-inf"), dtype=tl.float32)
-    for lo in range(0, end, SEG):
-        o_s, l_s = _segment_attn(q, K, V, Table, row, kvh, limit, lo, tl.minimum(lo + SEG, end), ctx, stride_ks,
-                                 stride_kh, stride_vs, stride_vh, stride_tr, scale_log2, BM, D, BLOCK_N)  # fmt: skip
-        out, lse = _merge(out, lse, o_s, l_s)
+    m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    # one flat loop over the key blocks (the software pipeline runs across segment borders); a segment starts from
+    # a fresh softmax and, at its last block, is merged into (out, lse) in order
+    for n0 in range(0, end, BLOCK_N):
+        fresh = n0 % SEG == 0
+        m = tl.where(fresh, float("-inf"), m)
+        l_sum = tl.where(fresh, 0.0, l_sum)
+        acc = tl.where(fresh, 0.0, acc)
+        m, l_sum, acc = _block_step(q, K, V, Table, row, kvh, limit, n0, ctx, stride_ks, stride_kh, stride_vs,
+                                    stride_vh, stride_tr, scale_log2, m, l_sum, acc, D, BLOCK_N)  # fmt: skip
+        if ((n0 + BLOCK_N) % SEG == 0) | (n0 + BLOCK_N >= end):
+            o_s, l_s = _finish(m, l_sum, acc)
+            out, lse = _merge(out, lse, o_s, l_s)
     tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=mask_m[:, None])  # fmt: skip
 
@@ -288,8 +299,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (sequence, kv head, p): the query's heads of that kv head as rows of a BM-row tile; segments p,
-    p + programs, ... each stored as (out, lse); the last program to finish merges all in segment order."""
+    """Program (sequence, kv head, p): the query's heads of that kv head as rows of a BM-row tile; the p-th run of
+    ceil(segments / programs) segments, each stored as (out, lse); the last program to finish merges all in
+    segment order."""
     b, kvh, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     np_ = tl.num_programs(2)
     enter(PDL)
@@ -305,12 +317,26 @@ def _decode_kernel(
     nseg = tl.cdiv(ctx, SEG)
     mid_o = MidO + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
     mid_l = MidL + b.to(tl.int64) * (stride_mb // D) + heads * (stride_mh // D)
-    for s in range(p, nseg, np_):
-        o_s, l_s = _segment_attn(q, K, V, Table, row, kvh, limit, s * SEG, tl.minimum(s * SEG + SEG, ctx), ctx,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, scale_log2, BM, D,
-                                 BLOCK_N)  # fmt: skip
-        tl.store(mid_o + s * stride_ms, o_s, mask=mask_g[:, None])
-        tl.store(mid_l + s * (stride_ms // D), l_s, mask=mask_g)
+    # this program's segments: a contiguous run, in one flat loop over their key blocks (the software pipeline runs
+    # across segment borders); each segment from a fresh softmax, stored at its last block
+    per = tl.cdiv(nseg, np_)
+    lo = p * per * SEG
+    hi = tl.minimum((p + 1) * per * SEG, ctx)
+    m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        fresh = n0 % SEG == 0
+        m = tl.where(fresh, float("-inf"), m)
+        l_sum = tl.where(fresh, 0.0, l_sum)
+        acc = tl.where(fresh, 0.0, acc)
+        m, l_sum, acc = _block_step(q, K, V, Table, row, kvh, limit, n0, ctx, stride_ks, stride_kh, stride_vs,
+                                    stride_vh, stride_tr, scale_log2, m, l_sum, acc, D, BLOCK_N)  # fmt: skip
+        if ((n0 + BLOCK_N) % SEG == 0) | (n0 + BLOCK_N >= hi):
+            o_s, l_s = _finish(m, l_sum, acc)
+            s = n0 // SEG
+            tl.store(mid_o + s * stride_ms, o_s, mask=mask_g[:, None])
+            tl.store(mid_l + s * (stride_ms // D), l_s, mask=mask_g)
     tl.debug_barrier()
     done = tl.atomic_add(Counter + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
     if done == np_ - 1:
@@ -329,7 +355,15 @@ def _decode_kernel(
 # the tensor-core work of 64 for the same bits; 64 under Triton's CPU interpreter, whose dot is numpy's matmul and
 # rounds differently per tile shape; TRITON_PD_DET_DECODE_BM overrides, for measuring)
 _DECODE_BM = "64" if os.environ.get("TRITON_INTERPRET") == "1" else "16"
-ATTN = dict(bm=64, decode_bm=int(os.environ.get("TRITON_PD_DET_DECODE_BM", _DECODE_BM)), block_n=64, warps=4, stages=2)
+ATTN = dict(
+    bm=64,
+    decode_bm=int(os.environ.get("TRITON_PD_DET_DECODE_BM", _DECODE_BM)),
+    block_n=64,
+    warps=4,
+    stages=3,
+    decode_warps=4,
+    decode_stages=3,
+)
 
 
 def _block_n(D: int) -> int:
@@ -337,8 +371,10 @@ def _block_n(D: int) -> int:
 
 
 def prefill_attention(q, k_pool, v_pool, table, rows, q_start, q_len, ctx_len, max_q_len: int, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """As kernels.attention.prefill_attention (same arguments), with the segment order of the module docstring."""
+                      out: torch.Tensor | None = None, settings: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """As kernels.attention.prefill_attention (same arguments), with the segment order of the module docstring.
+    settings: bm/warps/stages overriding ATTN's (launch shape only: the bits do not change)."""
+    st = {**ATTN, **(settings or {})}
     N = rows.shape[0]
     _, H, D = q.shape
     group = H // k_pool.shape[1]
@@ -346,26 +382,29 @@ def prefill_attention(q, k_pool, v_pool, table, rows, q_start, q_len, ctx_len, m
         out = torch.empty_like(q)
     if N == 0:
         return out
-    grid = (N, triton.cdiv(max_q_len, ATTN["bm"]), H)
+    grid = (N, triton.cdiv(max_q_len, st["bm"]), H)
     _prefill_kernel[grid](
         q, k_pool, v_pool, out, table, rows, q_start, q_len, ctx_len,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), table.stride(0), scale * _LOG2E,
-        GROUP=group, D=D, BM=ATTN["bm"], BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=ATTN["warps"],
-        num_stages=ATTN["stages"], **launch(q),
+        GROUP=group, D=D, BM=st["bm"], BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=st["warps"],
+        num_stages=st["stages"], **launch(q),
     )  # fmt: skip
     return out
 
 
 def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float, max_ctx: int,
                      out: torch.Tensor | None = None, q_idx: torch.Tensor | None = None,
-                     counters: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:  # fmt: skip
+                     counters: torch.Tensor | None = None, programs: int | None = None,
+                     settings: dict | None = None) -> torch.Tensor:  # fmt: skip
     """One query per sequence (rows q_idx[b] of q [T, H, D], default b) over its seq_lens[b] keys, with the segment
     order of the module docstring. max_ctx: the longest context any sequence may have (sizes the segment
     buffer, so a CUDA graph serves every length up to it); programs: per (sequence, kv head), default from the
-    batch (does not change the bits); counters as kernels.attention.decode_attention's."""
+    batch (does not change the bits); counters as kernels.attention.decode_attention's; settings: decode_warps/
+    decode_stages overriding ATTN's (launch shape only)."""
     from kernels.attention import default_splits
 
+    st = {**ATTN, **(settings or {})}
     B = rows.shape[0]
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
@@ -389,7 +428,7 @@ def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float, max
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         scale * _LOG2E,
-        GROUP=group, D=D, BM=bm, BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=ATTN["warps"],
-        num_stages=ATTN["stages"], **launch(q),
+        GROUP=group, D=D, BM=bm, BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=st["decode_warps"],
+        num_stages=st["decode_stages"], **launch(q),
     )  # fmt: skip
     return out

@@ -21,7 +21,8 @@ throughput loss of a policy is against `plain` and, when run, `roomy`, measured 
 recoveries by path, the highest epoch and stale messages; after close-all, decode's counts and whether a new request
 works. Every answer is kept (answers.json) and compared token for token with the `--reference` policy's (default
 roomy, where nothing pauses): with `--deterministic` on a GPU (issue #29) or on the CPU they must be identical,
-whichever path recovered them; `--sampling seeded` repeats it with seeded sampling, `--require-identical` makes any
+whichever path recovered them; `--sampling seeded` repeats it with seeded sampling (`--sampling greedy seeded`:
+both, one after the other on each policy's server, phases named 'NAME SAMPLING'), `--require-identical` makes any
 difference exit 1. Every phase has a wall-clock limit: streams still open then are cancelled and counted as
 unfinished, and the results written so far stay on disk (summary.json, report.md; rewritten after every phase).
 `--scale 0.1 --model smollm2` (the default model, random:llama3.1-8b, does not fit a small CPU machine) runs the
@@ -285,14 +286,14 @@ def report(summary: dict) -> str:
     lines = [f"# Seed scenario: {summary['setup']}", "", f"Command: `{summary['command']}`", ""]
     runs = summary["policies"]
     pols = list(runs)
-    for phase, _, _ in PHASES:
-        if any(phase in runs[p] for p in pols):
-            lines += _phase_rows(phase, pols, runs)
-            same = summary.get("same_answers", {}).get(phase)
-            if same:
-                ref = summary["reference"]
-                lines += [f"Answers token for token equal to {ref}'s ({summary['sampling']}):", ""]
-                lines += [f"- {pol}: {text}" for pol, text in same.items()] + [""]
+    phases = list(dict.fromkeys(k for p in pols for k in runs[p] if k not in ("close_all", "error")))
+    for phase in phases:
+        lines += _phase_rows(phase, pols, runs)
+        same = summary.get("same_answers", {}).get(phase)
+        if same:
+            ref = summary["reference"]
+            lines += [f"Answers token for token equal to {ref}'s ({summary['sampling']}):", ""]
+            lines += [f"- {pol}: {text}" for pol, text in same.items()] + [""]
     lines += ["## close all streams while some are paused", "", "| | " + " | ".join(pols) + " |"]
     lines.append("|---|" + "---|" * len(pols))
     for label, fn in (
@@ -334,8 +335,9 @@ def main(argv=None) -> int:
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
     ap.add_argument("--phases", nargs="+", default=[p[0] for p in PHASES], choices=[p[0] for p in PHASES],
                     help="which phases to run (close-all always runs)")  # fmt: skip
-    ap.add_argument("--sampling", choices=["greedy", "seeded"], default="greedy",
-                    help="seeded: temperature 1 with seed 1000 + the stream's index")  # fmt: skip
+    ap.add_argument("--sampling", choices=["greedy", "seeded"], nargs="+", default=["greedy"],
+                    help="seeded: temperature 1 with seed 1000 + the stream's index; both: each phase runs once per "
+                    "sampling on the same server, as phase 'NAME SAMPLING'")  # fmt: skip
     ap.add_argument("--reference", default="roomy",
                     help="the policy whose answers the others are compared with, token for token (answers.json "
                     "holds them all)")  # fmt: skip
@@ -372,7 +374,7 @@ def main(argv=None) -> int:
             else ""
         ),  # fmt: skip
         "command": "python perf/seed_stalls.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "sampling": a.sampling,
+        "sampling": " + ".join(a.sampling),
         "reference": a.reference,
         "policies": {},
     }
@@ -396,10 +398,12 @@ def main(argv=None) -> int:
             continue
         url, metrics = server.grpc_url, server.metrics_url
         try:
-            for phase, n, n_out in ((name, n, sc(n_out)) for name, n, n_out in PHASES if name in a.phases):
+            runs = [(name, n, sc(n_out), how) for name, n, n_out in PHASES if name in a.phases for how in a.sampling]
+            for name, n, n_out, how in runs:
+                phase = name if len(a.sampling) == 1 else f"{name} {how}"
                 print(f"[seed] {pol}: {phase} ({n} x {prompt}+{n_out})", flush=True)
-                res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(phase),
-                                       sampled=a.sampling == "seeded")  # fmt: skip
+                res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(name),
+                                       sampled=how == "seeded")  # fmt: skip
                 answers.setdefault(pol, {})[phase] = res[phase].pop("ids")
                 summary["same_answers"] = compare_answers(answers, a.reference)
                 (out / "answers.json").write_text(json.dumps(answers))
