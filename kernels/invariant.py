@@ -297,11 +297,12 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tr,
     stride_mb, stride_mh, stride_ms, scale_log2,
     GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr,
-    PDL: tl.constexpr,
+    ONE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, kv head, p): the query's heads of that kv head as rows of a BM-row tile; the p-th run of
     ceil(segments / programs) segments, each stored as (out, lse); the last program to finish merges all in
-    segment order."""
+    segment order. ONE (one program per (sequence, kv head)): the segments merged in registers as they end, in the
+    same order with the same formula (prefill's way), with no partials in memory."""
     b, kvh, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     np_ = tl.num_programs(2)
     enter(PDL)
@@ -325,6 +326,8 @@ def _decode_kernel(
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
+    out = tl.zeros([BM, D], dtype=tl.float32)
+    lse = tl.full([BM], float("-inf"), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         fresh = n0 % SEG == 0
         m = tl.where(fresh, float("-inf"), m)
@@ -334,9 +337,16 @@ def _decode_kernel(
                                     stride_vh, stride_tr, scale_log2, m, l_sum, acc, D, BLOCK_N)  # fmt: skip
         if ((n0 + BLOCK_N) % SEG == 0) | (n0 + BLOCK_N >= hi):
             o_s, l_s = _finish(m, l_sum, acc)
-            s = n0 // SEG
-            tl.store(mid_o + s * stride_ms, o_s, mask=mask_g[:, None])
-            tl.store(mid_l + s * (stride_ms // D), l_s, mask=mask_g)
+            if ONE:
+                out, lse = _merge(out, lse, o_s, l_s)
+            else:
+                s = n0 // SEG
+                tl.store(mid_o + s * stride_ms, o_s, mask=mask_g[:, None])
+                tl.store(mid_l + s * (stride_ms // D), l_s, mask=mask_g)
+    if ONE:
+        tl.store(O + qrow * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mask_g[:, None])  # fmt: skip
+        return
     tl.debug_barrier()
     done = tl.atomic_add(Counter + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
     if done == np_ - 1:
@@ -420,15 +430,16 @@ def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float, max
         counters = torch.zeros(B * Hkv, device=q.device, dtype=torch.int32)
     assert counters.numel() >= B * Hkv
     nseg = triton.cdiv(max_ctx, SEG_KV)
-    mid_o = torch.empty(B, H, nseg, D, device=q.device, dtype=torch.float32)
-    mid_l = torch.empty(B, H, nseg, device=q.device, dtype=torch.float32)  # strides: mid_o's / D
     programs = programs or min(nseg, default_splits(B, Hkv))
+    nbuf = 1 if programs == 1 else nseg  # one program merges in registers: no partials kept
+    mid_o = torch.empty(B, H, nbuf, D, device=q.device, dtype=torch.float32)
+    mid_l = torch.empty(B, H, nbuf, device=q.device, dtype=torch.float32)  # strides: mid_o's / D
     _decode_kernel[(B, Hkv, programs)](
         q, k_pool, v_pool, out, table, rows, seq_lens, q_idx, mid_o, mid_l, counters,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         scale * _LOG2E,
-        GROUP=group, D=D, BM=bm, BLOCK_N=_block_n(D), SEG=SEG_KV, num_warps=st["decode_warps"],
+        GROUP=group, D=D, BM=bm, BLOCK_N=_block_n(D), SEG=SEG_KV, ONE=programs == 1, num_warps=st["decode_warps"],
         num_stages=st["decode_stages"], **launch(q),
     )  # fmt: skip
     return out

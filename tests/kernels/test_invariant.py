@@ -107,10 +107,11 @@ def test_attention_decode_equals_prefill_in_any_chunks(hkv, group, d):
         same(alone[0], whole[p], f"decode at {p}")
         # among companions (rows 2..4 of the table) with random queries, sequence in the middle, more programs
         qs = torch.cat((rand(2, H, d, gen=gen), q[p : p + 1], rand(1, H, d, gen=gen)))
-        mixed = invariant.decode_attention(
-            qs, k, v, table, i32([2, 3, 1, 4]), i32([40, 513, p + 1, 7]), scale, max_ctx, programs=3
-        )
-        same(mixed[2], whole[p], f"decode at {p} among companions")
+        for programs in (1, 3):  # 1: segments merged in registers; 3: partials merged by the last program
+            mixed = invariant.decode_attention(
+                qs, k, v, table, i32([2, 3, 1, 4]), i32([40, 513, p + 1, 7]), scale, max_ctx, programs=programs
+            )
+            same(mixed[2], whole[p], f"decode at {p} among companions, {programs} programs")
 
 
 def test_gpu_model_deterministic_logits_and_kv():
