@@ -113,12 +113,14 @@ SETTINGS = [
 # what `tune` times for a decode graph's projections (the best differed by projection in the sweep)
 CANDIDATES = {
     "few": [dict(bm=64, bn=64, bk=128, warps=4, stages=4), dict(bm=64, bn=32, bk=256, warps=4, stages=4),
-            dict(bm=64, bn=128, bk=128, warps=4, stages=4), dict(bm=64, bn=64, bk=64, warps=4, stages=3)],
+            dict(bm=64, bn=128, bk=128, warps=4, stages=4), dict(bm=64, bn=64, bk=64, warps=4, stages=3),
+            dict(bm=16, bn=64, bk=256, warps=4, stages=4), dict(bm=16, bn=128, bk=128, warps=4, stages=5)],
     "many": [dict(bm=64, bn=128, bk=128, warps=4, stages=4), dict(bm=64, bn=64, bk=256, warps=4, stages=3),
              dict(bm=128, bn=128, bk=64, warps=8, stages=3)],
 }  # fmt: skip
 TILES = [st for _, st in SETTINGS] + [
     dict(bm=64, bn=16, warps=4, stages=4), dict(bm=64, bn=32, bk=256, warps=4, stages=3),
+    dict(bm=16, bn=64, bk=256, warps=4, stages=4),
     dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, bk=128, warps=8, stages=3),
     dict(tma=True, bm=128, bn=128, warps=8, stages=3), dict(tma=True, bm=128, bn=256, warps=8, stages=3, flatten=True),
 ]  # fmt: skip

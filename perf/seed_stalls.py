@@ -63,6 +63,7 @@ COUNTERS = {
     "rec_host": 'pd_recoveries_total{path="host"',
     "rec_prefill": 'pd_recoveries_total{path="prefill"',
     "stale": "pd_stale_messages_total",
+    **{f"pos_{k}": f'pd_recovered_tokens_total{{source="{k}"' for k in ("cached", "host", "prefill")},
     "epoch_max": "pd_recovery_epoch_max",
     "swapped_in": 'pd_host_swapped_tokens_total{direction="in"',
     "prefetched": 'pd_host_swapped_tokens_total{direction="prefetch"',
@@ -235,6 +236,10 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
         (
             "recoveries local / host / prefill",
             lambda r: f"{r['rec_local']:.0f} / {r['rec_host']:.0f} / {r['rec_prefill']:.0f}",
+        ),
+        (
+            "recovered positions: own prefix cache / host / prefill",
+            lambda r: " / ".join(f"{r.get('pos_' + k, 0):,.0f}" for k in ("cached", "host", "prefill")),
         ),
         ("highest epoch / stale messages", lambda r: f"{r['epoch_max']:.0f} / {r['stale']:.0f}"),
         ("host-full skips", lambda r: f"{r['host_full']:.0f}"),

@@ -146,6 +146,14 @@ class DecodeLoop:
             k: m.counter("pd_recoveries_total", "Recovered requests by path", path=k)
             for k in ("local", "host", "prefill", "recompute")
         }
+        self.c_recovered = {
+            k: m.counter(
+                "pd_recovered_tokens_total",
+                "KV positions of recovering requests, by where they came from (cached: this node's own prefix cache)",
+                source=k,
+            )  # fmt: skip
+            for k in self.sched.recovered_tokens
+        }
         self.c_rotations = m.counter("pd_rotations_total", "Running requests paused to give a paused one its turn")
         self.c_swapped = {
             d: m.counter("pd_host_swapped_tokens_total", "Tokens of KV copied to or from host memory", direction=d)
@@ -155,7 +163,11 @@ class DecodeLoop:
             r: m.counter("pd_host_swap_skipped_total", "Pauses or recoveries that did not use host memory", reason=r)
             for r in self.sched.host_skips
         }
-        self._reported = {"swapped": dict(self.sched.swapped_tokens), "skips": dict(self.sched.host_skips)}
+        self._reported = {
+            "swapped": dict(self.sched.swapped_tokens),
+            "skips": dict(self.sched.host_skips),
+            "recovered": dict(self.sched.recovered_tokens),
+        }
         self.g["host_used"] = g("pd_host_kv_slots_used", "Host-memory KV slots holding copies of requests' KV")
         self.g["host_total"] = g("pd_host_kv_slots_total", "Host-memory KV slots (0: no host tier)")
         self.g["host_total"].set(self.sched.host_pool.num_slots if self.sched.host_pool else 0)
@@ -520,6 +532,7 @@ class DecodeLoop:
             self.g["state_cached"].set(ckpts)
         self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
         self._count_deltas("skips", s.host_skips, self.c_host_skips)
+        self._count_deltas("recovered", s.recovered_tokens, self.c_recovered)
         self._count_deltas("loop", self.loop_time, self.c_loop)
         self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
         spec = {"drafts": self.steps.num_drafts, "accepted": self.steps.num_accepted}

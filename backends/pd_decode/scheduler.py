@@ -239,6 +239,8 @@ class DecodeScheduler:
         self.num_checkpoints = 0  # hybrid models: state checkpoints taken by running requests
         self.num_rotations = 0
         self.swapped_tokens = {"out": 0, "in": 0, "prefetch": 0}  # "prefetch": also counted in "in"
+        # positions a recovery found in this node's own prefix cache ("cached") and those it fetched, by path
+        self.recovered_tokens = {"cached": 0, "host": 0, "prefill": 0, "recompute": 0}
         # why a pause kept no host copy ("host_full") or a recovery skipped it ("host_partial": the copy lacks
         # positions after a host-full pause; "prefill_cheaper": the cost model chose prefill)
         self.host_skips = {"host_full": 0, "host_partial": 0, "prefill_cheaper": 0}
@@ -529,6 +531,7 @@ class DecodeScheduler:
                     return
                 continue
             req.slots += own
+            self.recovered_tokens["cached"] += need_kv - missing
             if missing == 0:
                 self._resume(req)
                 self.num_recoveries["local"] += 1
@@ -548,10 +551,13 @@ class DecodeScheduler:
                     job.state_page, job.host_page = req.state_page, host.page
                     self.state.written_elsewhere(req.state_page)
                 self.swapped_tokens["in"] += len(job.host_slots)
+                self.recovered_tokens["host"] += missing
                 plan.swap_ins.append(job)
             elif self.state is not None and missing <= self.recompute_max:
+                self.recovered_tokens["recompute"] += missing
                 plan.recomputes.append(self._transfer(req, need_kv, sample=False, source="recompute"))
             else:
+                self.recovered_tokens["prefill"] += missing
                 plan.transfers.append(self._transfer(req, need_kv, sample=False))
 
     def _prefetch(self, plan: Plan) -> None:

@@ -120,9 +120,11 @@ def test_local_hit_resumes_at_once_without_prefill():
     victim = reqs[1]
     s._pause(victim, s.schedule())  # a short squeeze: nothing else needed its cached KV
     assert victim.state is ReqState.PAUSED
+    need = victim.num_tokens - 1  # positions before the next decode input
     plan = step(s)
     assert victim in plan.resumed_local and victim.state is ReqState.RUNNING
     assert plan.transfers == [] and s.num_recoveries["local"] == 1 and victim.epoch == 0
+    assert s.recovered_tokens == {"cached": need, "host": 0, "prefill": 0, "recompute": 0}
     assert victim in plan.decode  # resumes decoding in the same iteration
     assert reqs[0].state is ReqState.RUNNING
 
@@ -146,6 +148,8 @@ def test_prefill_recovery_new_epoch_only_missing_positions():
     assert victim.state is ReqState.RECOVERING and victim.epoch == 1 and job.epoch == 1 and not job.sample
     assert job.start == kept and len(job.ids) == victim.num_tokens - 1  # [m, L-1): not the last token
     assert job.dst_slots == victim.slots[kept:]
+    # the cached prefix counted as a local hit, the rest as prefill's
+    assert s.recovered_tokens == {"cached": kept, "host": 0, "prefill": victim.num_tokens - 1 - kept, "recompute": 0}
     c = s.on_transfer_done(victim.rid, 1, True)
     assert c.recovered and victim.state is ReqState.RUNNING and s.num_recoveries["prefill"] == 1
     out_before = list(victim.output_ids)
