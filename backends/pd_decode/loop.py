@@ -20,7 +20,7 @@ from backends.common.core.request import InferReq, ParamError, ReqState
 from backends.common.engine.postprocess import finish_reason
 from backends.common.model.batch import Span
 from backends.common.serving.metrics import Metrics
-from backends.common.serving.streaming import CancelPolls, Item, Stream, StreamSender
+from backends.common.serving.streaming import Item, Stream, StreamSender
 from backends.common.serving.wire import DecodeResponse, PrefillRequest, PrefillResponse
 from backends.common.transfer.mailbox import prefill_notice
 from backends.common.transfer.remote import Unreachable
@@ -105,7 +105,6 @@ class DecodeLoop:
         self.faults = faults
         self.events: queue.Queue = queue.Queue()
         self.streams: dict[str, Stream] = {}
-        self.cancel_polls = CancelPolls(128)  # the fallback poll of senders every 0.5 s: at most 256 queries a second
         self.sender = StreamSender(send, send_flush)
         self.transfers = ThreadPoolExecutor(max_workers=prefill_concurrency, thread_name_prefix="pd-transfer")
         self._metrics(metrics)
@@ -419,7 +418,7 @@ class DecodeLoop:
         for rid, reason in self.mailbox.take(self.sched.reqs):
             self._cancel(rid, reason)
         if poll_senders:  # fallback: the caller's side of the BLS stream went away
-            for rid, st in self.cancel_polls.pick(list(self.streams.items())):
+            for rid, st in list(self.streams.items()):
                 try:
                     gone = st.sender.is_cancelled()
                 except Exception:

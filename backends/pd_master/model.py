@@ -19,7 +19,6 @@ from backends.common.model.tokenizer import TemplateError
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.reply_channel import ReplyInbox, socket_path
-from backends.common.serving.streaming import CancelPolls
 from backends.common.serving.wire import DecodeRequest, DecodeResponse
 from backends.common.transfer.mailbox import Mailbox
 from backends.common.transfer.remote import DecodeServers, parse_urls
@@ -45,8 +44,6 @@ MEDIA_KEYS = frozenset({"image", "images", "image_url", "video", "audio"})
 NOT_MULTIMODAL = (
     "multimodal input is not served yet: this deployment serves the language model only (send text_input or input_ids)"
 )
-
-CANCEL_POLLS_PER_ROUND = 50  # is_cancelled() queries per watchdog round (0.1 s): CancelPolls says why a bound
 
 
 @dataclass
@@ -191,8 +188,6 @@ class MasterModel:
         self.m_restarts = m.counter("pd_restarts_total", "Segments re-submitted by master (on_decode_oom=restart)")
         self.m_inflight = m.gauge("pd_master_inflight_requests", "Requests being answered")
         self.drained = DrainedStreams()
-        # the watchdog's cancellation queries: at most 50 per 0.1 s round (500 a second), taking turns
-        self.cancel_polls = CancelPolls(CANCEL_POLLS_PER_ROUND)
         self.m_held = m.gauge(
             "pd_master_drained_streams_held",
             "Finished decode streams master holds until Triton's stub has dropped its own reference to them",
@@ -562,15 +557,13 @@ class MasterModel:
             now = time.monotonic()
             with self.lock:
                 reqs = list(self.active.values())
-            ask = {id(r) for r in self.cancel_polls.pick(reqs)}
             for req in reqs:
                 try:
-                    self._check(req, now, id(req) in ask)
+                    self._check(req, now)
                 except Exception:
                     pass  # one request's failure must not stop the watchdog
 
-    def _check(self, req: ClientRequest, now: float, ask: bool = True) -> None:
-        """Deadline of every live request; the client's cancellation of those whose turn it is to be asked."""
+    def _check(self, req: ClientRequest, now: float) -> None:
         if req.abort_reason or req.ended.is_set():
             return
         if req.deadline is not None and now > req.deadline:
@@ -579,7 +572,7 @@ class MasterModel:
             self._finish_with_error(
                 req, f"request timed out after {self.timeout:g} s (request_timeout)", "DEADLINE_EXCEEDED"
             )
-        elif ask and self._client_cancelled(req):
+        elif self._client_cancelled(req):
             req.abort_reason = "cancelled"
             self._cancel_everywhere(req, "cancelled")
             self._deliver(req, None, True)  # Triton releases a decoupled request only after its FINAL flag

@@ -189,21 +189,3 @@ def test_sampling_values_as_strings_convert_as_the_vllm_backend_takes_them():
         with pytest.raises(ParamError) as e:
             SamplingParams.from_json(json.dumps({key: value}))
         assert e.value.field == key, (key, value)
-
-
-def test_cancel_polls_ask_at_most_per_round_and_everyone_in_turn():
-    from backends.common.serving.streaming import CancelPolls
-
-    polls = CancelPolls(per_round=3)
-    few = ["a", "b"]
-    assert polls.pick(few) == few  # no more than a round holds: all, every round
-    live = list(range(10))
-    asked: list[int] = []
-    for _ in range(4):  # ceil(10 / 3) rounds ask every stream at least once
-        got = polls.pick(live)
-        assert len(got) == 3 and len(set(got)) == 3
-        asked += got
-    assert set(asked) == set(live)
-    live = live[:4]  # streams ended between rounds: the turn goes on over those left
-    got = polls.pick(live)
-    assert len(got) == 3 and set(got) <= set(live)

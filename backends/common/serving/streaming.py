@@ -95,27 +95,3 @@ class StreamSender:
                 self._flush_fn()
             except Exception as e:  # the flush answers its own streams' failures; this only keeps the thread alive
                 print(f"[triton-pd] responses not flushed: {e!r}", file=sys.stderr, flush=True)
-
-
-class CancelPolls:
-    """Which live streams to ask `is_cancelled()` this round: at most `per_round`, taking turns.
-
-    Each `is_cancelled()` is a blocking message between a Python stub and tritonserver, and Triton 2.51's Python
-    backend frees such a message on one side while the other may still take its mutex (README, operating notes):
-    every message is a small chance of corrupting the shared memory. Asking every live stream every round made
-    that the most frequent message of all under load (1,024 streams polled every 0.1 s: about 10,000 a second);
-    with a bound per round a stream is asked at least every ceil(streams / per_round) rounds, and with few streams
-    every round as before."""
-
-    def __init__(self, per_round: int):
-        self.per_round = per_round
-        self._next = 0
-
-    def pick(self, items: list) -> list:
-        n = len(items)
-        if n <= self.per_round:
-            return items
-        start = self._next % n
-        self._next = start + self.per_round
-        picked = items[start : start + self.per_round]
-        return picked + items[: self.per_round - len(picked)]
