@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from perf.invariant_sweep import timed
+from perf.invariant_sweep import timed, try_candidates, write_report
 
 H, HKV, D = 32, 8, 128  # Llama-3.1-8B's attention
 
@@ -71,27 +69,13 @@ def main() -> int:
     ]
 
     def write() -> None:
-        Path(a.out).write_text("\n".join(lines + [f"\nMeasured {time.strftime('%Y-%m-%d %H:%M')}."]) + "\n")
-        Path(a.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+        write_report(a.out, lines, results)
 
     def sweep(case: str, t_default: float, run, cands: list[dict]) -> None:
         t_current = timed(lambda: run(None), a.reps)
-        first, times, differ = None, [], 0
-        for st in cands:
-            if time.time() - t0 > a.time_limit:
-                lines.append(f"\n(time limit reached in {case})")
-                break
-            try:
-                y = run(st).clone()
-                torch.cuda.synchronize()
-            except Exception as e:  # a setting the compiler refuses (resources): listed, not fatal
-                times.append((float("inf"), st, repr(e)[:80]))
-                continue
-            if first is None:
-                first = y
-            elif not torch.equal(y, first):
-                differ += 1
-            times.append((timed(lambda st=st: run(st), a.reps), st, ""))
+        times, differ = try_candidates(cands, run, a.reps, stop=lambda: time.time() - t0 > a.time_limit)
+        if len(times) < len(cands):
+            lines.append(f"\n(time limit reached in {case})")
         best_t, best_st, _ = min(times, key=lambda r: r[0])
         results.append(dict(case=case, default=t_default, current=t_current, differ=differ,
                             candidates=[dict(t=t, **st, error=e) for t, st, e in times]))  # fmt: skip

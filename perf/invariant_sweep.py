@@ -65,6 +65,33 @@ def timed(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps * 1e-3
 
 
+def write_report(out: str, lines: list[str], results: list[dict]) -> None:
+    """The markdown table (with the time of measuring) at `out`, the raw results beside it as JSON."""
+    Path(out).write_text("\n".join(lines + [f"\nMeasured {time.strftime('%Y-%m-%d %H:%M')}."]) + "\n")
+    Path(out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+
+
+def try_candidates(cands: list[dict], run, reps: int, stop=lambda: False) -> tuple[list[tuple], int]:
+    """Each setting's run(setting) timed (graph replays of `reps` calls) and its output compared bitwise with the
+    first that ran. Returns ([(seconds or inf, setting, error text)], how many differ); stops early when stop()."""
+    first, times, differ = None, [], 0
+    for st in cands:
+        if stop():
+            break
+        try:
+            y = run(st).clone()
+            torch.cuda.synchronize()
+        except Exception as e:  # a setting the compiler refuses (resources): listed, not fatal
+            times.append((float("inf"), st, repr(e)[:80]))
+            continue
+        if first is None:
+            first = y
+        elif not torch.equal(y, first):
+            differ += 1
+        times.append((timed(lambda st=st: run(st), reps), st, ""))
+    return times, differ
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3.1-8b", choices=sorted(SHAPES))
@@ -89,8 +116,7 @@ def main() -> int:
     ]
 
     def write() -> None:
-        Path(a.out).write_text("\n".join(lines + [f"\nMeasured {time.strftime('%Y-%m-%d %H:%M')}."]) + "\n")
-        Path(a.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+        write_report(a.out, lines, results)
 
     for name, N, K in SHAPES[a.shapes]:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5
@@ -103,19 +129,8 @@ def main() -> int:
             reps = a.reps if m < 1024 else 3
             t_cublas = timed(lambda x=x, w=w: F.linear(x, w), reps)
             t_default = timed(lambda x=x, w=w: invariant.linear(x, w), reps)
-            first, times, differ = None, [], 0
-            for st in candidates(m):
-                try:
-                    y = invariant.linear(x, w, settings=st)
-                    torch.cuda.synchronize()
-                except Exception as e:  # a setting the compiler refuses (resources): listed, not fatal
-                    times.append((float("inf"), st, repr(e)[:80]))
-                    continue
-                if first is None:
-                    first = y
-                elif not torch.equal(y, first):
-                    differ += 1
-                times.append((timed(lambda st=st, x=x, w=w: invariant.linear(x, w, settings=st), reps), st, ""))
+            run = lambda st, x=x, w=w: invariant.linear(x, w, settings=st)  # noqa: E731
+            times, differ = try_candidates(candidates(m), run, reps)
             best_t, best_st, _ = min(times, key=lambda r: r[0])
             results.append(dict(name=name, N=N, K=K, rows=m, cublas=t_cublas, default=t_default, differ=differ,
                                 candidates=[dict(t=t, **st, error=e) for t, st, e in times]))  # fmt: skip
