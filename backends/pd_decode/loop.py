@@ -149,7 +149,7 @@ class DecodeLoop:
         self.c_recovered = {
             k: m.counter(
                 "pd_recovered_tokens_total",
-                "KV positions of recovering requests, by where they came from (cached: this node's own prefix cache)",
+                "KV positions of recovering requests, by where they came from (cached: already in this node's pool)",
                 source=k,
             )  # fmt: skip
             for k in self.sched.recovered_tokens

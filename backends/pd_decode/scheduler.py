@@ -239,7 +239,8 @@ class DecodeScheduler:
         self.num_checkpoints = 0  # hybrid models: state checkpoints taken by running requests
         self.num_rotations = 0
         self.swapped_tokens = {"out": 0, "in": 0, "prefetch": 0}  # "prefetch": also counted in "in"
-        # positions a recovery found in this node's own prefix cache ("cached") and those it fetched, by path
+        # positions a recovery found already in this node's pool ("cached": its prefix cache, prefetched host copies
+        # included) and those it fetched, by path
         self.recovered_tokens = {"cached": 0, "host": 0, "prefill": 0, "recompute": 0}
         # why a pause kept no host copy ("host_full") or a recovery skipped it ("host_partial": the copy lacks
         # positions after a host-full pause; "prefill_cheaper": the cost model chose prefill)
