@@ -13,8 +13,8 @@ length), never by the number of rows, the chunking or the launch grid.**
   (out, log-sum-exp); every sum over keys (scores, the softmax's row sums, p @ V) runs on the tensor cores, so
   prefill's 64-query tiles and decode's 16-row tiles (a GQA group) give the same bits. Segments are merged in order
   with one elementwise formula: prefill, and decode with one program per (sequence, kv head), merge them in
-  registers as they end; decode with several programs stores them and the last to finish merges them. A segment or block that holds none of a row's keys leaves the result
-  unchanged, bit for bit.
+  registers as they end; decode with several programs stores them and the last to finish merges them. A segment
+  or block that holds none of a row's keys leaves the result unchanged, bit for bit.
 
 Everything else on the deterministic path is already per row: the Triton RMSNorm (one program per row, its
 reduction shaped by the hidden size), rope, SiLU-mul, embedding, argmax."""
