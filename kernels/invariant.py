@@ -198,9 +198,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
 # ---- attention ----------------------------------------------------------------------------------------------
 @triton.jit
 def _block_step(q, K, V, Table, row, kvh, limit, n0, ctx, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
-                scale_log2, m, l_sum, acc, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """One block of BLOCK_N keys from n0 folded into a segment's online softmax (m, l_sum, acc) for a [BM, D]
-    query tile: a query row keeps key n when n < limit[row]; keys at or past ctx are not loaded."""
+                scale_log2, m, l_sum, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr):  # fmt: skip
+    """One block of BLOCK_N keys from n0 folded into its segment's online softmax (m, l_sum, acc) for a [BM, D]
+    query tile, which starts afresh at the segment's first block: a query row keeps key n when n < limit[row]; keys
+    at or past ctx are not loaded."""
+    fresh = n0 % SEG == 0
+    m = tl.where(fresh, float("-inf"), m)
+    l_sum = tl.where(fresh, 0.0, l_sum)
+    acc = tl.where(fresh, 0.0, acc)
     offs_d = tl.arange(0, D)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < ctx
@@ -280,12 +285,8 @@ def _prefill_kernel(
     # one flat loop over the key blocks (the software pipeline runs across segment borders); a segment starts from
     # a fresh softmax and, at its last block, is merged into (out, lse) in order
     for n0 in range(0, end, BLOCK_N):
-        fresh = n0 % SEG == 0
-        m = tl.where(fresh, float("-inf"), m)
-        l_sum = tl.where(fresh, 0.0, l_sum)
-        acc = tl.where(fresh, 0.0, acc)
         m, l_sum, acc = _block_step(q, K, V, Table, row, kvh, limit, n0, ctx, stride_ks, stride_kh, stride_vs,
-                                    stride_vh, stride_tr, scale_log2, m, l_sum, acc, D, BLOCK_N)  # fmt: skip
+                                    stride_vh, stride_tr, scale_log2, m, l_sum, acc, D, BLOCK_N, SEG)  # fmt: skip
         if ((n0 + BLOCK_N) % SEG == 0) | (n0 + BLOCK_N >= end):
             o_s, l_s = _finish(m, l_sum, acc)
             out, lse = _merge(out, lse, o_s, l_s)
@@ -331,12 +332,8 @@ def _decode_kernel(
     out = tl.zeros([BM, D], dtype=tl.float32)
     lse = tl.full([BM], float("-inf"), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        fresh = n0 % SEG == 0
-        m = tl.where(fresh, float("-inf"), m)
-        l_sum = tl.where(fresh, 0.0, l_sum)
-        acc = tl.where(fresh, 0.0, acc)
         m, l_sum, acc = _block_step(q, K, V, Table, row, kvh, limit, n0, ctx, stride_ks, stride_kh, stride_vs,
-                                    stride_vh, stride_tr, scale_log2, m, l_sum, acc, D, BLOCK_N)  # fmt: skip
+                                    stride_vh, stride_tr, scale_log2, m, l_sum, acc, D, BLOCK_N, SEG)  # fmt: skip
         if ((n0 + BLOCK_N) % SEG == 0) | (n0 + BLOCK_N >= hi):
             o_s, l_s = _finish(m, l_sum, acc)
             if ONE:
