@@ -117,12 +117,15 @@ class ServerProcess:
                 out[key] = 0.0
         return out
 
+    def tritonserver_pids(self) -> list[int]:
+        """This server's tritonserver process (a list: empty once it has gone), from /proc (Linux)."""
+        return [pid for pid in child_pids(self.proc.pid) if _name(pid).startswith("tritonserver")]
+
     def process_rss(self) -> dict[str, int]:
         """Resident bytes of this server's tritonserver and of each of its Python stubs (by instance name), read
         from /proc (Linux); empty once tritonserver has gone."""
         out: dict[str, int] = {}
-        triton = [pid for pid in child_pids(self.proc.pid) if _name(pid).startswith("tritonserver")]
-        for pid in triton:
+        for pid in self.tritonserver_pids():
             out["tritonserver"] = out.get("tritonserver", 0) + _rss(pid)
             for instance, (stub, _) in sorted(python_stubs(pid).items()):
                 out[instance] = _rss(stub)

@@ -18,15 +18,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # python3 perf/pool_rss.py: the project root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.server_process import _name  # noqa: E402
-from backends.supervisor import child_pids  # noqa: E402
 from perf.leak_probe import batch  # noqa: E402
 from tests.server.conftest import Server  # noqa: E402
 
 
 def threads_and_rss(server: Server) -> tuple[int, int]:
     """tritonserver's (threads, RSS in MB) from /proc."""
-    pid = next(p for p in child_pids(server.proc.pid) if _name(p).startswith("tritonserver"))
+    pid = server.tritonserver_pids()[0]
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["Threads"]), int(fields["VmRSS"].split()[0]) // 1024
 
