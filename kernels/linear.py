@@ -68,15 +68,53 @@ def _kind(rows: int) -> str:
 
 
 @triton.jit
+def _prologue(X, G, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_gm, stride_rm, K, rstd, dtype,
+              GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The input columns offs_k + k of rows offs_m ([BLOCK_M, BLOCK_K], or [BLOCK_K] for offs_m None), computed as
+    it is read: silu(gate) * up (GATED), x * sigmoid(g) (SIGMOID), or rmsnorm(x + r) * (1 + w) with the row's rstd
+    (NORM), each rounded step by step as its unfused launches round it."""
+    if offs_m is None:
+        ptr = X + k + offs_k
+        x = tl.load(ptr)
+    else:
+        ptr = X + offs_m[:, None] * stride_xm + (k + offs_k)[None, :]
+        x = tl.load(ptr, mask=mask_m[:, None], other=0.0)
+    if GATED:
+        if offs_m is None:
+            u = tl.load(ptr + K)
+        else:
+            u = tl.load(ptr + K, mask=mask_m[:, None], other=0.0)
+        g = x.to(tl.float32)
+        x = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u.to(tl.float32)).to(dtype)
+    if SIGMOID:  # kernels' order: sigmoid(g) rounded, then the product rounded (torch.sigmoid, then *)
+        if offs_m is None:
+            g = tl.load(G + k + offs_k).to(tl.float32)
+        else:
+            g = tl.load(G + offs_m[:, None] * stride_gm + (k + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+            g = g.to(tl.float32)
+        x = (x.to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)).to(dtype)
+    if NORM:  # one row (offs_m None): kernels.norm.add_rms_norm's rounding, offset weights
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(R + k + offs_k).to(tl.float32)).to(dtype)
+        w = tl.load(NW + k + offs_k).to(tl.float32)
+        x = (x.to(tl.float32) * rstd * (1.0 + w)).to(dtype)
+    return x
+
+
+@triton.jit
 def _skinny_kernel(
-    X, W, Y, P, C, M, N, K, k_split, stride_xm, stride_wn, stride_ym,
+    X, W, Y, P, C, G, R, RO, NW, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_gm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
-    GATED: tl.constexpr, PDL: tl.constexpr,
+    GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
-    adds them in split order, so the result does not depend on which finished last. GATED: x's row is
-    [gate | up] of width 2K and the input is silu(gate) * up, rounded as kernels.act.silu_mul rounds it."""
+    adds them in split order, so the result does not depend on which finished last. The input as it is read
+    (`_prologue`): GATED, x's row is [gate | up] of width 2K and the input silu(gate) * up; SIGMOID, x * sigmoid(G);
+    NORM (one row), rmsnorm(x (+ R with HAS_RES)) * (1 + NW), every program taking the row's sum of squares over
+    all K columns (BLOCK_H, a power of 2 >= K) and the first writing x + R to RO (the residual stream's next value,
+    never in place: the other programs still read R)."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -84,17 +122,24 @@ def _skinny_kernel(
     mask_n = offs_n < N
     w_ptr = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     enter(PDL)
+    rstd = 0.0
+    if NORM:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < K
+        v = tl.load(X + offs_h, mask=mask_h, other=0.0)
+        if HAS_RES:
+            v = (v.to(tl.float32) + tl.load(R + offs_h, mask=mask_h, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+            if (pid == 0) & (ps == 0):
+                tl.store(RO + offs_h, v, mask=mask_h)
+        vf = v.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(vf * vf, 0) / K + eps)
     if DOT:  # tensor cores over x padded to BLOCK_M rows
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
-        x_ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_split, BLOCK_K):
-            x = tl.load(x_ptr + k0, mask=mask_m[:, None], other=0.0)
-            if GATED:
-                u = tl.load(x_ptr + K + k0, mask=mask_m[:, None], other=0.0)
-                g = x.to(tl.float32)
-                x = ((g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+            x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, 0, K, rstd,
+                          W.dtype.element_ty, GATED, SIGMOID, False, False)  # fmt: skip
             w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
             acc += tl.dot(x, tl.trans(w))
         offs_y = offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -103,11 +148,8 @@ def _skinny_kernel(
     else:  # one row: products summed along K at the end
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, k_split, BLOCK_K):
-            x = tl.load(X + k0 + offs_k)
-            if GATED:
-                u = tl.load(X + K + k0 + offs_k)
-                g = x.to(tl.float32)
-                x = ((g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+            x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
+                          SIGMOID, NORM, HAS_RES)  # fmt: skip
             w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, 1)
@@ -128,19 +170,21 @@ def _skinny_kernel(
             tl.atomic_xchg(C + pid, 0)
 
 
-# per (device, stream): the zeroed arrival counters of split launches (each launch leaves them at 0 again); made
-# outside graph capture (the first launch on a stream is a warm-up or a tuning run) and kept for the process's life,
-# since captured graphs hold their address
+# per (device, stream, user): the zeroed arrival counters of launches whose last program to finish does the rest
+# (split skinny_linear launches, kernels.moe's router); each launch leaves them at 0 again. Made outside graph
+# capture (the first launch on a stream is a warm-up or a tuning run) and kept for the process's life, since
+# captured graphs hold their address
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 MAX_COLUMN_BLOCKS = 1 << 14
 
 
-def _counters(device: torch.device) -> torch.Tensor:
+def arrival_counters(device: torch.device, user: str = "linear") -> torch.Tensor:
+    """MAX_COLUMN_BLOCKS zeroed int32 counters for launches on the current stream of `device`, one buffer per user."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    key = (str(device), stream, user)
     c = _COUNTERS.get(key)
     if c is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "split launch first in a capture"
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "counted launch first in a capture"
         c = _COUNTERS[key] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
     return c
 
@@ -156,11 +200,18 @@ def skinny_linear(
     dot: bool | None = None,
     splits: int = 1,
     gated: bool = False,
+    sigmoid_gate: torch.Tensor | None = None,
+    norm: tuple | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
     that many parts, each its own program (more programs in flight for outputs of few columns), added in a fixed
-    order. gated: x is [M, 2K] = [gate | up] and the input is silu(gate) * up (kernels.act.silu_mul fused)."""
+    order. What multiplies w is computed as it is read (one launch instead of two or three):
+    - gated: x is [M, 2K] = [gate | up] and the input is silu(gate) * up (kernels.act.silu_mul fused);
+    - sigmoid_gate [M, K] (unit stride along K): the input is x * sigmoid(sigmoid_gate) (a gated attention output);
+    - norm = (residual or None, weight, eps, residual_out), one row only: the input is rmsnorm(x + residual) *
+      (1 + weight) as kernels.norm.add_rms_norm(..., offset=True) gives it, and x + residual is written to
+      residual_out (a tensor of its own: the residual is not updated in place)."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -175,22 +226,42 @@ def skinny_linear(
     grid = (triton.cdiv(N, block_n), splits)
     if splits > 1:
         assert grid[0] <= MAX_COLUMN_BLOCKS and out.stride(1) == 1
-        part, counters = torch.empty(splits, M, N, device=x.device, dtype=torch.float32), _counters(x.device)
+        part, counters = torch.empty(splits, M, N, device=x.device, dtype=torch.float32), arrival_counters(x.device)
     else:
         part = counters = out
+    g = x if sigmoid_gate is None else sigmoid_gate
+    if sigmoid_gate is not None:
+        assert g.shape == (M, K) and g.stride(1) == 1, g.shape
+    res = res_out = nw = x
+    eps = 0.0
+    if norm is not None:
+        residual, nw, eps, res_out = norm
+        assert not dot and not gated and sigmoid_gate is None, "norm: one row, no other prologue"
+        assert nw.shape == (K,) and x.is_contiguous()
+        if residual is not None:
+            assert residual.shape == x.shape and residual.is_contiguous() and res_out.shape == x.shape
+            assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()), "norm: residual_out is its own"
+            res = residual
     _skinny_kernel[grid](
-        x, w, out, part, counters, M, N, K, K // splits, x.stride(0), w.stride(0), out.stride(0),
+        x, w, out, part, counters, g, res, res_out, nw, M, N, K, K // splits, x.stride(0), w.stride(0),
+        out.stride(0), g.stride(0), eps,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits,
-        GATED=gated, num_warps=num_warps, num_stages=num_stages, **launch(x),
+        GATED=gated, SIGMOID=sigmoid_gate is not None, NORM=norm is not None,
+        HAS_RES=norm is not None and norm[0] is not None, BLOCK_H=triton.next_power_of_2(K),
+        num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 
 
+PROLOGUE_FLAGS = ("norm", "sigmoid")  # settings' flags for prologues whose inputs `linear` alone does not have
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
-    """skinny_linear with `settings` (its keyword arguments) when given, else cuBLAS (F.linear)."""
+    """skinny_linear with `settings` (its keyword arguments) when given, else cuBLAS (F.linear). A setting chosen
+    for a fused prologue (`normed_linear`, `sigmoid_gated_linear`) runs here without it."""
     if settings is None:
         return F.linear(x, w)
-    return skinny_linear(x, w, **settings)
+    return skinny_linear(x, w, **{k: v for k, v in settings.items() if k not in PROLOGUE_FLAGS})
 
 
 def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
@@ -203,6 +274,29 @@ def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None) 
     return linear(silu_mul(gate_up), w, settings)
 
 
+def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
+    """(x * sigmoid(gate)) @ w.T (a gated attention output into its o projection): one skinny_linear launch where
+    `settings` say sigmoid, else torch.sigmoid, the product and `linear` (the same roundings)."""
+    if settings is not None and settings.get("sigmoid"):
+        return skinny_linear(x, w, sigmoid_gate=gate, **{k: v for k, v in settings.items() if k != "sigmoid"})
+    return linear(x * torch.sigmoid(gate), w, settings)
+
+
+def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
+                  settings: dict | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(rmsnorm(x + residual) * (1 + weight) @ w.T, the residual stream x + residual (x itself without a residual)).
+    One skinny_linear launch, the residual stream written to a new tensor, where `settings` say norm (one row);
+    else kernels.norm.add_rms_norm (the residual updated in place) and `linear`."""
+    if settings is not None and settings.get("norm"):
+        res_out = torch.empty_like(x) if residual is not None else x
+        s = {k: v for k, v in settings.items() if k != "norm"}
+        return skinny_linear(x, w, norm=(residual, weight, eps, res_out), **s), res_out
+    from kernels.norm import add_rms_norm
+
+    y = linear(add_rms_norm(x, residual, weight, eps, offset=True), w, settings)
+    return y, (x if residual is None else residual)
+
+
 def graph_time(fn, reps: int = 20) -> float:
     """Seconds per replay of a CUDA graph holding fn() (run once outside the capture first, which compiles)."""
     stream = torch.cuda.Stream()
@@ -212,7 +306,7 @@ def graph_time(fn, reps: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=stream):  # the warm-up's stream: counted launches find their counters made
         fn()
     for _ in range(3):
         g.replay()
@@ -225,24 +319,45 @@ def graph_time(fn, reps: int = 20) -> float:
     return a.elapsed_time(b) / reps / 1e3
 
 
-def tune(weights: list[torch.Tensor], rows: int, gated: bool = False) -> tuple[dict | None, dict]:
+def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None) -> tuple[dict | None, dict]:
     """The fastest way to multiply `rows` rows by each of `weights` (one projection of every layer, all the same
     shape): None for cuBLAS, or skinny_linear's settings. Each candidate is timed as a CUDA graph running all the
-    weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. gated: the input is
-    [gate | up] (`gated_linear`), cuBLAS timed with silu_mul before it and skinny_linear with it fused (a chosen
-    setting says gated=True). Returns (choice, {description: seconds per weight, or the error of a setting that did
-    not run}). 16-bit weights only: the kernel's float32 products would round through TF32."""
+    weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. prologue: what the
+    input is computed from, cuBLAS timed with the launches that compute it before it and skinny_linear with it
+    fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
+    (`sigmoid_gated_linear`), "norm" (`normed_linear`, one row only: more rows time the projection alone).
+    Returns (choice, {description: seconds per weight, or the error of a setting that did not run}). 16-bit
+    weights only: the kernel's float32 products would round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
-    x = torch.randn(rows, 2 * K if gated else K, device=weights[0].device, dtype=weights[0].dtype)
-    out = torch.empty(rows, N, device=x.device, dtype=x.dtype)
-    times = {"cublas": graph_time(lambda: [gated_linear(x, w, None) if gated else F.linear(x, w) for w in weights],
-                                  10) / len(weights)}  # fmt: skip
-    extra = dict(gated=True) if gated else {}
-    settings = [dict(s, **extra) for s in CANDIDATES[_kind(rows)] + SPLIT_CANDIDATES[_kind(rows)]]
+    if prologue == "norm" and rows != 1:
+        prologue = None
+    dev, dt = weights[0].device, weights[0].dtype
+    x = torch.randn(rows, 2 * K if prologue == "silu" else K, device=dev, dtype=dt)
+    out = torch.empty(rows, N, device=dev, dtype=dt)
+    gate = torch.randn(rows, K, device=dev, dtype=dt)
+    res, res_out, nw = torch.randn_like(x), torch.empty_like(x), torch.randn(K, device=dev, dtype=dt) * 0.1
+
+    def reference(w):
+        if prologue == "silu":
+            return gated_linear(x, w, None)
+        if prologue == "sigmoid":
+            return sigmoid_gated_linear(x, gate, w, None)
+        if prologue == "norm":
+            return normed_linear(x, res, nw, 1e-6, w, None)  # res grows by x per call: timing only
+        return F.linear(x, w)
+
+    times = {"cublas": graph_time(lambda: [reference(w) for w in weights], 10) / len(weights)}
+    flag = {"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True)}.get(prologue, {})
+    settings = [dict(s, **flag) for s in CANDIDATES[_kind(rows)] + SPLIT_CANDIDATES[_kind(rows)]]
     settings = [s for s in settings if K % (s["block_k"] * s.get("splits", 1)) == 0]
-    run = lambda s: [skinny_linear(x, w, out=out, **s) for w in weights]  # noqa: E731
+    extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
+
+    def run(s):
+        kw = {k: v for k, v in s.items() if k not in PROLOGUE_FLAGS}
+        return [skinny_linear(x, w, out=out, **kw, **extra) for w in weights]
+
     return fastest(settings, run, len(weights), None, times["cublas"], times)
 
 

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     for N, K, name in shapes:
         ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
         for r in a.linear_rows:
-            choice, times = linear.tune(ws, r, gated="fused" in name)
+            choice, times = linear.tune(ws, r, "silu" if "fused" in name else None)
             sk = [t for k, t in times.items() if k != "cublas" and not isinstance(t, str)]
             rows.append(dict(kernel="linear", name=name, rows=r, choice=choice, times=times))
             best = min(sk + [times["cublas"]])

@@ -48,23 +48,34 @@ def loop_layer(x, w, K, norm):
 
 
 def fused_layer(x, w, K, norm, settings=None):
-    """HybridModel._fused_moe: router + shared gate GEMM, route (the shared expert as pair K), routed."""
+    """HybridModel._fused_moe: the router + shared gate product and the routing (the shared expert as pair K; one
+    launch for a few tokens), routed."""
     from kernels import moe
 
     E = w["router"].shape[0] - 1
-    top_w, top_i = moe.route(F.linear(x, w["router"]), K, norm, x.dtype, E, shared=True)
+    top_w, top_i = moe.router_top_k(x, w["router"], K, norm, E, shared=True)
     return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], settings=settings)
+
+
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """fn() captured as a CUDA graph, after one run on the capture's stream (compiles, and makes the arrival
+    counters of counted launches on that stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        fn()
+    return g
 
 
 def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
     """Seconds per call: CUDA events on the GPU (hybrid_bench's timer; `graph`: fn captured once and replayed),
     wall time on the CPU."""
     if cuda and graph:
-        fn()  # compile outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g = capture(fn)
         return cuda_time(g.replay, reps)
     if cuda:
         return cuda_time(fn, reps)
@@ -91,6 +102,42 @@ SWEEP = {
 }
 
 
+def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, inputs, cuda: bool) -> None:
+    """`--chain L`: L MoE layers with weights of their own, run one after another in one captured graph (each on
+    the batch's tokens; its routing from its own router), per layer against the same roofline summed over the L
+    layers. A single layer replayed on its own pays a graph launch per layer and finds part of its 57 MB (batch 1)
+    still in L2 from the replay before; a decode step does neither."""
+    from kernels import moe
+
+    E, K, H, I, L = a.experts, a.top_k, a.hidden, a.inter, a.chain  # noqa: E741
+    layers = [dict(gate_up=rand(E + 1, 2 * I, H), down=rand(E + 1, H, I), router=rand(E + 1, H)) for _ in range(L)]
+    lines += [
+        "",
+        f"## {L} MoE layers in one graph, each with its own weights (`--chain {L}`)",
+        "",
+        "| tokens | per layer | roofline per layer | per layer / roofline | one layer replayed alone / roofline |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for T in a.batches:
+        x = inputs[T][0]
+        roof = 0.0
+        for lw in layers:
+            top_w, top_i = moe.router_top_k(x, lw["router"], K, True, E, shared=True)
+            roof += (top_i[:, :K].unique().numel() * expert_bytes + dense_bytes) / bw
+
+        def run(x=x):  # every layer reads the same tokens (PDL orders the launches as a data dependence would)
+            for lw in layers:
+                fused_layer(x, lw, K, True)
+
+        t = (cuda_time(capture(run).replay, a.reps) if cuda else timed(run, 1, False)) / L
+        roof /= L
+        alone = next((r["fused_graph_s"] / r["roofline_s"] for r in rows if r.get("tokens") == T), float("nan"))
+        rows.append(dict(chain=L, tokens=T, per_layer_s=t, roofline_s=roof))
+        lines.append(f"| {T} | {t * 1e3:.3f} ms | {roof * 1e3:.3f} ms | **{t / roof:.2f}x** | {alone:.2f}x |")
+        write()
+    del layers
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=256)
@@ -101,6 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=4096, help="tokens of one prefill chunk (0: none)")
     ap.add_argument("--sweep", action="store_true", help="time the grouped GEMMs' tile settings per batch")
     ap.add_argument("--profile", action="store_true", help="print the graphed layer's kernels by GPU time")
+    ap.add_argument("--chain", type=int, default=8,
+                    help="also time this many MoE layers, each with its own weights, in one graph (as a decode step "
+                         "runs its layers: no graph launch per layer, no weights left in L2 by the layer before); 0: "
+                         "off")  # fmt: skip
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-limit", type=float, default=300)
@@ -175,13 +226,13 @@ def main(argv=None) -> int:
         if a.profile and cuda and T <= 256:
             from perf.hybrid_bench import profile_kernels
 
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fused_layer(x, w, K, norm)
+            g = capture(lambda: fused_layer(x, w, K, norm))
             profile_kernels(g.replay, f"fused MoE layer, {T} tokens, graph", reps=10)
         if T == a.prefill:
             lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")
         write()
+    if a.chain:
+        chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, inputs, cuda)
     best: dict[tuple[str, int], tuple[float, dict]] = {}
     if a.sweep:
         lines += [

@@ -171,7 +171,7 @@ def shapes():
     return out
 
 
-def build(cfg, slots=700, pages=12, max_batch=4, sizes=(1, 2, 4)):
+def build(cfg, slots=700, pages=12, max_batch=4, sizes=(1, 2, 4), linear_choice=None):
     """(reference HybridModel, its KV and state) and (GpuHybrid, its own KV and state), on the same weights with
     randomised norms (so no (1 + w) offset is a no-op)."""
     w = loader.random_weights(cfg, DTYPE, DEVICE, seed=1)
@@ -185,7 +185,7 @@ def build(cfg, slots=700, pages=12, max_batch=4, sizes=(1, 2, 4)):
     kv_gpu = KVStore.allocate(ref.num_kv_layers, slots + 1, cfg.num_kv_heads, cfg.head_dim, DTYPE, DEVICE)
     st_ref, st_gpu = StateStore.allocate(cfg, pages + 1, DEVICE), StateStore.allocate(cfg, pages + 1, DEVICE)
     gpu = GpuHybrid(fast_eager, kv_gpu, st_gpu, scratch_slot=slots, pad_page=pages, max_batch=max_batch,
-                    graph_sizes=sizes)  # fmt: skip
+                    graph_sizes=sizes, linear_choice=linear_choice)  # fmt: skip
     kv_gpu.buffer.zero_()  # the capture's warm-up wrote free slots and the padding page (as serving allows)
     st_gpu.buffer.zero_()
     return (ref, kv_ref, st_ref), gpu
@@ -239,6 +239,54 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
     unused = [s for s in range(700) if s not in used]
     assert not gpu.state.buffer[others].any() and not gpu.kv.buffer[:, :, unused].any()
     assert not torch.equal(gpu.state.buffer[gpu.pad_page], pad_before)  # the padding row ran, on its own page
+
+
+def fused_prologues(sizes=(1, 2, 4)):
+    """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
+    into in_proj / qkv / gate_up (the residual stream written by the launch), and at every size the attention
+    output's sigmoid gate into o and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96
+    and 128)."""
+    one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
+    choice = {}
+    for bs in sizes:
+        base = one if bs == 1 else dict(one, dot=True)
+        for name in ("in_proj", "qkv", "gate_up"):
+            choice[(name, bs)] = dict(base, norm=True) if bs == 1 else base
+        choice[("out", bs)] = dict(base, splits=2)
+        choice[("o", bs)] = dict(base, sigmoid=True)
+        choice[("down", bs)] = dict(base, gated=True)
+    return choice
+
+
+@WHOLE_MODEL
+def test_graph_steps_with_fused_prologues_equal_the_pytorch_model():
+    """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
+    sigmoid gate and silu fused) with every projection on skinny_linear: logits and state pages equal the PyTorch
+    model's, and the residual stream the fused norms write comes out as the unfused path's."""
+    cfg = DENSE_TINY
+    r, gpu = build(cfg, linear_choice=fused_prologues())
+    g = gen(9)
+    lens = [17, 6, 31]
+    toks = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    slots = [list(range(100 * i + 10, 100 * i + 10 + n)) for i, n in enumerate(lens)]
+    pages = [2, 5, 8]
+    spans = [Span(t, 0, s, f"r{i}", p) for i, (t, s, p) in enumerate(zip(toks, slots, pages))]
+    torch.testing.assert_close(gpu.forward(spans), ref_forward(r, spans), **TOL)
+    for step in range(4):
+        live = [0] if step % 2 == 0 else [0, 1, 2]
+        dec = []
+        for i in live:
+            t = int(torch.randint(3, cfg.vocab_size, (1,), generator=g))
+            pos = len(toks[i])
+            toks[i].append(t)
+            slots[i].append(100 * i + 10 + pos)
+            dec.append(Span([t], pos, slots[i], f"r{i}", pages[i]))
+        torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
+    assert gpu.stats["graph_steps"] == 4
+    if DTYPE == torch.float32:
+        torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)
+    else:
+        assert rel_err(gpu.state.buffer[pages], r[2].buffer[pages]) < 1e-2
 
 
 @WHOLE_MODEL

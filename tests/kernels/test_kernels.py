@@ -298,6 +298,70 @@ def test_skinny_linear_split_and_gated(M, N, K, dot, splits, gated):
     close(linear.gated_linear(x, w, None) if gated else linear.linear(x, w, None), got)
 
 
+@pytest.mark.parametrize("M,splits", [(1, 1), (1, 2), (3, 1), (20, 2)])
+def test_skinny_linear_sigmoid_gate(M, splits):
+    """x * sigmoid(gate) computed as it is read, the gate a strided view (a gated attention output's gate columns
+    inside its q|gate|k|v projection): torch.sigmoid, the product and the projection."""
+    from kernels import linear
+
+    K, N = 512, 80
+    gen = torch.Generator().manual_seed(M + 7 * splits)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
+    qkv = torch.randn(M, 3 * K, generator=gen).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    settings = dict(block_n=32, block_k=128, num_stages=3, splits=splits, sigmoid=True)
+    got = linear.sigmoid_gated_linear(x, qkv[:, K : 2 * K], w, settings)
+    want = linear.sigmoid_gated_linear(x, qkv[:, K : 2 * K], w, None)
+    close(got, want)
+
+
+@pytest.mark.parametrize("with_res,splits", [(True, 1), (True, 2), (False, 1)])
+def test_skinny_linear_norm_prologue(with_res, splits):
+    """One row: rmsnorm(x + residual) * (1 + weight) computed by every program as it reads (kernels.norm's
+    rounding), the residual stream written once to a tensor of its own; against add_rms_norm and the projection."""
+    from kernels import linear
+
+    K, N = 1024, 200
+    gen = torch.Generator().manual_seed(2 * splits + with_res)
+    x = torch.randn(1, K, generator=gen).to(DEVICE, BF16)
+    res = torch.randn(1, K, generator=gen).to(DEVICE, BF16) if with_res else None
+    nw = (torch.randn(K, generator=gen) * 0.1).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    settings = dict(block_n=16, block_k=256, num_warps=4, num_stages=3, dot=False, splits=splits, norm=True)
+    res_copy = None if res is None else res.clone()
+    got, got_res = linear.normed_linear(x, res, nw, 1e-6, w, settings)
+    want, want_res = linear.normed_linear(x, res_copy, nw, 1e-6, w, None)  # updates res_copy in place
+    close(got, want)
+    assert torch.equal(got_res, want_res)
+    if with_res:  # the fused launch leaves the residual it read as it was
+        assert got_res.data_ptr() != res.data_ptr() and not torch.equal(res, want_res)
+    else:
+        assert got_res is x
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
+@pytest.mark.parametrize("rows,prologue", [(1, "norm"), (4, "norm"), (1, "sigmoid"), (4, "silu")])
+def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
+    """tune with what the input is computed from: whatever it picks gives the unfused result."""
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(rows)
+    ws = [(torch.randn(512, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
+    choice, times = linear.tune(ws, rows, prologue)
+    assert isinstance(times["cublas"], float) and len(times) > 1
+    assert not (choice or {}).get("norm") or rows == 1
+    x = torch.randn(rows, 2048 if prologue == "silu" else 1024, generator=gen).to(DEVICE, BF16)
+    if prologue == "norm":
+        res, nw = torch.randn_like(x), (torch.randn(1024, generator=gen) * 0.1).to(DEVICE, BF16)
+        close(linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], choice)[0],
+              linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], None)[0])  # fmt: skip
+    elif prologue == "sigmoid":
+        g = torch.randn_like(x)
+        close(linear.sigmoid_gated_linear(x, g, ws[0], choice), linear.sigmoid_gated_linear(x, g, ws[0], None))
+    else:
+        close(linear.gated_linear(x, ws[0], choice), linear.gated_linear(x, ws[0], None))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tune_returns_a_setting_that_runs_and_is_right(rows):

@@ -36,6 +36,9 @@ class DecodeGraphs:
     subclasses may add rows."""
 
     deterministic = False  # kernels.invariant's batch-invariant kernels (GpuLlama sets it; see issue #29)
+    # projection -> what its input is computed from, which a skinny_linear launch can compute as it reads
+    # (kernels.linear.tune's prologues): the down projection's silu(gate) * up
+    PROLOGUES = {"down": "silu"}
 
     def _init_graphs(self, max_batch: int, max_ctx: int, scratch_slot: int, linear_choice) -> None:
         self.table = SlotTable(2 * max_batch + 1, max_ctx, scratch_slot, self.device)
@@ -244,7 +247,7 @@ class DecodeGraphs:
             for name, ws in groups.items():
                 if self.deterministic:  # tiles of kernels.invariant: any choice, the same bits
                     choice, self.linear_times[(name, bs)] = self.k_inv.tune(ws, bs)
-                else:  # the down projection's input is silu(gate) * up, which a skinny launch can compute as it reads
-                    choice, self.linear_times[(name, bs)] = self.k_lin.tune(ws, bs, gated=name == "down")
+                else:  # an input computed as a skinny launch reads it (`PROLOGUES`) is timed that way
+                    choice, self.linear_times[(name, bs)] = self.k_lin.tune(ws, bs, self.PROLOGUES.get(name))
                 self.linear_choice[(name, bs)] = choice
         self.linear_choice = {k: v for k, v in self.linear_choice.items() if v is not None}

@@ -39,7 +39,27 @@ def supports(cfg) -> bool:
     return pow2(cfg.head_dim) and pow2(int(cfg.head_dim * cfg.partial_rotary_factor)) and not cfg.attention_bias
 
 
+class _Norm:
+    """rmsnorm(a + res) * (1 + w) on the residual stream, not computed yet, so that the projection reading it can
+    compute it as it loads (kernels.linear.normed_linear: one launch instead of two at one row). res None: a plain
+    norm of a. h: the residual stream after the add, set by whoever computes it (`GpuHybrid._normed` or the
+    projection)."""
+
+    __slots__ = ("a", "res", "w", "h")
+
+    def __init__(self, a: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor):
+        self.a, self.res, self.w, self.h = a, res, w, None
+
+    @property
+    def shape(self):
+        return self.a.shape
+
+
 class GpuHybrid(DecodeGraphs):
+    # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
+    # norms before in_proj / qkv / gate_up, the attention output's sigmoid gate, the MLP's silu(gate) * up
+    PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu"}
+
     def __init__(
         self,
         eager: HybridModel,
@@ -139,42 +159,55 @@ class GpuHybrid(DecodeGraphs):
         self._store_tokens(bs, inp)
 
     def _lin(self, rows: int):
-        """The projection function of a graph with `rows` query rows (skinny_linear where tuning chose it)."""
+        """The projection function of a graph with `rows` query rows (skinny_linear where tuning chose it, with its
+        input computed as it loads where the choice says so)."""
         choice = {n: self.linear_choice.get((n, rows)) for n in ("in_proj", "out", "qkv", "o", "gate_up", "down")}
+        eps = self.cfg.rms_norm_eps
 
-        def lin(x, L, name, gated=False):
-            if gated:  # x is [gate | up]: silu(gate) * up goes in (fused into a skinny launch where tuning chose)
-                return self.k_lin.gated_linear(x, L[name], choice[name])
-            return self.k_lin.linear(x, L[name], choice[name])
+        def lin(x, L, name, gated=False, gate=None):
+            c = choice[name]
+            if isinstance(x, _Norm):  # the norm in the projection's launch where the choice says norm
+                y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c)
+                return y
+            if gated:  # x is [gate | up]: silu(gate) * up goes in
+                return self.k_lin.gated_linear(x, L[name], c)
+            if gate is not None:  # x * sigmoid(gate) goes in
+                return self.k_lin.sigmoid_gated_linear(x, gate, L[name], c)
+            return self.k_lin.linear(x, L[name], c)
 
         return lin
+
+    def _normed(self, x):
+        """A pending `_Norm` computed in a launch of its own (kernels.norm); a tensor as it is."""
+        if not isinstance(x, _Norm):
+            return x
+        out = self.k_norm.add_rms_norm(x.a, x.res, x.w, self.cfg.rms_norm_eps, offset=True)
+        x.h = x.a if x.res is None else x.res  # updated in place
+        return out
 
     def _layers(self, ids, inp, rows: int, halves: int | None = None) -> torch.Tensor:
         """Every layer over `rows` query rows; returns the final-norm hidden states [rows, hidden]. halves: see
         `_linear_attention`."""
-        eps = self.cfg.rms_norm_eps
-        norm = self.k_norm.add_rms_norm
         lin = self._lin(rows)
-        h = F.embedding(ids, self.embed)
-        x = norm(h, None, self.layers[0]["ln1"], eps, offset=True)
+        x = _Norm(F.embedding(ids, self.embed), None, self.layers[0]["ln1"])
         for i, L in enumerate(self.layers):
             if L["full"]:
                 a = self._full_attention(x, L, inp, rows, lin)
             else:
                 a = self._linear_attention(x, L, inp, lin, halves)
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
-            x = self._mlp(a, h, L, i, lin, nxt)
-        return x
+            x = self._mlp(a, x.h, L, i, lin, nxt)
+        return self._normed(x)
 
-    def _mlp(self, a, h, L, key, lin, nxt) -> torch.Tensor:
-        """h += a; h += the MLP of rmsnorm(h); returns rmsnorm(h) with weight nxt (the next layer's input norm)."""
-        eps, norm = self.cfg.rms_norm_eps, self.k_norm.add_rms_norm
-        x = norm(a, h, L["ln2"], eps, offset=True)
+    def _mlp(self, a, h, L, key, lin, nxt) -> _Norm:
+        """h + a, plus the MLP of its rmsnorm; returns the rmsnorm of that with weight nxt (the next layer's input
+        norm), pending (`_Norm`)."""
+        x = _Norm(a, h, L["ln2"])
         if L["moe"]:
-            m = self.eager.mlp(x, L["mlp"], key)
+            m = self.eager.mlp(self._normed(x), L["mlp"], key)
         else:
             m = lin(lin(x, L, "gate_up"), L, "down", gated=True)
-        return norm(m, h, nxt, eps, offset=True)
+        return _Norm(m, x.h, nxt)
 
     def _linear_attention(self, x, L, inp, lin, halves: int | None = None):
         """The conv and delta-rule step of every row, each on its state page inp[5] in place; with halves (a
@@ -212,8 +245,7 @@ class GpuHybrid(DecodeGraphs):
             q, k_pool, v_pool, self.table.table, inp[3], inp[4], self.eager.scale, q_idx=self.qidx[:bs],
             counters=self.attn_counters, **self.k_attn.decode_settings(bs, Hkv, D),
         )  # fmt: skip
-        gated = attn.view(-1, H * D) * torch.sigmoid(qkv[:, H * D : 2 * H * D])
-        return lin(gated, L, "o")
+        return lin(attn.view(-1, H * D), L, "o", gate=qkv[:, H * D : 2 * H * D])  # the output's sigmoid gate
 
     # ----- speculative verification in graphs -----
     # A verification graph of bs sequences has 2 * bs query rows: column i is sequence i's input token, column
@@ -378,7 +410,7 @@ class GpuHybrid(DecodeGraphs):
         h = F.linear(torch.cat((e, hid), dim=-1), w["mtp.fc.weight"])
         x = norm(h, None, L["ln1"], eps, offset=True)
         a = self._full_attention(x, L, inp, R, lin)
-        x = self._mlp(a, h, L, "mtp", lin, w["mtp.norm.weight"])
+        x = self._normed(self._mlp(a, h, L, "mtp", lin, w["mtp.norm.weight"]))
         self.spec_logits[:R].copy_(F.linear(x, self.lm_head).float())
         self.mtp_tokens[:R].copy_(self._argmax(R, self._spec_padded))
 
