@@ -184,7 +184,8 @@ def arrival_counters(device: torch.device, user: str = "linear") -> torch.Tensor
     key = (str(device), stream, user)
     c = _COUNTERS.get(key)
     if c is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "counted launch first in a capture"
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "counted launch first in a capture"
         c = _COUNTERS[key] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
     return c
 

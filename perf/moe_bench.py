@@ -57,7 +57,7 @@ def fused_layer(x, w, K, norm, settings=None):
     return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], settings=settings)
 
 
-def capture(fn) -> "torch.cuda.CUDAGraph":
+def capture(fn) -> torch.cuda.CUDAGraph:
     """fn() captured as a CUDA graph, after one run on the capture's stream (compiles, and makes the arrival
     counters of counted launches on that stream)."""
     stream = torch.cuda.Stream()
@@ -135,7 +135,6 @@ def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, input
         rows.append(dict(chain=L, tokens=T, per_layer_s=t, roofline_s=roof))
         lines.append(f"| {T} | {t * 1e3:.3f} ms | {roof * 1e3:.3f} ms | **{t / roof:.2f}x** | {alone:.2f}x |")
         write()
-    del layers
 
 
 def main(argv=None) -> int:
@@ -226,7 +225,7 @@ def main(argv=None) -> int:
         if a.profile and cuda and T <= 256:
             from perf.hybrid_bench import profile_kernels
 
-            g = capture(lambda: fused_layer(x, w, K, norm))
+            g = capture(partial(fused_layer, x, w, K, norm))
             profile_kernels(g.replay, f"fused MoE layer, {T} tokens, graph", reps=10)
         if T == a.prefill:
             lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")

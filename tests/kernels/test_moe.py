@@ -130,6 +130,7 @@ def test_router_top_k_in_one_launch_equals_the_product_then_route(T, shared):
         got_w, got_i = moe.router_top_k(x, router, K, True, E, shared)
         assert got_i.shape == (T, K + int(shared)) and torch.equal(got_i, want_i)
         # the logits are summed in another order than F.linear's: last-bit differences in the weights
-        torch.testing.assert_close(got_w.float(), want_w.float(), atol=0, rtol=1e-2 if DTYPE == torch.bfloat16 else 1e-5)
+        rtol = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got_w.float(), want_w.float(), atol=0, rtol=rtol)
     fallback_w, fallback_i = moe.router_top_k(x, router, K, True, E, shared, gemv_max_tokens=0)
     assert torch.equal(fallback_i, want_i) and torch.equal(fallback_w, want_w)
