@@ -106,6 +106,7 @@ def _skinny_kernel(
     X, W, Y, P, C, G, R, RO, NW, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_gm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
     GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, CC, cs_page, KM1: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
@@ -114,13 +115,19 @@ def _skinny_kernel(
     (`_prologue`): GATED, x's row is [gate | up] of width 2K and the input silu(gate) * up; SIGMOID, x * sigmoid(G);
     NORM (one row), rmsnorm(x (+ R with HAS_RES)) * (1 + NW), every program taking the row's sum of squares over
     all K columns (BLOCK_H, a power of 2 >= K) and the first writing x + R to RO (the residual stream's next value,
-    never in place: the other programs still read R)."""
+    never in place: the other programs still read R). PRELOAD (one row): the first tile of weights is loaded before
+    waiting for the launch before this one (weights are no launch's output). CONV (one row, a linear-attention
+    layer's in_proj): the first CC output columns are also the inputs of its causal conv + SiLU (kernels.delta_rule's
+    conv step: state rows of KM1 taps in CS at page CPages[0], written at COutPages[0], weights CW), done by the
+    program that finishes a column block, stored float32 to Mixed."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     w_ptr = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if PRELOAD:
+        w0 = tl.load(w_ptr, mask=mask_n[:, None], other=0.0)
     enter(PDL)
     rstd = 0.0
     if NORM:
@@ -147,7 +154,13 @@ def _skinny_kernel(
         mask_y = mask_m[:, None] & mask_n[None, :]
     else:  # one row: products summed along K at the end
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, k_split, BLOCK_K):
+        k_first = 0
+        if PRELOAD:
+            x = _prologue(X, G, R, NW, None, offs_k, 0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
+                          SIGMOID, NORM, HAS_RES)  # fmt: skip
+            acc2 += w0.to(tl.float32) * x.to(tl.float32)[None, :]
+            k_first = BLOCK_K
+        for k0 in range(k_first, k_split, BLOCK_K):
             x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
                           SIGMOID, NORM, HAS_RES)  # fmt: skip
             w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
@@ -158,6 +171,9 @@ def _skinny_kernel(
         mask_y = mask_n
     if SPLITS == 1:
         tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
+        if CONV:
+            _conv_epilogue(acc.to(Y.dtype.element_ty), offs_n, mask_n, CS, CW, CPages, COutPages, Mixed, CC,
+                           cs_page, KM1)  # fmt: skip
     else:
         part = M * N  # P is [SPLITS, M, N] with rows of N
         tl.store(P + ps * part + offs_p, acc, mask=mask_y)
@@ -167,7 +183,30 @@ def _skinny_kernel(
             for s in tl.static_range(1, SPLITS):
                 total += tl.load(P + s * part + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
             tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
+            if CONV:
+                _conv_epilogue(total.to(Y.dtype.element_ty), offs_n, mask_n, CS, CW, CPages, COutPages, Mixed, CC,
+                               cs_page, KM1)  # fmt: skip
             tl.atomic_xchg(C + pid, 0)
+
+
+@triton.jit
+def _conv_epilogue(y, offs_n, mask_n, CS, CW, CPages, COutPages, Mixed, CC, cs_page, KM1: tl.constexpr):
+    """kernels.delta_rule's conv step for one row over the output columns offs_n below CC (y: their values as
+    stored), with the same loads, order of taps and rounding."""
+    mask = mask_n & (offs_n < CC)
+    page = tl.load(CPages).to(tl.int64)
+    out_page = tl.load(COutPages).to(tl.int64)
+    taps = tl.arange(0, KM1 + 1)
+    tmask = mask[:, None] & (taps[None, :] < KM1)
+    x = y.to(tl.float32)
+    sp = CS + page * cs_page + offs_n[:, None] * KM1 + taps[None, :]
+    prev = tl.load(sp, mask=tmask, other=0.0)
+    nxt = tl.load(sp + 1, mask=mask[:, None] & (taps[None, :] < KM1 - 1), other=0.0)
+    nxt = tl.where(taps[None, :] == KM1 - 1, x[:, None], nxt)
+    w = tl.load(CW + offs_n[:, None] * (KM1 + 1) + taps[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    acc = tl.sum(tl.where(taps[None, :] == KM1, x[:, None], prev) * w, 1)
+    tl.store(CS + out_page * cs_page + offs_n[:, None] * KM1 + taps[None, :], nxt, mask=tmask)
+    tl.store(Mixed + offs_n, acc / (1.0 + tl.exp(-acc)), mask=mask)
 
 
 # per (device, stream, user): the zeroed arrival counters of launches whose last program to finish does the rest
@@ -203,6 +242,8 @@ def skinny_linear(
     gated: bool = False,
     sigmoid_gate: torch.Tensor | None = None,
     norm: tuple | None = None,
+    preload: bool = False,
+    conv: tuple | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -212,7 +253,11 @@ def skinny_linear(
     - sigmoid_gate [M, K] (unit stride along K): the input is x * sigmoid(sigmoid_gate) (a gated attention output);
     - norm = (residual or None, weight, eps, residual_out), one row only: the input is rmsnorm(x + residual) *
       (1 + weight) as kernels.norm.add_rms_norm(..., offset=True) gives it, and x + residual is written to
-      residual_out (a tensor of its own: the residual is not updated in place)."""
+      residual_out (a tensor of its own: the residual is not updated in place).
+    preload (one row): the first weight tile is loaded before waiting for the launch before (programmatic dependent
+    launch). conv = (weight [C, KM1 + 1], state [pages, C, KM1] float32 (unit stride in a page), pages [1],
+    out_pages [1], mixed [1, C] float32), one row: the first C outputs also go through kernels.delta_rule.conv_step
+    (its state read at pages, written at out_pages) into mixed."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -243,33 +288,58 @@ def skinny_linear(
             assert residual.shape == x.shape and residual.is_contiguous() and res_out.shape == x.shape
             assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()), "norm: residual_out is its own"
             res = residual
+    if preload:
+        assert not dot, "preload: one row"
+    cw, cs, cpages, cout_pages, mixed = (x, x, x, x, x) if conv is None else conv
+    if conv is not None:
+        assert not dot and cs.stride(2) == 1 and cs.stride(1) == cw.shape[1] - 1 and mixed.stride(1) == 1
+        assert cw.shape[0] <= N and cw.is_contiguous()
     _skinny_kernel[grid](
         x, w, out, part, counters, g, res, res_out, nw, M, N, K, K // splits, x.stride(0), w.stride(0),
         out.stride(0), g.stride(0), eps,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits,
         GATED=gated, SIGMOID=sigmoid_gate is not None, NORM=norm is not None,
-        HAS_RES=norm is not None and norm[0] is not None, BLOCK_H=triton.next_power_of_2(K),
-        num_warps=num_warps, num_stages=num_stages, **launch(x),
+        HAS_RES=norm is not None and norm[0] is not None, BLOCK_H=triton.next_power_of_2(K), PRELOAD=preload,
+        CONV=conv is not None, CS=cs, CW=cw, CPages=cpages, COutPages=cout_pages, Mixed=mixed,
+        CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
+        KM1=3 if conv is None else cw.shape[1] - 1, num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 
 
-PROLOGUE_FLAGS = ("norm", "sigmoid")  # settings' flags for prologues whose inputs `linear` alone does not have
+FUSED = ("norm", "sigmoid", "conv")  # settings' flags for fused work whose inputs the caller passes
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
+def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, **fused) -> torch.Tensor:
+    return skinny_linear(x, w, **{k: v for k, v in settings.items() if k not in FUSED}, **fused)
+
+
+def _conv_after(y: torch.Tensor, conv: tuple | None) -> torch.Tensor:
+    """y, after kernels.delta_rule.conv_step of its first columns into conv's mixed (in a launch of its own)."""
+    if conv is not None:
+        from kernels.delta_rule import conv_step
+
+        weight, state, pages, out_pages, mixed = conv
+        conv_step(y, weight, state, pages, out=mixed, out_pages=out_pages)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None, conv: tuple | None = None) -> torch.Tensor:
     """skinny_linear with `settings` (its keyword arguments) when given, else cuBLAS (F.linear). A setting chosen
-    for a fused prologue (`normed_linear`, `sigmoid_gated_linear`) runs here without it."""
+    with fused work whose inputs are not given here runs without it. conv: skinny_linear's conv (a linear-attention
+    layer's in_proj), fused where the settings say conv, else conv_step after the product."""
     if settings is None:
-        return F.linear(x, w)
-    return skinny_linear(x, w, **{k: v for k, v in settings.items() if k not in PROLOGUE_FLAGS})
+        return _conv_after(F.linear(x, w), conv)
+    if conv is not None and settings.get("conv"):
+        return _skinny(x, w, settings, conv=conv)
+    return _conv_after(_skinny(x, w, settings), conv)
 
 
 def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
     """silu(gate) * up of gate_up = [gate | up], times w.T: one skinny_linear launch where `settings` say gated,
     else kernels.act.silu_mul and then `linear`."""
     if settings is not None and settings.get("gated"):
-        return skinny_linear(gate_up, w, **settings)
+        return _skinny(gate_up, w, settings)
     from kernels.act import silu_mul
 
     return linear(silu_mul(gate_up), w, settings)
@@ -279,22 +349,24 @@ def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, s
     """(x * sigmoid(gate)) @ w.T (a gated attention output into its o projection): one skinny_linear launch where
     `settings` say sigmoid, else torch.sigmoid, the product and `linear` (the same roundings)."""
     if settings is not None and settings.get("sigmoid"):
-        return skinny_linear(x, w, sigmoid_gate=gate, **{k: v for k, v in settings.items() if k != "sigmoid"})
+        return _skinny(x, w, settings, sigmoid_gate=gate)
     return linear(x * torch.sigmoid(gate), w, settings)
 
 
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
-                  settings: dict | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  settings: dict | None, conv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(rmsnorm(x + residual) * (1 + weight) @ w.T, the residual stream x + residual (x itself without a residual)).
     One skinny_linear launch, the residual stream written to a new tensor, where `settings` say norm (one row);
-    else kernels.norm.add_rms_norm (the residual updated in place) and `linear`."""
+    else kernels.norm.add_rms_norm (the residual updated in place) and `linear`. conv: as for `linear`."""
     if settings is not None and settings.get("norm"):
         res_out = torch.empty_like(x) if residual is not None else x
-        s = {k: v for k, v in settings.items() if k != "norm"}
-        return skinny_linear(x, w, norm=(residual, weight, eps, res_out), **s), res_out
+        fused = dict(norm=(residual, weight, eps, res_out))
+        if conv is not None and settings.get("conv"):
+            return _skinny(x, w, settings, conv=conv, **fused), res_out
+        return _conv_after(_skinny(x, w, settings, **fused), conv), res_out
     from kernels.norm import add_rms_norm
 
-    y = linear(add_rms_norm(x, residual, weight, eps, offset=True), w, settings)
+    y = linear(add_rms_norm(x, residual, weight, eps, offset=True), w, settings, conv)
     return y, (x if residual is None else residual)
 
 
@@ -320,25 +392,36 @@ def graph_time(fn, reps: int = 20) -> float:
     return a.elapsed_time(b) / reps / 1e3
 
 
-def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None) -> tuple[dict | None, dict]:
+def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, conv_channels: int = 0
+         ) -> tuple[dict | None, dict]:  # fmt: skip
     """The fastest way to multiply `rows` rows by each of `weights` (one projection of every layer, all the same
     shape): None for cuBLAS, or skinny_linear's settings. Each candidate is timed as a CUDA graph running all the
     weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. prologue: what the
     input is computed from, cuBLAS timed with the launches that compute it before it and skinny_linear with it
     fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
     (`sigmoid_gated_linear`), "norm" (`normed_linear`, one row only: more rows time the projection alone).
-    Returns (choice, {description: seconds per weight, or the error of a setting that did not run}). 16-bit
-    weights only: the kernel's float32 products would round through TF32."""
+    conv_channels (one row): the first that many outputs go through a conv step after (timed as its own launch
+    after cuBLAS, fused into skinny_linear: flag conv). One-row candidates are also timed with the first weight
+    tile loaded before the wait for the launch before (preload). Returns (choice, {description: seconds per
+    weight, or the error of a setting that did not run}). 16-bit weights only: the kernel's float32 products would
+    round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
-    if prologue == "norm" and rows != 1:
-        prologue = None
+    if rows != 1:
+        prologue = None if prologue == "norm" else prologue
+        conv_channels = 0
     dev, dt = weights[0].device, weights[0].dtype
     x = torch.randn(rows, 2 * K if prologue == "silu" else K, device=dev, dtype=dt)
     out = torch.empty(rows, N, device=dev, dtype=dt)
     gate = torch.randn(rows, K, device=dev, dtype=dt)
     res, res_out, nw = torch.randn_like(x), torch.empty_like(x), torch.randn(K, device=dev, dtype=dt) * 0.1
+    conv = None
+    if conv_channels:
+        C = conv_channels
+        state = torch.zeros(2, C, 3, device=dev)
+        pages = torch.zeros(1, dtype=torch.int32, device=dev)
+        conv = (torch.randn(C, 4, device=dev, dtype=dt), state, pages, pages, torch.empty(1, C, device=dev))
 
     def reference(w):
         if prologue == "silu":
@@ -346,18 +429,23 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None) ->
         if prologue == "sigmoid":
             return sigmoid_gated_linear(x, gate, w, None)
         if prologue == "norm":
-            return normed_linear(x, res, nw, 1e-6, w, None)  # res grows by x per call: timing only
-        return F.linear(x, w)
+            return normed_linear(x, res, nw, 1e-6, w, None, conv)  # res grows by x per call: timing only
+        return linear(x, w, None, conv)
 
     times = {"cublas": graph_time(lambda: [reference(w) for w in weights], 10) / len(weights)}
     flag = {"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True)}.get(prologue, {})
-    settings = [dict(s, **flag) for s in CANDIDATES[_kind(rows)] + SPLIT_CANDIDATES[_kind(rows)]]
-    settings = [s for s in settings if K % (s["block_k"] * s.get("splits", 1)) == 0]
+    if conv is not None:
+        flag = dict(flag, conv=True)
+    base = CANDIDATES[_kind(rows)] + SPLIT_CANDIDATES[_kind(rows)]
+    if rows == 1:
+        base = base + [dict(s, preload=True) for s in base]
+    settings = [dict(s, **flag) for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
     extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
+    if conv is not None:
+        extra = dict(extra, conv=conv)
 
     def run(s):
-        kw = {k: v for k, v in s.items() if k not in PROLOGUE_FLAGS}
-        return [skinny_linear(x, w, out=out, **kw, **extra) for w in weights]
+        return [_skinny(x, w, dict(s, out=out), **extra) for w in weights]
 
     return fastest(settings, run, len(weights), None, times["cublas"], times)
 

@@ -339,6 +339,35 @@ def test_skinny_linear_norm_prologue(with_res, splits):
         assert got_res is x
 
 
+@pytest.mark.parametrize("splits,preload", [(1, False), (2, True)])
+def test_skinny_linear_conv_epilogue(splits, preload):
+    """One row of a linear-attention in_proj: rmsnorm fused in, and its first C outputs through the conv step in
+    the same launch (state page read at one page, written at another): the outputs, the conv's float32 outputs and
+    the new state page as the unfused launches give them; other pages untouched."""
+    from kernels import delta_rule, linear
+
+    K, N, C = 512, 160, 96
+    gen = torch.Generator().manual_seed(splits)
+    x, res = (torch.randn(1, K, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    nw = (torch.randn(K, generator=gen) * 0.1).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    cw = torch.randn(C, 4, generator=gen).to(DEVICE, BF16)
+    state = torch.randn(4, C, 3, generator=gen).to(DEVICE)
+    pages, out_pages = (torch.tensor([p], dtype=torch.int32, device=DEVICE) for p in (1, 2))
+    ref_state, ref_mixed = state.clone(), torch.empty(1, C, device=DEVICE)
+    mixed = torch.empty(1, C, device=DEVICE)
+    settings = dict(block_n=32, block_k=128, num_stages=3, dot=False, splits=splits, preload=preload, norm=True,
+                    conv=True)  # fmt: skip
+    got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings, conv=(cw, state, pages, out_pages, mixed))
+    want, _ = linear.normed_linear(x, res.clone(), nw, 1e-6, w, None, conv=(cw, ref_state, pages, out_pages,
+                                                                            ref_mixed))  # fmt: skip
+    close(got, want)
+    close(mixed, delta_rule.conv_step(got, cw, state.clone(), pages))  # on the outputs the launch stored
+    torch.testing.assert_close(mixed, ref_mixed, atol=3e-2, rtol=3e-2)
+    assert torch.equal(state[[0, 1, 3]], ref_state[[0, 1, 3]])
+    torch.testing.assert_close(state[2], ref_state[2], atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
 @pytest.mark.parametrize("rows,prologue", [(1, "norm"), (4, "norm"), (1, "sigmoid"), (4, "silu")])
 def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
@@ -347,14 +376,35 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
 
     gen = torch.Generator().manual_seed(rows)
     ws = [(torch.randn(512, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
-    choice, times = linear.tune(ws, rows, prologue)
+    choice, times = linear.tune(ws, rows, prologue, conv_channels=256 if prologue == "norm" else 0)
     assert isinstance(times["cublas"], float) and len(times) > 1
     assert not (choice or {}).get("norm") or rows == 1
+    assert not any(isinstance(t, str) and "capture" in t for t in times.values()), times  # counted launches ran
     x = torch.randn(rows, 2048 if prologue == "silu" else 1024, generator=gen).to(DEVICE, BF16)
     if prologue == "norm":
         res, nw = torch.randn_like(x), (torch.randn(1024, generator=gen) * 0.1).to(DEVICE, BF16)
-        close(linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], choice)[0],
-              linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], None)[0])  # fmt: skip
+        cw, pages = torch.randn(256, 4, device=DEVICE).to(BF16), torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+        got_mixed, want_mixed = torch.empty(rows, 256, device=DEVICE), torch.empty(rows, 256, device=DEVICE)
+        got = linear.normed_linear(
+            x,
+            res.clone(),
+            nw,
+            1e-6,
+            ws[0],
+            choice,
+            conv=(cw, torch.zeros(1, 256, 3, device=DEVICE), pages, pages, got_mixed),
+        )[0]
+        want = linear.normed_linear(
+            x,
+            res.clone(),
+            nw,
+            1e-6,
+            ws[0],
+            None,
+            conv=(cw, torch.zeros(1, 256, 3, device=DEVICE), pages, pages, want_mixed),
+        )[0]
+        close(got, want)
+        torch.testing.assert_close(got_mixed, want_mixed, atol=3e-2, rtol=3e-2)  # fmt: skip
     elif prologue == "sigmoid":
         g = torch.randn_like(x)
         close(linear.sigmoid_gated_linear(x, g, ws[0], choice), linear.sigmoid_gated_linear(x, g, ws[0], None))

@@ -39,6 +39,7 @@ class DecodeGraphs:
     # projection -> what its input is computed from, which a skinny_linear launch can compute as it reads
     # (kernels.linear.tune's prologues): the down projection's silu(gate) * up
     PROLOGUES = {"down": "silu"}
+    CONV_CHANNELS: dict[str, int] = {}  # projection -> its outputs that a conv step reads after (hybrid in_proj)
 
     def _init_graphs(self, max_batch: int, max_ctx: int, scratch_slot: int, linear_choice) -> None:
         self.table = SlotTable(2 * max_batch + 1, max_ctx, scratch_slot, self.device)
@@ -248,6 +249,8 @@ class DecodeGraphs:
                 if self.deterministic:  # tiles of kernels.invariant: any choice, the same bits
                     choice, self.linear_times[(name, bs)] = self.k_inv.tune(ws, bs)
                 else:  # an input computed as a skinny launch reads it (`PROLOGUES`) is timed that way
-                    choice, self.linear_times[(name, bs)] = self.k_lin.tune(ws, bs, self.PROLOGUES.get(name))
+                    choice, self.linear_times[(name, bs)] = self.k_lin.tune(
+                        ws, bs, self.PROLOGUES.get(name), self.CONV_CHANNELS.get(name, 0)
+                    )
                 self.linear_choice[(name, bs)] = choice
         self.linear_choice = {k: v for k, v in self.linear_choice.items() if v is not None}

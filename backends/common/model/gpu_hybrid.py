@@ -111,6 +111,7 @@ class GpuHybrid(DecodeGraphs):
                     out=w[a + "out_proj.weight"],
                 )  # fmt: skip
             self.layers.append(L)
+        self.CONV_CHANNELS = {"in_proj": cfg.conv_dim}  # in_proj's first outputs go through the conv step
         self._init_graphs(max_batch, max_ctx or min(cfg.max_position_embeddings, kv.num_slots), scratch_slot,
                           linear_choice)  # fmt: skip
         self.cos, self.sin = rope.rope_cache(eager.inv_freq, self.max_ctx, self.device)
@@ -164,16 +165,16 @@ class GpuHybrid(DecodeGraphs):
         choice = {n: self.linear_choice.get((n, rows)) for n in ("in_proj", "out", "qkv", "o", "gate_up", "down")}
         eps = self.cfg.rms_norm_eps
 
-        def lin(x, L, name, gated=False, gate=None):
+        def lin(x, L, name, gated=False, gate=None, conv=None):
             c = choice[name]
             if isinstance(x, _Norm):  # the norm in the projection's launch where the choice says norm
-                y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c)
+                y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c, conv)
                 return y
             if gated:  # x is [gate | up]: silu(gate) * up goes in
                 return self.k_lin.gated_linear(x, L[name], c)
             if gate is not None:  # x * sigmoid(gate) goes in
                 return self.k_lin.sigmoid_gated_linear(x, gate, L[name], c)
-            return self.k_lin.linear(x, L[name], c)
+            return self.k_lin.linear(x, L[name], c, conv)
 
         return lin
 
@@ -214,15 +215,18 @@ class GpuHybrid(DecodeGraphs):
         verification graph of that many sequences) rows [0, halves) first, then the drafts' rows, each reading page
         inp[5] and writing page inp[6], so a draft continues from the state its input's row wrote."""
         cfg, j, n = self.cfg, L["j"], x.shape[0]
-        proj = lin(x, L, "in_proj")  # [n, conv_dim | z | b | a]
         conv, ssm = self.state.conv(j), self.state.ssm(j)
         parts = [slice(0, n)] if halves is None else [slice(0, halves), slice(halves, n)]
         writes = [None] * len(parts) if halves is None else [inp[6, p] for p in parts]
         mixed = torch.empty(n, cfg.conv_dim, dtype=torch.float32, device=self.device)
+        if halves is None:  # the conv step in the projection's launch where the choice says conv (one row)
+            proj = lin(x, L, "in_proj", conv=(L["conv"], conv, inp[5], inp[5], mixed))  # [n, conv_dim | z | b | a]
+        else:
+            proj = lin(x, L, "in_proj")
+            for p, w in zip(parts, writes):
+                self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
         core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
                            device=self.device)  # fmt: skip
-        for p, w in zip(parts, writes):
-            self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
         for p, w in zip(parts, writes):
             self.k_dr.gated_delta_step(
                 mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
