@@ -265,6 +265,13 @@ def main(argv=None) -> int:
                 f"| {name} | {T:,} | {t_pre:.2f} s | {T / t_pre:,.0f} | {flops / t_pre / 1e12:,.0f} TFLOP/s | "
                 f"{flops / t_pre / mm:.2f} |"
             )
+        choice = getattr(runner.model, "linear_choice", {})
+        rows.append(dict(model=name, linear_choice={f"{n}@{bs}": c for (n, bs), c in sorted(choice.items())}))
+        for bs in sorted({bs for _, bs in choice} & set(a.batches)):
+            fused = {n: "+".join(k for k in ("splits", "gated", "sigmoid", "norm", "conv", "preload") if c.get(k))
+                     for (n, b), c in sorted(choice.items()) if b == bs}  # fmt: skip
+            print(f"{name}, graph of {bs}: skinny_linear for " + ", ".join(f"{n} ({f or 'plain'})" for n, f in
+                                                                            fused.items()), flush=True)  # fmt: skip
         lines.append(
             f"| ({name}: weights read per step {w_bytes / 1e9:.2f} GB at batch {B}, "
             f"state page {state_page / 2**20:.1f} MiB, "
