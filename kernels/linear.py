@@ -110,7 +110,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
     GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, CC, cs_page, KM1: tl.constexpr,
-    PDL: tl.constexpr,
+    UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -122,7 +122,9 @@ def _skinny_kernel(
     waiting for the launch before this one (weights are no launch's output). CONV (one row, a linear-attention
     layer's in_proj): the first CC output columns are also the inputs of its causal conv + SiLU (kernels.delta_rule's
     conv step: state rows of KM1 taps in CS at page CPages[0], written at COutPages[0], weights CW), done by the
-    program that finishes a column block, stored float32 to Mixed."""
+    program that finishes a column block, stored float32 to Mixed. UNROLL (one row): the loop over K unrolled
+    (K_SPLIT = k_split, K_FIRST its first step: BLOCK_K after a preload), so every tile's load can be in flight at
+    once."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -163,11 +165,18 @@ def _skinny_kernel(
                           SIGMOID, NORM, HAS_RES)  # fmt: skip
             acc2 += w0.to(tl.float32) * x.to(tl.float32)[None, :]
             k_first = BLOCK_K
-        for k0 in range(k_first, k_split, BLOCK_K):
-            x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
-                          SIGMOID, NORM, HAS_RES)  # fmt: skip
-            w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if UNROLL:
+            for k0 in tl.static_range(K_FIRST, K_SPLIT, BLOCK_K):
+                x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
+                              SIGMOID, NORM, HAS_RES)  # fmt: skip
+                w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+                acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        else:
+            for k0 in range(k_first, k_split, BLOCK_K):
+                x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
+                              SIGMOID, NORM, HAS_RES)  # fmt: skip
+                w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+                acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, 1)
         offs_y = offs_n
         offs_p = offs_n
@@ -247,6 +256,7 @@ def skinny_linear(
     norm: tuple | None = None,
     preload: bool = False,
     conv: tuple | None = None,
+    unroll: bool = False,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -260,7 +270,8 @@ def skinny_linear(
     preload (one row): the first weight tile is loaded before waiting for the launch before (programmatic dependent
     launch). conv = (weight [C, KM1 + 1], state [pages, C, KM1] float32 (unit stride in a page), pages [1],
     out_pages [1], mixed [1, C] float32), one row: the first C outputs also go through kernels.delta_rule.conv_step
-    (its state read at pages, written at out_pages) into mixed."""
+    (its state read at pages, written at out_pages) into mixed. unroll (one row): the loop over K unrolled (a
+    compile per K)."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -291,8 +302,8 @@ def skinny_linear(
             assert residual.shape == x.shape and residual.is_contiguous() and res_out.shape == x.shape
             assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()), "norm: residual_out is its own"
             res = residual
-    if preload:
-        assert not dot, "preload: one row"
+    if preload or unroll:
+        assert not dot, "preload, unroll: one row"
     cw, cs, cpages, cout_pages, mixed = (x, x, x, x, x) if conv is None else conv
     if conv is not None:
         assert not dot and cs.stride(2) == 1 and cs.stride(1) == cw.shape[1] - 1 and mixed.stride(1) == 1
@@ -305,7 +316,8 @@ def skinny_linear(
         HAS_RES=norm is not None and norm[0] is not None, BLOCK_H=triton.next_power_of_2(K), PRELOAD=preload,
         CONV=conv is not None, CS=cs, CW=cw, CPages=cpages, COutPages=cout_pages, Mixed=mixed,
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
-        KM1=3 if conv is None else cw.shape[1] - 1, num_warps=num_warps, num_stages=num_stages, **launch(x),
+        KM1=3 if conv is None else cw.shape[1] - 1, UNROLL=unroll, K_FIRST=block_k if preload else 0,
+        K_SPLIT=K // splits if unroll else 0, num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 
@@ -404,8 +416,9 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
     (`sigmoid_gated_linear`), "norm" (`normed_linear`, one row only: more rows time the projection alone).
     conv_channels (one row): the first that many outputs go through a conv step after (timed as its own launch
-    after cuBLAS, fused into skinny_linear: flag conv). At one row the fastest candidate is timed again with its
-    first weight tile loaded before the wait for the launch before (preload). Returns (choice, {description: seconds per
+    after cuBLAS, fused into skinny_linear: flag conv). At one row the three fastest candidates are timed again
+    with the loop over K unrolled, then the fastest with its first weight tile loaded before the wait for the
+    launch before (preload). Returns (choice, {description: seconds per
     weight, or the error of a setting that did not run}). 16-bit weights only: the kernel's float32 products would
     round through TF32."""
     N, K = weights[0].shape
@@ -450,7 +463,12 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         return [_skinny(x, w, dict(s, out=out), **extra) for w in weights]
 
     best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
-    if best is not None and rows == 1:  # then the best with its first weight tile loaded before the PDL wait
+    if best is not None and rows == 1:
+        # then the three fastest with the loop over K unrolled, and the best with its first weight tile loaded
+        # before the PDL wait (each a compile: not crossed with every candidate)
+        top = sorted((t, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float))[:3]
+        unrolled = [dict(settings[i], unroll=True) for _, i in top]
+        best, times = fastest(unrolled, run, len(weights), best, times[str(best)], times)
         best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
     return best, times
 

@@ -255,7 +255,7 @@ def fused_prologues(sizes=(1, 2, 4)):
             choice[(name, bs)] = dict(base, norm=True, preload=True) if bs == 1 else base
         if bs == 1:  # the conv step in in_proj's launch, K split: the last program of a block runs it
             choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, splits=2)
-        choice[("out", bs)] = dict(base, splits=2)
+        choice[("out", bs)] = dict(base, splits=2, unroll=True) if bs == 1 else dict(base, splits=2)
         choice[("o", bs)] = dict(base, sigmoid=True)
         choice[("down", bs)] = dict(base, gated=True)
     return choice

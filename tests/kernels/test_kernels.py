@@ -339,8 +339,8 @@ def test_skinny_linear_norm_prologue(with_res, splits):
         assert got_res is x
 
 
-@pytest.mark.parametrize("splits,preload", [(1, False), (2, True)])
-def test_skinny_linear_conv_epilogue(splits, preload):
+@pytest.mark.parametrize("splits,preload,unroll", [(1, False, False), (2, True, False), (2, True, True)])
+def test_skinny_linear_conv_epilogue(splits, preload, unroll):
     """One row of a linear-attention in_proj: rmsnorm fused in, and its first C outputs through the conv step in
     the same launch (state page read at one page, written at another): the outputs, the conv's float32 outputs and
     the new state page as the unfused launches give them; other pages untouched."""
@@ -357,7 +357,7 @@ def test_skinny_linear_conv_epilogue(splits, preload):
     ref_state, ref_mixed = state.clone(), torch.empty(1, C, device=DEVICE)
     mixed = torch.empty(1, C, device=DEVICE)
     settings = dict(block_n=32, block_k=128, num_stages=3, dot=False, splits=splits, preload=preload, norm=True,
-                    conv=True)  # fmt: skip
+                    conv=True, unroll=unroll)  # fmt: skip
     got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings, conv=(cw, state, pages, out_pages, mixed))
     want, _ = linear.normed_linear(x, res.clone(), nw, 1e-6, w, None, conv=(cw, ref_state, pages, out_pages,
                                                                             ref_mixed))  # fmt: skip
