@@ -18,8 +18,6 @@ padding rows use a scratch KV slot and a scratch state page that no request owns
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -60,12 +58,8 @@ class _Norm:
 class GpuHybrid(DecodeGraphs):
     # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
     # norms before in_proj / qkv / gate_up, the attention output's sigmoid gate, the MLP's silu(gate) * up
-    PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu"}
-    # TRITON_PD_GNORM=1: out_proj may also apply the gated norm as it reads (one row; the delta step then runs a
-    # program per SPLIT_BLOCK_V value dims without it). Off by default: slower on the H200 (perf/results/
-    # hybrid_fusion_h200/)
-    GNORM = os.environ.get("TRITON_PD_GNORM", "0") == "1"
-    SPLIT_BLOCK_V = 32
+    PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu", "out": "gnorm"}
+    SPLIT_BLOCK_V = 32  # value dims per program of the delta step when out_proj applies the gated norm
 
     def __init__(
         self,
@@ -119,8 +113,6 @@ class GpuHybrid(DecodeGraphs):
                 )  # fmt: skip
             self.layers.append(L)
         self.CONV_CHANNELS = {"in_proj": cfg.conv_dim}  # in_proj's first outputs go through the conv step
-        if self.GNORM:
-            self.PROLOGUES = dict(self.PROLOGUES, out="gnorm")
         self._init_graphs(max_batch, max_ctx or min(cfg.max_position_embeddings, kv.num_slots), scratch_slot,
                           linear_choice)  # fmt: skip
         self.cos, self.sin = rope.rope_cache(eager.inv_freq, self.max_ctx, self.device)
