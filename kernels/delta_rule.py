@@ -372,19 +372,14 @@ def _gated_delta_step_kernel(
     Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages,
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, NORM: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
-    all DV outputs. NORM False: one program per (sequence, value head, block of BV value dims), the raw read-out
-    stored (rounded to Out's dtype) and the gated RMSNorm left to the projection that reads it
-    (kernels.linear's gnorm prologue)."""
+    all DV outputs."""
     enter(PDL)
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    v0 = 0
-    if not NORM:
-        v0 = tl.program_id(2) * BV
     page = tl.load(Pages + b).to(tl.int64)
     out_page = tl.load(OutPages + b).to(tl.int64)
     kh = h // R  # the key head this value head reads (q and k repeat_interleave'd by R)
@@ -404,7 +399,7 @@ def _gated_delta_step_kernel(
     orow = Out + b * stride_out + h * DV
     sumsq = 0.0
     for vb in tl.static_range(NV):
-        rv = v0 + vb * BV + tl.arange(0, BV)
+        rv = vb * BV + tl.arange(0, BV)
         mv = rv < DV
         v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
         tile = h * s_head + rk[:, None] * s_k + rv[None, :]
@@ -417,13 +412,6 @@ def _gated_delta_step_kernel(
         tl.store(orow + rv, o, mask=mv)
         of = o.to(tl.float32)
         sumsq += tl.sum(tl.where(mv, of * of, 0.0), 0)
-    if NORM:
-        _gated_norm_in_place(orow, prow + z_off + h * DV, NormW, sumsq, eps, DV, BV, NV, dt)
-
-
-@triton.jit
-def _gated_norm_in_place(orow, zrow, NormW, sumsq, eps, DV: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, dt):
-    """The gated RMSNorm of one head's DV raw outputs at orow (their sum of squares given), in place."""
     rstd = tl.rsqrt(sumsq / DV + eps)
     tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
     for vb in tl.static_range(NV):
@@ -431,7 +419,7 @@ def _gated_norm_in_place(orow, zrow, NormW, sumsq, eps, DV: tl.constexpr, BV: tl
         mv = rv < DV
         y = (tl.load(orow + rv, mask=mv, other=0.0).to(tl.float32) * rstd).to(dt)
         y = (tl.load(NormW + rv, mask=mv, other=0.0) * y).to(tl.float32)
-        z = tl.load(zrow + rv, mask=mv, other=0.0).to(tl.float32)
+        z = tl.load(prow + z_off + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
         tl.store(orow + rv, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
 
 
@@ -445,7 +433,7 @@ def step_block_v(batch: int) -> int:
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
-    out_pages: torch.Tensor | None = None, norm: bool = True,
+    out_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -455,9 +443,7 @@ def gated_delta_step(
     mixed: [B, 2 * Hk * DK + HV * DV] float32 (conv output: q, k, v of every head); proj: [B, >= a_off + HV] (the
     projection, columns [z (HV * DV) | b (HV) | a (HV)] from z_off = mixed's width); state [pages, HV, DK, DV]
     float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers).
-    norm False: each block of value dims its own program, and the read-out returned before the gated RMSNorm (for
-    kernels.linear's gnorm prologue, which applies it as the out projection reads it). Returns [B, HV * DV] in
-    proj's dtype."""
+    Returns [B, HV * DV] in proj's dtype."""
     B = mixed.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
@@ -469,11 +455,10 @@ def gated_delta_step(
     sp, sh, sk = _state_strides(state)
     bk = triton.next_power_of_2(DK)
     bv = min(triton.next_power_of_2(DV), block_v)
-    nv = triton.cdiv(DV, bv)
-    _gated_delta_step_kernel[(B, HV) if norm else (B, HV, nv)](
+    _gated_delta_step_kernel[(B, HV)](
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
-        DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=nv if norm else 1, NORM=norm,
+        DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
         num_warps=num_warps, **launch(mixed),
     )  # fmt: skip
     return out

@@ -64,7 +64,6 @@ SPLIT_CANDIDATES = {
 
 
 SPLIT_MAX_N = 4096  # `tune` tries K split for outputs of at most this many columns
-GNORM_GROUP = 128  # `tune`'s gnorm prologue: heads of this many value dims (Qwen3-Next's, Qwen3.5's)
 
 
 def _kind(rows: int) -> str:
@@ -73,14 +72,10 @@ def _kind(rows: int) -> str:
 
 @triton.jit
 def _prologue(X, G, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_gm, stride_rm, K, rstd, dtype,
-              GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-              GNORM: tl.constexpr = False, GROUP: tl.constexpr = 1, BLOCK_K: tl.constexpr = 1,
-              eps=1e-6):  # fmt: skip
+              GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
     """The input columns offs_k + k of rows offs_m ([BLOCK_M, BLOCK_K], or [BLOCK_K] for offs_m None), computed as
-    it is read: silu(gate) * up (GATED), x * sigmoid(g) (SIGMOID), rmsnorm(x + r) * (1 + w) with the row's rstd
-    (NORM), or (GNORM, one row) a linear-attention layer's gated RMSNorm: rmsnorm over each group of GROUP columns
-    (a head), times NW, times silu(G) (kernels.delta_rule's gated norm), each rounded step by step as its unfused
-    launches round it."""
+    it is read: silu(gate) * up (GATED), x * sigmoid(g) (SIGMOID), or rmsnorm(x + r) * (1 + w) with the row's rstd
+    (NORM), each rounded step by step as its unfused launches round it."""
     if offs_m is None:
         ptr = X + k + offs_k
         x = tl.load(ptr)
@@ -101,15 +96,6 @@ def _prologue(X, G, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_gm, stri
             g = tl.load(G + offs_m[:, None] * stride_gm + (k + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
             g = g.to(tl.float32)
         x = (x.to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)).to(dtype)
-    if GNORM:  # one row; BLOCK_K a multiple of GROUP, chunks aligned to groups
-        NG: tl.constexpr = BLOCK_K // GROUP
-        of = x.to(tl.float32)
-        o2 = tl.reshape(of, [NG, GROUP])
-        g_rstd = tl.rsqrt(tl.sum(o2 * o2, 1) / GROUP + eps)
-        y = tl.reshape(o2 * g_rstd[:, None], [BLOCK_K]).to(dtype)
-        y = (tl.load(NW + (k + offs_k) % GROUP) * y).to(tl.float32)
-        z = tl.load(G + k + offs_k).to(tl.float32)
-        x = (y * (z / (1.0 + tl.exp(-z)))).to(dtype)
     if NORM:  # one row (offs_m None): kernels.norm.add_rms_norm's rounding, offset weights
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(R + k + offs_k).to(tl.float32)).to(dtype)
@@ -124,8 +110,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
     GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, CC, cs_page, KM1: tl.constexpr,
-    UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GNORM: tl.constexpr, GROUP: tl.constexpr,
-    PDL: tl.constexpr,
+    UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -137,9 +122,7 @@ def _skinny_kernel(
     waiting for the launch before this one (weights are no launch's output). CONV (one row, a linear-attention
     layer's in_proj): the first CC output columns are also the inputs of its causal conv + SiLU (kernels.delta_rule's
     conv step: state rows of KM1 taps in CS at page CPages[0], written at COutPages[0], weights CW), done by the
-    program that finishes a column block, stored float32 to Mixed. GNORM (one row): the gated RMSNorm of a
-    linear-attention layer's read-out over groups of GROUP columns, weights NW, gate G. UNROLL (one row): the
-    loop over K unrolled
+    program that finishes a column block, stored float32 to Mixed. UNROLL (one row): the loop over K unrolled
     (K_SPLIT = k_split, K_FIRST its first step: BLOCK_K after a preload), so every tile's load can be in flight at
     once."""
     pid, ps = tl.program_id(0), tl.program_id(1)
@@ -179,19 +162,19 @@ def _skinny_kernel(
         k_first = 0
         if PRELOAD:
             x = _prologue(X, G, R, NW, None, offs_k, 0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
-                          SIGMOID, NORM, HAS_RES, GNORM, GROUP, BLOCK_K, eps)  # fmt: skip
+                          SIGMOID, NORM, HAS_RES)  # fmt: skip
             acc2 += w0.to(tl.float32) * x.to(tl.float32)[None, :]
             k_first = BLOCK_K
         if UNROLL:
             for k0 in tl.static_range(K_FIRST, K_SPLIT, BLOCK_K):
                 x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
-                              SIGMOID, NORM, HAS_RES, GNORM, GROUP, BLOCK_K, eps)  # fmt: skip
+                              SIGMOID, NORM, HAS_RES)  # fmt: skip
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         else:
             for k0 in range(k_first, k_split, BLOCK_K):
                 x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
-                              SIGMOID, NORM, HAS_RES, GNORM, GROUP, BLOCK_K, eps)  # fmt: skip
+                              SIGMOID, NORM, HAS_RES)  # fmt: skip
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, 1)
@@ -274,7 +257,6 @@ def skinny_linear(
     preload: bool = False,
     conv: tuple | None = None,
     unroll: bool = False,
-    gnorm: tuple | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -289,9 +271,7 @@ def skinny_linear(
     launch). conv = (weight [C, KM1 + 1], state [pages, C, KM1] float32 (unit stride in a page), pages [1],
     out_pages [1], mixed [1, C] float32), one row: the first C outputs also go through kernels.delta_rule.conv_step
     (its state read at pages, written at out_pages) into mixed. unroll (one row): the loop over K unrolled (a
-    compile per K). gnorm = (z [1, K] (unit stride), weight [D], eps), one row: x is a linear-attention layer's raw
-    read-out of K / D heads and the input its gated RMSNorm (kernels.delta_rule's, per head of D columns, times
-    weight, times silu(z)); block_k a multiple of D."""
+    compile per K)."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -314,12 +294,6 @@ def skinny_linear(
         assert g.shape == (M, K) and g.stride(1) == 1, g.shape
     res = res_out = nw = x
     eps = 0.0
-    group = 1
-    if gnorm is not None:
-        g, nw, eps = gnorm
-        group = nw.shape[0]
-        assert not dot and not gated and sigmoid_gate is None and norm is None, "gnorm: one row, no other prologue"
-        assert g.shape == x.shape and g.stride(1) == 1 and block_k % group == 0 and K % group == 0
     if norm is not None:
         residual, nw, eps, res_out = norm
         assert not dot and not gated and sigmoid_gate is None, "norm: one row, no other prologue"
@@ -343,13 +317,12 @@ def skinny_linear(
         CONV=conv is not None, CS=cs, CW=cw, CPages=cpages, COutPages=cout_pages, Mixed=mixed,
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
         KM1=3 if conv is None else cw.shape[1] - 1, UNROLL=unroll, K_FIRST=block_k if preload else 0,
-        K_SPLIT=K // splits if unroll else 0, GNORM=gnorm is not None, GROUP=group, num_warps=num_warps,
-        num_stages=num_stages, **launch(x),
+        K_SPLIT=K // splits if unroll else 0, num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 
 
-FUSED = ("norm", "sigmoid", "conv", "gnorm")  # settings' flags for fused work whose inputs the caller passes
+FUSED = ("norm", "sigmoid", "conv")  # settings' flags for fused work whose inputs the caller passes
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, **fused) -> torch.Tensor:
@@ -393,14 +366,6 @@ def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, s
     if settings is not None and settings.get("sigmoid"):
         return _skinny(x, w, settings, sigmoid_gate=gate)
     return linear(x * torch.sigmoid(gate), w, settings)
-
-
-def gnorm_linear(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor,
-                 settings: dict) -> torch.Tensor:  # fmt: skip
-    """The gated RMSNorm of a linear-attention layer's raw read-out x (per head of weight's size, times weight,
-    times silu(z)) @ w.T in one skinny_linear launch: for settings chosen with the gnorm flag (one row)."""
-    assert settings.get("gnorm"), settings
-    return _skinny(x, w, settings, gnorm=(z, weight, eps))
 
 
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
@@ -449,9 +414,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. prologue: what the
     input is computed from, cuBLAS timed with the launches that compute it before it and skinny_linear with it
     fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
-    (`sigmoid_gated_linear`), "norm" (`normed_linear`, one row only: more rows time the projection alone),
-    "gnorm" (`gnorm_linear`, one row: timed against cuBLAS alone, since unfused the norm runs inside
-    kernels.delta_rule.gated_delta_step).
+    (`sigmoid_gated_linear`), "norm" (`normed_linear`, one row only: more rows time the projection alone).
     conv_channels (one row): the first that many outputs go through a conv step after (timed as its own launch
     after cuBLAS, fused into skinny_linear: flag conv). At one row the three fastest candidates are timed again
     with the loop over K unrolled, then the fastest with its first weight tile loaded before the wait for the
@@ -462,7 +425,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
     if rows != 1:
-        prologue = None if prologue in ("norm", "gnorm") else prologue
+        prologue = None if prologue == "norm" else prologue
         conv_channels = 0
     dev, dt = weights[0].device, weights[0].dtype
     x = torch.randn(rows, 2 * K if prologue == "silu" else K, device=dev, dtype=dt)
@@ -486,17 +449,13 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         return linear(x, w, None, conv)
 
     times = {"cublas": graph_time(lambda: [reference(w) for w in weights], 10) / len(weights)}
-    flag = {"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True),
-            "gnorm": dict(gnorm=True)}.get(prologue, {})  # fmt: skip
+    flag = {"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True)}.get(prologue, {})
     if conv is not None:
         flag = dict(flag, conv=True)
     # K split only where the column blocks are few (each candidate is a compile at capture time)
     base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
     settings = [dict(s, **flag) for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
-    if prologue == "gnorm":  # chunks of whole heads
-        settings = [s for s in settings if s["block_k"] % GNORM_GROUP == 0]
-    extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out)),
-             "gnorm": dict(gnorm=(gate, nw[:GNORM_GROUP], 1e-6))}.get(prologue, {})  # fmt: skip
+    extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
     if conv is not None:
         extra = dict(extra, conv=conv)
 

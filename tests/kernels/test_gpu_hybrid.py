@@ -243,8 +243,8 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
 
 def fused_prologues(sizes=(1, 2, 4)):
     """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
-    into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the
-    conv step into in_proj and the gated norm into out, and at every size the attention
+    into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded) and
+    the conv step into in_proj, and at every size the attention
     output's sigmoid gate into o and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96
     and 128)."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
@@ -255,8 +255,7 @@ def fused_prologues(sizes=(1, 2, 4)):
             choice[(name, bs)] = dict(base, norm=True, preload=True) if bs == 1 else base
         if bs == 1:  # the conv step in in_proj's launch, K split: the last program of a block runs it
             choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, splits=2)
-        # one row: the gated norm in out_proj's launch (the delta step a program per block of value dims)
-        choice[("out", bs)] = dict(base, splits=2, unroll=True, gnorm=True) if bs == 1 else dict(base, splits=2)
+        choice[("out", bs)] = dict(base, splits=2, unroll=True) if bs == 1 else dict(base, splits=2)
         choice[("o", bs)] = dict(base, sigmoid=True)
         choice[("down", bs)] = dict(base, gated=True)
     return choice

@@ -368,28 +368,8 @@ def test_skinny_linear_conv_epilogue(splits, preload, unroll):
     torch.testing.assert_close(state[2], ref_state[2], atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("splits,unroll", [(1, False), (2, True)])
-def test_skinny_linear_gated_norm_prologue(splits, unroll):
-    """One row of a linear-attention layer's raw read-out (8 heads of 64): its gated RMSNorm (per head, times the
-    weight, times silu(z)) computed as out_proj reads it, against hybrid_model.gated_rms_norm and the projection."""
-    from backends.common.model.hybrid_model import gated_rms_norm
-    from kernels import linear
-
-    H, D, N = 8, 64, 96
-    gen = torch.Generator().manual_seed(splits)
-    x = torch.randn(1, H * D, generator=gen).to(DEVICE, BF16)
-    proj = torch.randn(1, 3 * H * D, generator=gen).to(DEVICE, BF16)  # z a strided view inside a wider row
-    z = proj[:, H * D : 2 * H * D]
-    nw = (1 + 0.1 * torch.randn(D, generator=gen)).to(DEVICE, BF16)
-    w = torch.randn(N, H * D, generator=gen).to(DEVICE, BF16) / (H * D) ** 0.5
-    settings = dict(block_n=16, block_k=128, num_stages=3, dot=False, splits=splits, unroll=unroll, gnorm=True)
-    got = linear.gnorm_linear(x, z, nw, 1e-6, w, settings)
-    ref_in = gated_rms_norm(x.view(H, D), z.reshape(H, D), nw, 1e-6).reshape(1, H * D)
-    close(got, linear.linear(ref_in, w, None))
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
-@pytest.mark.parametrize("rows,prologue", [(1, "norm"), (4, "norm"), (1, "sigmoid"), (4, "silu"), (1, "gnorm")])
+@pytest.mark.parametrize("rows,prologue", [(1, "norm"), (4, "norm"), (1, "sigmoid"), (4, "silu")])
 def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     """tune with what the input is computed from: whatever it picks gives the unfused result."""
     from kernels import linear
@@ -428,12 +408,6 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     elif prologue == "sigmoid":
         g = torch.randn_like(x)
         close(linear.sigmoid_gated_linear(x, g, ws[0], choice), linear.sigmoid_gated_linear(x, g, ws[0], None))
-    elif prologue == "gnorm":
-        from backends.common.model.hybrid_model import gated_rms_norm
-
-        z, nw = torch.randn_like(x), torch.ones(128, dtype=BF16, device=DEVICE)
-        ref = linear.linear(gated_rms_norm(x.view(8, 128), z.view(8, 128), nw, 1e-6).view(1, -1), ws[0], None)
-        close(linear.gnorm_linear(x, z, nw, 1e-6, ws[0], choice) if choice else ref, ref)
     else:
         close(linear.gated_linear(x, ws[0], choice), linear.gated_linear(x, ws[0], None))
 

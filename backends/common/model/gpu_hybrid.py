@@ -58,8 +58,7 @@ class _Norm:
 class GpuHybrid(DecodeGraphs):
     # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
     # norms before in_proj / qkv / gate_up, the attention output's sigmoid gate, the MLP's silu(gate) * up
-    PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu", "out": "gnorm"}
-    SPLIT_BLOCK_V = 32  # value dims per program of the delta step when out_proj applies the gated norm
+    PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu"}
 
     def __init__(
         self,
@@ -166,10 +165,8 @@ class GpuHybrid(DecodeGraphs):
         choice = {n: self.linear_choice.get((n, rows)) for n in ("in_proj", "out", "qkv", "o", "gate_up", "down")}
         eps = self.cfg.rms_norm_eps
 
-        def lin(x, L, name, gated=False, gate=None, conv=None, gnorm=None):
+        def lin(x, L, name, gated=False, gate=None, conv=None):
             c = choice[name]
-            if gnorm is not None:  # x is the delta rule's raw read-out: its gated norm goes in
-                return self.k_lin.gnorm_linear(x, *gnorm, L[name], c)
             if isinstance(x, _Norm):  # the norm in the projection's launch where the choice says norm
                 y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c, conv)
                 return y
@@ -228,21 +225,13 @@ class GpuHybrid(DecodeGraphs):
             proj = lin(x, L, "in_proj")
             for p, w in zip(parts, writes):
                 self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
-        vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        core = torch.empty(n, vd, dtype=proj.dtype, device=self.device)
-        # one row: out_proj may apply the gated norm as it reads (its choice says gnorm); the delta step then runs
-        # a program per block of value dims and leaves the norm out
-        fuse = halves is None and bool((self.linear_choice.get(("out", n)) or {}).get("gnorm"))
-        split_v = min(self.SPLIT_BLOCK_V, cfg.linear_value_head_dim // 2)  # at least two programs per head
+        core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
+                           device=self.device)  # fmt: skip
         for p, w in zip(parts, writes):
             self.k_dr.gated_delta_step(
                 mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core[p], out_pages=w, norm=not fuse,
-                block_v=split_v if fuse else self.k_dr.step_block_v(p.stop - p.start),
+                cfg.rms_norm_eps, out=core[p], block_v=self.k_dr.step_block_v(p.stop - p.start), out_pages=w,
             )  # fmt: skip
-        if fuse:
-            z = proj[:, cfg.conv_dim : cfg.conv_dim + vd]
-            return lin(core, L, "out", gnorm=(z, L["norm"], cfg.rms_norm_eps))
         return lin(core, L, "out")
 
     def _full_attention(self, x, L, inp, bs, lin):
