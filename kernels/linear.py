@@ -105,6 +105,14 @@ def _prologue(X, G, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_gm, stri
 
 
 @triton.jit
+def _row_step(acc2, w, X, G, R, NW, offs_k, k, K, rstd, dtype, GATED: tl.constexpr, SIGMOID: tl.constexpr,
+              NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """One row: acc2 [BLOCK_N, BLOCK_K] plus the weight tile w times the input columns offs_k + k (`_prologue`)."""
+    x = _prologue(X, G, R, NW, None, offs_k, k, None, 0, 0, 0, K, rstd, dtype, GATED, SIGMOID, NORM, HAS_RES)
+    return acc2 + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _skinny_kernel(
     X, W, Y, P, C, G, R, RO, NW, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_gm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
@@ -161,22 +169,19 @@ def _skinny_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         k_first = 0
         if PRELOAD:
-            x = _prologue(X, G, R, NW, None, offs_k, 0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
-                          SIGMOID, NORM, HAS_RES)  # fmt: skip
-            acc2 += w0.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc2 = _row_step(acc2, w0, X, G, R, NW, offs_k, 0, K, rstd, W.dtype.element_ty, GATED, SIGMOID, NORM,
+                             HAS_RES)  # fmt: skip
             k_first = BLOCK_K
         if UNROLL:
             for k0 in tl.static_range(K_FIRST, K_SPLIT, BLOCK_K):
-                x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
-                              SIGMOID, NORM, HAS_RES)  # fmt: skip
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
-                acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+                acc2 = _row_step(acc2, w, X, G, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED, SIGMOID,
+                                 NORM, HAS_RES)  # fmt: skip
         else:
             for k0 in range(k_first, k_split, BLOCK_K):
-                x = _prologue(X, G, R, NW, None, offs_k, k0, None, 0, 0, 0, K, rstd, W.dtype.element_ty, GATED,
-                              SIGMOID, NORM, HAS_RES)  # fmt: skip
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
-                acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+                acc2 = _row_step(acc2, w, X, G, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED, SIGMOID,
+                                 NORM, HAS_RES)  # fmt: skip
         acc = tl.sum(acc2, 1)
         offs_y = offs_n
         offs_p = offs_n

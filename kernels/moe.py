@@ -241,7 +241,7 @@ def _router_kernel(Logits, TopI, TopW, E, stride_l,
 
 
 @triton.jit
-def _router_gemv_kernel(X, W, Logits, C, TopI, TopW, E, H: tl.constexpr, stride_x, n_blocks,
+def _router_gemv_kernel(X, W, Logits, C, TopI, TopW, E, H, stride_x, n_blocks,
                         K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr,
                         KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """A few tokens: program (token t, block of BN router rows) computes those logits (float32 sums of products,
@@ -255,7 +255,7 @@ def _router_gemv_kernel(X, W, Logits, C, TopI, TopW, E, H: tl.constexpr, stride_
     enter(PDL)
     x_row = X + t.to(tl.int64) * stride_x
     acc = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in tl.static_range(0, H, BK):  # unrolled: every tile's load in flight at once
+    for k0 in range(0, H, BK):
         rk = k0 + tl.arange(0, BK)
         mk = rk < H
         a = tl.load(x_row + rk, mask=mk, other=0.0).to(tl.float32)
@@ -343,8 +343,7 @@ def _combine_kernel(PerPair, Out, Shared, Gate, H, stride_gate,
 
 @triton.jit
 def _pair_gate_up_kernel(X, W, TopI, Inter, H, I, stride_x, stride_we, stride_wn,
-                         K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
-                         H_C: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                         K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Small batches: per (pair, block of intermediate columns) SiLU(gate) * up of the pair's token with its
     expert, as a matrix-vector product (no grouping: each expert is read by the few pairs that use it)."""
     enter(PDL)
@@ -356,26 +355,15 @@ def _pair_gate_up_kernel(X, W, TopI, Inter, H, I, stride_x, stride_we, stride_wn
     w_base = W + e * stride_we
     acc_g = tl.zeros((BN,), dtype=tl.float32)
     acc_u = tl.zeros((BN,), dtype=tl.float32)
-    if UNROLL:  # H_C = H: every tile's load in flight at once
-        for k0 in tl.static_range(0, H_C, BK):
-            rk = k0 + tl.arange(0, BK)
-            mk = rk < H
-            a = tl.load(x_row + rk, mask=mk, other=0.0).to(tl.float32)
-            m2 = mn[:, None] & mk[None, :]
-            wg = tl.load(w_base + rn[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
-            wu = tl.load(w_base + (I + rn)[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
-            acc_g += tl.sum(wg.to(tl.float32) * a[None, :], axis=1)
-            acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
-    else:
-        for k0 in range(0, H, BK):
-            rk = k0 + tl.arange(0, BK)
-            mk = rk < H
-            a = tl.load(x_row + rk, mask=mk, other=0.0).to(tl.float32)
-            m2 = mn[:, None] & mk[None, :]
-            wg = tl.load(w_base + rn[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
-            wu = tl.load(w_base + (I + rn)[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
-            acc_g += tl.sum(wg.to(tl.float32) * a[None, :], axis=1)
-            acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+    for k0 in range(0, H, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < H
+        a = tl.load(x_row + rk, mask=mk, other=0.0).to(tl.float32)
+        m2 = mn[:, None] & mk[None, :]
+        wg = tl.load(w_base + rn[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
+        wu = tl.load(w_base + (I + rn)[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * a[None, :], axis=1)
+        acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(Inter + p.to(tl.int64) * I + rn, h.to(Inter.dtype.element_ty), mask=mn)
 
@@ -413,7 +401,7 @@ SMALL_BATCH = 2  # tokens up to which `routed` takes the matrix-vector path (two
 # `python -m perf.moe_bench --sweep` (perf/results/moe_h200/).
 SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
             "down_stages": 3, "small_batch": SMALL_BATCH, "small_bn": 8, "small_bk": 512, "small_down_bn": 4,
-            "small_down_bk": 512, "small_warps": 4, "small_unroll": True}  # fmt: skip
+            "small_down_bk": 512, "small_warps": 4}  # fmt: skip
 
 
 def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None) -> torch.Tensor:
@@ -462,8 +450,7 @@ def _routed_small(x, top_i, top_w, gate_up, down, st) -> torch.Tensor:
     inter = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
     _pair_gate_up_kernel[(T * K, triton.cdiv(I, st["small_bn"]))](
         x, gate_up, top_i.contiguous(), inter, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K_TOP=K, BN=st["small_bn"], BK=st["small_bk"], UNROLL=st["small_unroll"],
-        H_C=H if st["small_unroll"] else 0, num_warps=st["small_warps"], **launch(x),
+        K_TOP=K, BN=st["small_bn"], BK=st["small_bk"], num_warps=st["small_warps"], **launch(x),
     )  # fmt: skip
     out = torch.empty_like(x)
     _token_down_kernel[(T, triton.cdiv(H, st["small_down_bn"]))](

@@ -87,7 +87,7 @@ def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
 
 
 SWEEP = {
-    "small": [dict(small_batch=0), dict(small_unroll=False), dict(small_unroll=True)]
+    "small": [dict(small_batch=0)]
     + [
         dict(small_bn=bn, small_down_bn=dbn, small_bk=bk, small_down_bk=bk, small_warps=wp)
         for bn in (4, 8, 16)

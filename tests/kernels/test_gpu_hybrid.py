@@ -191,6 +191,29 @@ def build(cfg, slots=700, pages=12, max_batch=4, sizes=(1, 2, 4), linear_choice=
     return (ref, kv_ref, st_ref), gpu
 
 
+class Seqs:
+    """Sequences of random tokens, sequence i at slots 100 i + 10 + position and on state page pages[i]: their
+    prefill spans, then per step one decode span (a new random token) for each live sequence."""
+
+    def __init__(self, cfg, lens, pages, g):
+        self.cfg, self.pages, self.g = cfg, pages, g
+        self.toks = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+        self.slots = [list(range(100 * i + 10, 100 * i + 10 + n)) for i, n in enumerate(lens)]
+
+    def prefill(self) -> list:
+        return [Span(t, 0, s, f"r{i}", p) for i, (t, s, p) in enumerate(zip(self.toks, self.slots, self.pages))]
+
+    def step(self, live) -> list:
+        dec = []
+        for i in live:
+            t = int(torch.randint(3, self.cfg.vocab_size, (1,), generator=self.g))
+            pos = len(self.toks[i])
+            self.toks[i].append(t)
+            self.slots[i].append(100 * i + 10 + pos)
+            dec.append(Span([t], pos, self.slots[i], f"r{i}", self.pages[i]))
+        return dec
+
+
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -208,25 +231,15 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
     touches only the scratch slot and page."""
     assert supports(cfg)
     r, gpu = build(cfg)
-    g = gen(7)
-    lens = [23, 5, 40]
-    toks = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-    slots = [list(range(100 * i + 10, 100 * i + 10 + n)) for i, n in enumerate(lens)]
-    pages = [3, 0, 7]
-    spans = [Span(t, 0, s, f"r{i}", p) for i, (t, s, p) in enumerate(zip(toks, slots, pages))]
+    seqs = Seqs(cfg, [23, 5, 40], [3, 0, 7], gen(7))
+    slots, pages = seqs.slots, seqs.pages
+    spans = seqs.prefill()
     torch.testing.assert_close(gpu.forward(spans), ref_forward(r, spans), **TOL)
     assert gpu.stats == {"graph_steps": 0, "eager_steps": 1}
     pad_before = gpu.state.buffer[gpu.pad_page].clone()
     for _ in range(4):
-        nxt = [int(torch.randint(3, cfg.vocab_size, (1,), generator=g)) for _ in lens]
-        dec = []
-        for i, t in enumerate(nxt):
-            pos = len(toks[i])
-            toks[i].append(t)
-            slots[i].append(100 * i + 10 + pos)
-            dec.append(Span([t], pos, slots[i], f"r{i}", pages[i]))
-        a, b = gpu.forward(dec), ref_forward(r, dec)
-        torch.testing.assert_close(a, b, **TOL)
+        dec = seqs.step([0, 1, 2])
+        torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
     assert gpu.stats["graph_steps"] == 4
     used = [s for sl in slots for s in sl]
     torch.testing.assert_close(gpu.kv.buffer[:, :, used].float(), r[1].buffer[:, :, used].float(), **TOL)
@@ -243,10 +256,9 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
 
 def fused_prologues(sizes=(1, 2, 4)):
     """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
-    into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded) and
-    the conv step into in_proj, and at every size the attention
-    output's sigmoid gate into o and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96
-    and 128)."""
+    into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the
+    conv step into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate into o
+    and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and 128)."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
     choice = {}
     for bs in sizes:
@@ -268,22 +280,12 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model():
     model's, and the residual stream the fused norms write comes out as the unfused path's."""
     cfg = DENSE_TINY
     r, gpu = build(cfg, linear_choice=fused_prologues())
-    g = gen(9)
-    lens = [17, 6, 31]
-    toks = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-    slots = [list(range(100 * i + 10, 100 * i + 10 + n)) for i, n in enumerate(lens)]
-    pages = [2, 5, 8]
-    spans = [Span(t, 0, s, f"r{i}", p) for i, (t, s, p) in enumerate(zip(toks, slots, pages))]
+    seqs = Seqs(cfg, [17, 6, 31], [2, 5, 8], gen(9))
+    pages = seqs.pages
+    spans = seqs.prefill()
     torch.testing.assert_close(gpu.forward(spans), ref_forward(r, spans), **TOL)
     for step in range(4):
-        live = [0] if step % 2 == 0 else [0, 1, 2]
-        dec = []
-        for i in live:
-            t = int(torch.randint(3, cfg.vocab_size, (1,), generator=g))
-            pos = len(toks[i])
-            toks[i].append(t)
-            slots[i].append(100 * i + 10 + pos)
-            dec.append(Span([t], pos, slots[i], f"r{i}", pages[i]))
+        dec = seqs.step([0] if step % 2 == 0 else [0, 1, 2])
         torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
     assert gpu.stats["graph_steps"] == 4
     if DTYPE == torch.float32:

@@ -37,15 +37,11 @@ def weights(E, H, I, seed):  # noqa: E741
     return gate_up, down
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [dict(small_batch=0), dict(small_batch=8), dict(small_batch=8, small_unroll=False)],
-    ids=["grouped", "matrix-vector", "matrix-vector-loop"],
-)
+@pytest.mark.parametrize("settings", [dict(small_batch=0), dict(small_batch=8)], ids=["grouped", "matrix-vector"])
 @pytest.mark.parametrize("T,E,K,H,I", [(1, 8, 2, 64, 32), (5, 8, 2, 64, 48), (37, 16, 4, 96, 32)])
 def test_routed_equals_the_loop_over_experts(T, E, K, H, I, settings):  # noqa: E741
     """Both paths of `routed`: grouped GEMMs after the alignment, and (a few tokens) one matrix-vector product
-    per pair and per token (its loop over the hidden size unrolled or not)."""
+    per pair and per token."""
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(DEVICE, DTYPE)
     probs = torch.softmax(torch.randn(T, E, generator=g), -1)
