@@ -13,7 +13,11 @@
 
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
         [--kv-tokens 8192] [--host-kv-tokens N] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"]
-        [--phase-limit 300] [--phases 4x4000 3x5500]
+        [--phase-limit 300] [--phases 4x4000 3x5500] [--warmup-tokens 4200]
+
+Each server first answers an unmeasured warm-up phase (2 streams that overfill the pool: `--warmup-tokens`), so
+that the first server of a run does not pay for what later servers find compiled (the same settings measured 5%
+slower as the first server of a run than as the third, perf/results/stalls_h200/rotation_victims/).
 
 Per phase and policy it reports answers completed with the right length, the largest gap between two tokens of one
 answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
@@ -291,7 +295,10 @@ def report(summary: dict) -> str:
     lines = [f"# Seed scenario: {summary['setup']}", "", f"Command: `{summary['command']}`", ""]
     runs = summary["policies"]
     pols = list(runs)
-    phases = list(dict.fromkeys(k for p in pols for k in runs[p] if k not in ("close_all", "error")))
+    phases = list(dict.fromkeys(k for p in pols for k in runs[p] if k not in ("close_all", "error", "warmup")))
+    warm = [f"{p} {w['completed']} of 2 in {w['wall_s']:.1f} s" for p in pols if (w := runs[p].get("warmup"))]
+    if warm:
+        lines += ["Warm-up on each server before the measured phases (not measured): " + ", ".join(warm) + ".", ""]
     for phase in phases:
         lines += _phase_rows(phase, pols, runs)
         same = summary.get("same_answers", {}).get(phase)
@@ -346,6 +353,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", default="roomy",
                     help="the policy whose answers the others are compared with, token for token (answers.json "
                     "holds them all)")  # fmt: skip
+    ap.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=4200,
+        help="before the measured phases, each server answers 2 streams of 200 + this many tokens (scaled), which "
+        "overfill the pool: kernels compiled on first use and the pause, swap and recovery paths run once before "
+        "anything is timed, on every server alike; 0: none",
+    )
     ap.add_argument(
         "--require-identical",
         action="store_true",
@@ -403,6 +418,10 @@ def main(argv=None) -> int:
             continue
         url, metrics = server.grpc_url, server.metrics_url
         try:
+            if a.warmup_tokens > 0:
+                print(f"[seed] {pol}: warm-up (2 x {prompt}+{sc(a.warmup_tokens)}, not measured)", flush=True)
+                w = run_phase(url, metrics, 2, prompt, sc(a.warmup_tokens), a.phase_limit, seed=99)
+                res["warmup"] = {k: w[k] for k in ("completed", "wall_s", "pauses", "rec_host", "rec_prefill")}
             runs = [(name, n, sc(n_out), how) for name, n, n_out in PHASES if name in a.phases for how in a.sampling]
             for name, n, n_out, how in runs:
                 phase = name if len(a.sampling) == 1 else f"{name} {how}"

@@ -25,3 +25,16 @@ def test_compare_answers_against_the_reference_policy_per_phase():
         "4x4000": {"plain": "1 of 1"},
     }
     assert seed_stalls.compare_answers(answers, "missing") == {}
+
+
+def test_report_lists_the_warm_up_apart_from_the_measured_phases():
+    """A real run's summary (tiny model, `--scale 0.05`): the unmeasured warm-up of each server is one line, not a
+    phase of the tables."""
+    import json
+    from pathlib import Path
+
+    summary = json.loads((Path(__file__).parent / "data" / "seed_summary_warmup.json").read_text())
+    assert all("warmup" in runs for runs in summary["policies"].values())
+    text = seed_stalls.report(summary)
+    assert "Warm-up on each server before the measured phases (not measured): plain 2 of 2" in text
+    assert "## 4x4000" in text and "## warmup" not in text
