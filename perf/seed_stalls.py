@@ -17,7 +17,8 @@
 
 Each server first answers an unmeasured warm-up phase (2 streams that overfill the pool: `--warmup-tokens`), so
 that the first server of a run does not pay for what later servers find compiled (the same settings measured 5%
-slower as the first server of a run than as the third, perf/results/stalls_h200/rotation_victims/).
+slower as the first server of a run than as the third, perf/results/stalls_h200/rotation_victims/; whether the
+warm-up removes that is not yet measured).
 
 Per phase and policy it reports answers completed with the right length, the largest gap between two tokens of one
 answer (and the first bar: from the first token on), time to first token, wall time and output tokens/s (the
