@@ -2,17 +2,19 @@
 experts (HybridModel.mlp's routed part), measured in the same run.
 
     python -m perf.moe_bench [--experts 256 --top-k 8 --hidden 2048 --inter 512] [--batches 1 8 32 128]
-                             [--prefill 4096] [--sweep] [--out FILE.md]
+                             [--prefill 4096] [--chain 8] [--sweep] [--out FILE.md]
 
 Defaults: Qwen3.5-35B-A3B's MoE layer (transformers' Qwen3_5MoeTextConfig). The whole MoE layer (router, top-k,
 routed experts, shared expert and its gate) as the decode CUDA graph runs it (`kernels.moe`, timed as a captured
 graph and eagerly) against HybridModel.mlp's loop over experts (eager: it syncs with the host, so it cannot be
 captured), in the same run. Roofline of a decode batch: the bytes the layer must read (the experts the batch routes
 to, each read once, the shared expert and the router) over the device-to-device copy bandwidth measured here.
-Prefill: one chunk of `--prefill` tokens, tokens/s of both paths. `--sweep`: the grouped GEMMs' tile settings
-(kernels.moe.SETTINGS) timed per batch size, each kernel's choices in turn (`small`: the matrix-vector path of a
-few tokens; `small_batch=0` is the grouped path, for comparison). `--profile`: the graphed layer's kernels by GPU
-time. `--device cpu` (TRITON_INTERPRET=1) only checks that the script runs, on small shapes."""
+Prefill: one chunk of `--prefill` tokens, tokens/s of both paths. `--chain L`: L layers with weights of their own
+in one graph, per layer (as a decode step runs them: no graph launch per layer, no weights left in L2). `--sweep`:
+the grouped GEMMs' tile settings (kernels.moe.SETTINGS) timed per batch size, each kernel's choices in turn
+(`small`: the matrix-vector path of a few tokens; `small_batch=0` is the grouped path, for comparison).
+`--profile`: the graphed layer's kernels by GPU time. `--device cpu` (TRITON_INTERPRET=1) only checks that the
+script runs, on small shapes."""
 
 from __future__ import annotations
 
