@@ -226,22 +226,19 @@ def _conv_epilogue(y, offs_n, mask_n, CS, CW, CPages, COutPages, Mixed, CC, cs_p
     tl.store(Mixed + offs_n, acc / (1.0 + tl.exp(-acc)), mask=mask)
 
 
-# per (device, stream, user): the zeroed arrival counters of launches whose last program to finish does the rest
-# (split skinny_linear launches, kernels.moe's router); each launch leaves them at 0 again. Made outside graph
-# capture (the first launch on a stream is a warm-up or a tuning run) and kept for the process's life, since
-# captured graphs hold their address
+# per (device, stream): the zeroed arrival counters of split launches (each launch leaves them at 0 again); made
+# outside graph capture (the first launch on a stream is a warm-up or a tuning run) and kept for the process's life,
+# since captured graphs hold their address
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 MAX_COLUMN_BLOCKS = 1 << 14
 
 
-def arrival_counters(device: torch.device, user: str = "linear") -> torch.Tensor:
-    """MAX_COLUMN_BLOCKS zeroed int32 counters for launches on the current stream of `device`, one buffer per user."""
+def _counters(device: torch.device) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, user)
+    key = (str(device), stream)
     c = _COUNTERS.get(key)
     if c is None:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        assert not capturing, "counted launch first in a capture"
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "split launch first in a capture"
         c = _COUNTERS[key] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
     return c
 
@@ -291,7 +288,7 @@ def skinny_linear(
     grid = (triton.cdiv(N, block_n), splits)
     if splits > 1:
         assert grid[0] <= MAX_COLUMN_BLOCKS and out.stride(1) == 1
-        part, counters = torch.empty(splits, M, N, device=x.device, dtype=torch.float32), arrival_counters(x.device)
+        part, counters = torch.empty(splits, M, N, device=x.device, dtype=torch.float32), _counters(x.device)
     else:
         part = counters = out
     g = x if sigmoid_gate is None else sigmoid_gate

@@ -24,7 +24,6 @@ then up rows), down [E, H, I]. The PyTorch reference is HybridModel.mlp's loop o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -192,14 +191,17 @@ def _down_kernel(
 
 
 @triton.jit
-def _top_k_store(z, g, TopI, TopW, t, E, K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
-                 BE: tl.constexpr, KP: tl.constexpr):  # fmt: skip
-    """Token t's routing from its expert logits z [BE] (float32, -inf past the experts) and, with SHARED, the shared
-    expert's gate logit g: softmax, the top K_TOP by repeated arg-max (highest first, the lowest index on a tie),
-    renormalised over the K when NORM; SHARED adds pair K_TOP (expert E = the number of experts, weight sigmoid(g)).
-    Stored at TopI/TopW row t, the weights rounded to TopW's dtype once (KP: K_TOP + SHARED rounded up to a power of
-    2)."""
+def _router_kernel(Logits, TopI, TopW, E, stride_l,
+                   K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr,
+                   KP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Per token: softmax over the E experts (fp32), the top K by repeated arg-max (highest first, the lowest index
+    on a tie), renormalised over the K when NORM; SHARED: one more pair, expert E with weight sigmoid(logit E).
+    The weights are rounded to TopW's dtype once, at the store (KP: K_TOP + SHARED rounded up to a power of 2)."""
+    enter(PDL)
+    t = tl.program_id(0)
     e = tl.arange(0, BE)
+    row = Logits + t.to(tl.int64) * stride_l
+    z = tl.load(row + e, mask=e < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z, 0))
     p = p / tl.sum(p, 0)
     K_OUT: tl.constexpr = K_TOP + SHARED
@@ -217,65 +219,12 @@ def _top_k_store(z, g, TopI, TopW, t, E, K_TOP: tl.constexpr, NORM: tl.constexpr
     if NORM:
         ws = ws / total
     if SHARED:
+        g = tl.load(row + E).to(tl.float32)
         ids = tl.where(kk == K_TOP, E, ids)
         ws = tl.where(kk == K_TOP, 1.0 / (1.0 + tl.exp(-g)), ws)
     out = t * K_OUT
     tl.store(TopI + out + kk, ids, mask=kk < K_OUT)
     tl.store(TopW + out + kk, ws.to(TopW.dtype.element_ty), mask=kk < K_OUT)
-
-
-@triton.jit
-def _router_kernel(Logits, TopI, TopW, E, stride_l,
-                   K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr,
-                   KP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """Per token: `_top_k_store` of its row of logits (E experts, then with SHARED the shared expert's gate)."""
-    enter(PDL)
-    t = tl.program_id(0)
-    e = tl.arange(0, BE)
-    row = Logits + t.to(tl.int64) * stride_l
-    z = tl.load(row + e, mask=e < E, other=-float("inf")).to(tl.float32)
-    g = 0.0
-    if SHARED:
-        g = tl.load(row + E).to(tl.float32)
-    _top_k_store(z, g, TopI, TopW, t, E, K_TOP, NORM, SHARED, BE, KP)
-
-
-@triton.jit
-def _router_gemv_kernel(X, W, Logits, C, TopI, TopW, E, H, stride_x, n_blocks,
-                        K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr,
-                        KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """A few tokens: program (token t, block of BN router rows) computes those logits (float32 sums of products,
-    rounded to Logits' dtype as F.linear's output is) and stores them; the last of token t's n_blocks programs to
-    arrive (counted in C[t], which it resets to 0 for the next launch) reads the whole row back and routes it
-    (`_top_k_store`). The router's matrix-vector product and the top-k in one launch."""
-    t, nb = tl.program_id(0), tl.program_id(1)
-    NR = E + SHARED
-    rn = nb * BN + tl.arange(0, BN)
-    mn = rn < NR
-    enter(PDL)
-    x_row = X + t.to(tl.int64) * stride_x
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < H
-        a = tl.load(x_row + rk, mask=mk, other=0.0).to(tl.float32)
-        w = tl.load(W + rn[:, None].to(tl.int64) * H + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    row = Logits + t.to(tl.int64) * NR
-    tl.store(row + rn, tl.sum(acc, 1).to(Logits.dtype.element_ty), mask=mn)
-    done = tl.atomic_add(C + t, 1, sem="acq_rel")  # releases this program's logits, acquires the others'
-    if done == n_blocks - 1:
-        e = tl.arange(0, BE)
-        z = tl.load(row + e, mask=e < E, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-        g = 0.0
-        if SHARED:
-            g = tl.load(row + E, cache_modifier=".cg").to(tl.float32)
-        _top_k_store(z, g, TopI, TopW, t, E, K_TOP, NORM, SHARED, BE, KP)
-        tl.atomic_xchg(C + t, 0)
-
-
-ROUTER_GEMV_MAX_TOKENS = 8  # `router_top_k` computes the logits in the routing launch up to this many tokens
-ROUTER_BN, ROUTER_BK = 4, 512  # router rows per program and the reduction step of `_router_gemv_kernel`
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype, num_experts: int | None = None,
@@ -293,32 +242,6 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype, num_
         _router_kernel[(T,)](logits, top_i, top_w, E, logits.stride(0), K_TOP=top_k, NORM=norm, SHARED=shared,
                              BE=triton.next_power_of_2(E), KP=max(2, triton.next_power_of_2(k_out)),
                              **launch(logits))  # fmt: skip
-    return top_w, top_i
-
-
-def router_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool, num_experts: int,
-                 shared: bool = False, gemv_max_tokens: int | None = None):  # fmt: skip
-    """`route` of the router's logits F.linear(x, router) (router [E (+ 1 with shared), H]): (top_w in x's dtype,
-    top_i). Up to `gemv_max_tokens` tokens (default ROUTER_GEMV_MAX_TOKENS) the product and the routing run in one
-    launch (`_router_gemv_kernel`); more go through F.linear and `route`."""
-    T, H = x.shape
-    limit = ROUTER_GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
-    if T == 0 or T > limit or x.stride(1) != 1 or not router.is_contiguous():
-        return route(F.linear(x, router), top_k, norm, x.dtype, num_experts, shared)
-    from kernels.linear import arrival_counters
-
-    E, k_out = num_experts, top_k + int(shared)
-    assert router.shape == (E + int(shared), H), (router.shape, E, shared)
-    logits = torch.empty((T, E + int(shared)), dtype=x.dtype, device=x.device)
-    top_i = torch.empty((T, k_out), dtype=torch.int32, device=x.device)
-    top_w = torch.empty((T, k_out), dtype=x.dtype, device=x.device)
-    n_blocks = triton.cdiv(E + int(shared), ROUTER_BN)
-    counters = arrival_counters(x.device, "router")
-    _router_gemv_kernel[(T, n_blocks)](
-        x, router, logits, counters, top_i, top_w, E, H, x.stride(0), n_blocks, K_TOP=top_k, NORM=norm,
-        SHARED=shared, BE=triton.next_power_of_2(E), KP=max(2, triton.next_power_of_2(k_out)), BN=ROUTER_BN,
-        BK=min(ROUTER_BK, triton.next_power_of_2(H)), **launch(x),
-    )  # fmt: skip
     return top_w, top_i
 
 

@@ -50,12 +50,11 @@ def loop_layer(x, w, K, norm):
 
 
 def fused_layer(x, w, K, norm, settings=None):
-    """HybridModel._fused_moe: the router + shared gate product and the routing (the shared expert as pair K; one
-    launch for a few tokens), routed."""
+    """HybridModel._fused_moe: router + shared gate GEMM, route (the shared expert as pair K), routed."""
     from kernels import moe
 
     E = w["router"].shape[0] - 1
-    top_w, top_i = moe.router_top_k(x, w["router"], K, norm, E, shared=True)
+    top_w, top_i = moe.route(F.linear(x, w["router"]), K, norm, x.dtype, E, shared=True)
     return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], settings=settings)
 
 
@@ -124,7 +123,7 @@ def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, input
         x = inputs[T][0]
         roof = 0.0
         for lw in layers:
-            top_w, top_i = moe.router_top_k(x, lw["router"], K, True, E, shared=True)
+            top_w, top_i = moe.route(F.linear(x, lw["router"]), K, True, x.dtype, E, shared=True)
             roof += (top_i[:, :K].unique().numel() * expert_bytes + dense_bytes) / bw
 
         def run(x=x):  # every layer reads the same tokens (PDL orders the launches as a data dependence would)

@@ -114,23 +114,3 @@ def test_route_appends_the_shared_expert_as_the_last_pair():
     assert top_i.shape == (5, 4) and torch.equal(top_i[:, :3], plain_i) and (top_i[:, 3] == 16).all()
     assert torch.equal(top_w[:, :3], plain_w)
     torch.testing.assert_close(top_w[:, 3].float(), torch.sigmoid(logits[:, 16].float()).to(DTYPE).float())
-
-
-@pytest.mark.parametrize("T", [1, 2, 5])
-@pytest.mark.parametrize("shared", [True, False])
-def test_router_top_k_in_one_launch_equals_the_product_then_route(T, shared):
-    """A few tokens: the router's product and the routing in one launch (the last program of a token to arrive
-    routes it) give F.linear's logits routed by `route`, launch after launch (the arrival counters reset)."""
-    E, K, H = 20, 3, 96  # 21 router rows with the shared gate: the last block of rows is partly empty
-    g = torch.Generator().manual_seed(12 + T)
-    x = torch.randn(T, H, generator=g).to(DEVICE, DTYPE)
-    router = (torch.randn(E + int(shared), H, generator=g) * 0.3).to(DEVICE, DTYPE)
-    want_w, want_i = moe.route(F.linear(x, router), K, True, DTYPE, E, shared)
-    for _ in range(3):
-        got_w, got_i = moe.router_top_k(x, router, K, True, E, shared)
-        assert got_i.shape == (T, K + int(shared)) and torch.equal(got_i, want_i)
-        # the logits are summed in another order than F.linear's: last-bit differences in the weights
-        rtol = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
-        torch.testing.assert_close(got_w.float(), want_w.float(), atol=0, rtol=rtol)
-    fallback_w, fallback_i = moe.router_top_k(x, router, K, True, E, shared, gemv_max_tokens=0)
-    assert torch.equal(fallback_i, want_i) and torch.equal(fallback_w, want_w)

@@ -344,11 +344,10 @@ class HybridModel:
         cfg, moe = self.cfg, self.k_moe
         gate_up, down = self.experts[key]
         E = cfg.num_experts
-        if self.fold_shared:  # a few tokens: the router's product and the top-k in one launch
-            top_w, top_i = moe.router_top_k(x, self.router[key], cfg.num_experts_per_tok, cfg.norm_topk_prob, E, True)
-            return moe.routed(x, top_i, top_w, gate_up, down)
         logits = F.linear(x, self.router[key])  # [T, E + 1]: the last column is the shared expert's gate
-        top_w, top_i = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype, E)
+        top_w, top_i = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype, E, self.fold_shared)
+        if self.fold_shared:
+            return moe.routed(x, top_i, top_w, gate_up, down)
         shared = self._gated_mlp(x, p + "shared_expert.")
         return moe.routed(x, top_i, top_w, gate_up, down, shared=(logits[:, E:], shared))
 
