@@ -327,22 +327,30 @@ def _conv_step_kernel(
     ordered behind the stores."""
     enter(PDL)
     b, cb = tl.program_id(0), tl.program_id(1)
-    page = tl.load(Pages + b).to(tl.int64)
-    out_page = tl.load(OutPages + b).to(tl.int64)
     offs = cb * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
+    x = tl.load(X + b.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    y = conv_channels(x, offs, mask, W, S, Pages + b, OutPages + b, s_page, KM1)
+    tl.store(Out + b.to(tl.int64) * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def conv_channels(x, offs, mask, W, S, Page, OutPage, s_page, KM1: tl.constexpr):
+    """The conv step of channels offs (where mask) for one new input x (float32): SiLU of the causal conv over the
+    state row at page *Page, whose new state (the kept inputs after the oldest, then x) goes to page *OutPage. Every
+    load comes before any store. Also run by kernels.linear's conv epilogue."""
+    page = tl.load(Page).to(tl.int64)
+    out_page = tl.load(OutPage).to(tl.int64)
     taps = tl.arange(0, KM1 + 1)  # KM1 + 1 is a power of two (the conv kernel: 4)
     tmask = mask[:, None] & (taps[None, :] < KM1)
-    x = tl.load(X + b.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     sp = S + page * s_page + offs[:, None] * KM1 + taps[None, :]
     prev = tl.load(sp, mask=tmask, other=0.0)  # [BLOCK, KM1 + 1]: the kept inputs, oldest first, then a 0
-    # the new state: the kept inputs after the oldest, then x
     nxt = tl.load(sp + 1, mask=mask[:, None] & (taps[None, :] < KM1 - 1), other=0.0)
     nxt = tl.where(taps[None, :] == KM1 - 1, x[:, None], nxt)
     w = tl.load(W + offs[:, None] * (KM1 + 1) + taps[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
     acc = tl.sum(tl.where(taps[None, :] == KM1, x[:, None], prev) * w, 1)
     tl.store(S + out_page * s_page + offs[:, None] * KM1 + taps[None, :], nxt, mask=tmask)
-    tl.store(Out + b.to(tl.int64) * stride_o + offs, acc / (1.0 + tl.exp(-acc)), mask=mask)
+    return acc / (1.0 + tl.exp(-acc))
 
 
 def conv_step(

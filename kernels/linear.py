@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.delta_rule import conv_channels as _conv_channels
 from kernels.pdl import enter, launch
 
 MAX_ROWS = 64
@@ -131,8 +132,8 @@ def _skinny_kernel(
     layer's in_proj): the first CC output columns are also the inputs of its causal conv + SiLU (kernels.delta_rule's
     conv step: state rows of KM1 taps in CS at page CPages[0], written at COutPages[0], weights CW), done by the
     program that finishes a column block, stored float32 to Mixed. UNROLL (one row): the loop over K unrolled
-    (K_SPLIT = k_split, K_FIRST its first step: BLOCK_K after a preload), so every tile's load can be in flight at
-    once."""
+    (K_SPLIT = k_split), so every tile's load can be in flight at
+    once. K_FIRST is the first step of either loop (BLOCK_K after a preload)."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -167,18 +168,16 @@ def _skinny_kernel(
         mask_y = mask_m[:, None] & mask_n[None, :]
     else:  # one row: products summed along K at the end
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        k_first = 0
         if PRELOAD:
             acc2 = _row_step(acc2, w0, X, G, R, NW, offs_k, 0, K, rstd, W.dtype.element_ty, GATED, SIGMOID, NORM,
                              HAS_RES)  # fmt: skip
-            k_first = BLOCK_K
         if UNROLL:
             for k0 in tl.static_range(K_FIRST, K_SPLIT, BLOCK_K):
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 acc2 = _row_step(acc2, w, X, G, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED, SIGMOID,
                                  NORM, HAS_RES)  # fmt: skip
         else:
-            for k0 in range(k_first, k_split, BLOCK_K):
+            for k0 in range(K_FIRST, k_split, BLOCK_K):
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 acc2 = _row_step(acc2, w, X, G, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED, SIGMOID,
                                  NORM, HAS_RES)  # fmt: skip
@@ -209,21 +208,10 @@ def _skinny_kernel(
 @triton.jit
 def _conv_epilogue(y, offs_n, mask_n, CS, CW, CPages, COutPages, Mixed, CC, cs_page, KM1: tl.constexpr):
     """kernels.delta_rule's conv step for one row over the output columns offs_n below CC (y: their values as
-    stored), with the same loads, order of taps and rounding."""
+    stored), into Mixed."""
     mask = mask_n & (offs_n < CC)
-    page = tl.load(CPages).to(tl.int64)
-    out_page = tl.load(COutPages).to(tl.int64)
-    taps = tl.arange(0, KM1 + 1)
-    tmask = mask[:, None] & (taps[None, :] < KM1)
-    x = y.to(tl.float32)
-    sp = CS + page * cs_page + offs_n[:, None] * KM1 + taps[None, :]
-    prev = tl.load(sp, mask=tmask, other=0.0)
-    nxt = tl.load(sp + 1, mask=mask[:, None] & (taps[None, :] < KM1 - 1), other=0.0)
-    nxt = tl.where(taps[None, :] == KM1 - 1, x[:, None], nxt)
-    w = tl.load(CW + offs_n[:, None] * (KM1 + 1) + taps[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    acc = tl.sum(tl.where(taps[None, :] == KM1, x[:, None], prev) * w, 1)
-    tl.store(CS + out_page * cs_page + offs_n[:, None] * KM1 + taps[None, :], nxt, mask=tmask)
-    tl.store(Mixed + offs_n, acc / (1.0 + tl.exp(-acc)), mask=mask)
+    out = _conv_channels(y.to(tl.float32), offs_n, mask, CW, CS, CPages, COutPages, cs_page, KM1)
+    tl.store(Mixed + offs_n, out, mask=mask)
 
 
 # per (device, stream): the zeroed arrival counters of split launches (each launch leaves them at 0 again); made
@@ -387,8 +375,9 @@ def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     return y, (x if residual is None else residual)
 
 
-def graph_time(fn, reps: int = 20) -> float:
-    """Seconds per replay of a CUDA graph holding fn() (run once outside the capture first, which compiles)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn() captured as a CUDA graph, after one run on the capture's own stream (which compiles, and makes the
+    arrival counters that counted launches on that stream find at capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -396,8 +385,14 @@ def graph_time(fn, reps: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):  # the warm-up's stream: counted launches find their counters made
+    with torch.cuda.graph(g, stream=stream):
         fn()
+    return g
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Seconds per replay of a CUDA graph holding fn() (`capture_graph`)."""
+    g = capture_graph(fn)
     for _ in range(3):
         g.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -420,9 +415,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     conv_channels (one row): the first that many outputs go through a conv step after (timed as its own launch
     after cuBLAS, fused into skinny_linear: flag conv). At one row the three fastest candidates are timed again
     with the loop over K unrolled, then the fastest with its first weight tile loaded before the wait for the
-    launch before (preload). Returns (choice, {description: seconds per
-    weight, or the error of a setting that did not run}). 16-bit weights only: the kernel's float32 products would
-    round through TF32."""
+    launch before (preload). Returns (choice, {description: seconds per weight, or the error of a setting that did
+    not run}). 16-bit weights only: the kernel's float32 products would round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}

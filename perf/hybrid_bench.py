@@ -267,9 +267,9 @@ def main(argv=None) -> int:
             )
         choice = getattr(runner.model, "linear_choice", {})
         rows.append(dict(model=name, linear_choice={f"{n}@{bs}": c for (n, bs), c in sorted(choice.items())}))
+        flags = ("splits", "gated", "sigmoid", "norm", "conv", "unroll", "preload")
         for bs in sorted({bs for _, bs in choice} & set(a.batches)):
-            fused = {n: "+".join(k for k in ("splits", "gated", "sigmoid", "norm", "conv", "preload") if c.get(k))
-                     for (n, b), c in sorted(choice.items()) if b == bs}  # fmt: skip
+            fused = {n: "+".join(k for k in flags if c.get(k)) for (n, b), c in sorted(choice.items()) if b == bs}
             print(f"{name}, graph of {bs}: skinny_linear for " + ", ".join(f"{n} ({f or 'plain'})" for n, f in
                                                                             fused.items()), flush=True)  # fmt: skip
         lines.append(

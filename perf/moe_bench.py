@@ -26,6 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from kernels.linear import capture_graph
 from perf.hybrid_bench import cuda_time
 from perf.limits import report_writer, wall_clock_limit
 
@@ -58,25 +59,11 @@ def fused_layer(x, w, K, norm, settings=None):
     return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], settings=settings)
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """fn() captured as a CUDA graph, after one run on the capture's stream (compiles, and makes the arrival
-    counters of counted launches on that stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        fn()
-    return g
-
-
 def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
     """Seconds per call: CUDA events on the GPU (hybrid_bench's timer; `graph`: fn captured once and replayed),
     wall time on the CPU."""
     if cuda and graph:
-        g = capture(fn)
+        g = capture_graph(fn)
         return cuda_time(g.replay, reps)
     if cuda:
         return cuda_time(fn, reps)
@@ -130,7 +117,7 @@ def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, input
             for lw in layers:
                 fused_layer(x, lw, K, True)
 
-        t = (cuda_time(capture(run).replay, a.reps) if cuda else timed(run, 1, False)) / L
+        t = (cuda_time(capture_graph(run).replay, a.reps) if cuda else timed(run, 1, False)) / L
         roof /= L
         alone = next((r["fused_graph_s"] / r["roofline_s"] for r in rows if r.get("tokens") == T), float("nan"))
         rows.append(dict(chain=L, tokens=T, per_layer_s=t, roofline_s=roof))
@@ -226,7 +213,7 @@ def main(argv=None) -> int:
         if a.profile and cuda and T <= 256:
             from perf.hybrid_bench import profile_kernels
 
-            g = capture(partial(fused_layer, x, w, K, norm))
+            g = capture_graph(partial(fused_layer, x, w, K, norm))
             profile_kernels(g.replay, f"fused MoE layer, {T} tokens, graph", reps=10)
         if T == a.prefill:
             lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")
