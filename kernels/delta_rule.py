@@ -380,19 +380,27 @@ def _gated_delta_step_kernel(
     Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages,
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
-    all DV outputs."""
-    enter(PDL)
+    all DV outputs (from registers with one block, else read back). PRELOAD: the first block's state is loaded
+    before waiting for the launch before this one (the page was written by an earlier step, never by the launch
+    just before: the caller's promise)."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    page = tl.load(Pages + b).to(tl.int64)
-    out_page = tl.load(OutPages + b).to(tl.int64)
-    kh = h // R  # the key head this value head reads (q and k repeat_interleave'd by R)
     rk = tl.arange(0, BK)
     mk = rk < DK
+    if PRELOAD:
+        page = tl.load(Pages + b).to(tl.int64)  # the graph's inputs: copied in before any launch of the step
+        rv0 = tl.arange(0, BV)
+        m0 = mk[:, None] & (rv0 < DV)[None, :]
+        s0 = tl.load(S + page * s_page + h * s_head + rk[:, None] * s_k + rv0[None, :], mask=m0, other=0.0)
+    enter(PDL)
+    if not PRELOAD:
+        page = tl.load(Pages + b).to(tl.int64)
+    out_page = tl.load(OutPages + b).to(tl.int64)
+    kh = h // R  # the key head this value head reads (q and k repeat_interleave'd by R)
     mrow = Mixed + b * stride_m
     q = tl.load(mrow + kh * DK + rk, mask=mk, other=0.0)
     k = tl.load(mrow + KD + kh * DK + rk, mask=mk, other=0.0)
@@ -405,6 +413,7 @@ def _gated_delta_step_kernel(
     decay = tl.exp(-tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus)
     dt = Out.dtype.element_ty
     orow = Out + b * stride_out + h * DV
+    zrow = prow + z_off + h * DV
     sumsq = 0.0
     for vb in tl.static_range(NV):
         rv = vb * BV + tl.arange(0, BV)
@@ -412,36 +421,52 @@ def _gated_delta_step_kernel(
         v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
         tile = h * s_head + rk[:, None] * s_k + rv[None, :]
         m2 = mk[:, None] & mv[None, :]
-        s = tl.load(S + page * s_page + tile, mask=m2, other=0.0) * decay
+        if PRELOAD and vb == 0:
+            s = s0 * decay
+        else:
+            s = tl.load(S + page * s_page + tile, mask=m2, other=0.0) * decay
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
         tl.store(S + out_page * s_page + tile, s, mask=m2)
         o = tl.sum(s * q[:, None], axis=0).to(dt)  # the core output, rounded as the PyTorch model rounds it
-        tl.store(orow + rv, o, mask=mv)
+        if NV > 1:  # read back by the norm below
+            tl.store(orow + rv, o, mask=mv)
         of = o.to(tl.float32)
         sumsq += tl.sum(tl.where(mv, of * of, 0.0), 0)
     rstd = tl.rsqrt(sumsq / DV + eps)
-    tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
-    for vb in tl.static_range(NV):
-        rv = vb * BV + tl.arange(0, BV)
-        mv = rv < DV
-        y = (tl.load(orow + rv, mask=mv, other=0.0).to(tl.float32) * rstd).to(dt)
-        y = (tl.load(NormW + rv, mask=mv, other=0.0) * y).to(tl.float32)
-        z = tl.load(prow + z_off + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
-        tl.store(orow + rv, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
+    if NV == 1:  # the whole head in this program's registers
+        _gated_norm(o, orow, NormW, zrow, rv, mv, rstd, dt)
+    else:
+        tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
+        for vb in tl.static_range(NV):
+            rv = vb * BV + tl.arange(0, BV)
+            mv = rv < DV
+            _gated_norm(tl.load(orow + rv, mask=mv, other=0.0), orow, NormW, zrow, rv, mv, rstd, dt)
 
 
-def step_block_v(batch: int) -> int:
-    """`gated_delta_step`'s block of value dims for a batch: whole 128-dim heads for a few sequences, 64 from 16
-    up (perf/hybrid_sweep.py on an H200, Qwen3-Next's shapes: 146 against 150 µs at batch 128, 41 against 42 at
-    32, 4.8 against 5.2 at 1)."""
-    return 128 if batch < 16 else 64
+@triton.jit
+def _gated_norm(o, orow, NormW, zrow, rv, mv, rstd, dt):
+    """The gated RMSNorm of a head's raw outputs o at columns rv, given the head's rstd: (o * rstd, rounded) * w,
+    times silu(z), stored at orow."""
+    y = (o.to(tl.float32) * rstd).to(dt)
+    y = (tl.load(NormW + rv, mask=mv, other=0.0) * y).to(tl.float32)
+    z = tl.load(zrow + rv, mask=mv, other=0.0).to(tl.float32)
+    tl.store(orow + rv, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
+
+
+def step_settings(batch: int, preload: bool = False) -> dict:
+    """`gated_delta_step`'s keyword settings for a batch: whole 128-dim heads for a few sequences, 64 from 16 up
+    (perf/hybrid_sweep.py on an H200, Qwen3-Next's shapes: 146 against 150 µs at batch 128, 41 against 42 at 32,
+    4.8 against 5.2 at 1), with preload as given: the state read before the programmatic-dependent-launch wait
+    (the caller's promise that the launch before wrote no page read here; 3.7 against 4.3 µs at batch 1 on an H200,
+    perf/results/hybrid_delta_h200/)."""
+    return dict(block_v=128 if batch < 16 else 64, preload=preload)
 
 
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
-    out_pages: torch.Tensor | None = None,
+    out_pages: torch.Tensor | None = None, preload: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -450,8 +475,9 @@ def gated_delta_step(
 
     mixed: [B, 2 * Hk * DK + HV * DV] float32 (conv output: q, k, v of every head); proj: [B, >= a_off + HV] (the
     projection, columns [z (HV * DV) | b (HV) | a (HV)] from z_off = mixed's width); state [pages, HV, DK, DV]
-    float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers).
-    Returns [B, HV * DV] in proj's dtype."""
+    float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers). preload:
+    the state is read before waiting for the launch before (programmatic dependent launch); only where that launch
+    did not write the state pages read here. Returns [B, HV * DV] in proj's dtype."""
     B = mixed.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
@@ -467,6 +493,6 @@ def gated_delta_step(
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
         DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
-        num_warps=num_warps, **launch(mixed),
+        PRELOAD=preload, num_warps=num_warps, **launch(mixed),
     )  # fmt: skip
     return out

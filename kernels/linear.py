@@ -67,6 +67,20 @@ SPLIT_CANDIDATES = {
 SPLIT_MAX_N = 4096  # `tune` tries K split for outputs of at most this many columns
 
 
+def whole_range_candidates(K: int) -> list[dict]:
+    """One row: settings whose programs each read their whole range of K in one tile loaded before the PDL wait
+    (block_k * splits = K, preload), so a projection's weight reads can all be in flight while the launch before
+    it finishes; tiles of 8k or 16k weights (4 or 8 warps)."""
+    out = []
+    for bk in (2048, 1024, 512):
+        if K % bk or K // bk > 16:
+            continue
+        for bn in (8192 // bk, 16384 // bk):
+            out.append(dict(block_n=bn, block_k=bk, num_warps=4 if bn * bk <= 8192 else 8, num_stages=1, dot=False,
+                            splits=K // bk, preload=True))  # fmt: skip
+    return out
+
+
 def _kind(rows: int) -> str:
     return "one row" if rows == 1 else ("more rows" if rows <= 16 else "many rows")
 
@@ -413,9 +427,9 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
     (`sigmoid_gated_linear`), "norm" (`normed_linear`, one row only: more rows time the projection alone).
     conv_channels (one row): the first that many outputs go through a conv step after (timed as its own launch
-    after cuBLAS, fused into skinny_linear: flag conv). At one row the three fastest candidates are timed again
-    with the loop over K unrolled, then the fastest with its first weight tile loaded before the wait for the
-    launch before (preload). Returns (choice, {description: seconds per weight, or the error of a setting that did
+    after cuBLAS, fused into skinny_linear: flag conv). At one row the candidates include whole-range tiles
+    (`whole_range_candidates`), and the three fastest candidates with a loop over K are timed again with the loop
+    unrolled, then the fastest with its first weight tile loaded before the wait for the launch before (preload). Returns (choice, {description: seconds per weight, or the error of a setting that did
     not run}). 16-bit weights only: the kernel's float32 products would round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
@@ -450,6 +464,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         flag = dict(flag, conv=True)
     # K split only where the column blocks are few (each candidate is a compile at capture time)
     base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
+    base += whole_range_candidates(K) if rows == 1 else []
     settings = [dict(s, **flag) for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
     extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
     if conv is not None:
@@ -460,12 +475,14 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
 
     best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
     if best is not None and rows == 1:
-        # then the three fastest with the loop over K unrolled, and the best with its first weight tile loaded
-        # before the PDL wait (each a compile: not crossed with every candidate)
-        top = sorted((t, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float))[:3]
+        # then the three fastest with a loop over K with the loop unrolled, and the best with its first weight tile
+        # loaded before the PDL wait (each a compile: not crossed with every candidate)
+        looped = [(i, s) for i, s in enumerate(settings) if not s.get("preload")]
+        top = sorted((t, i) for i, s in looped if isinstance(t := times.get(str(s)), float))[:3]
         unrolled = [dict(settings[i], unroll=True) for _, i in top]
         best, times = fastest(unrolled, run, len(weights), best, times[str(best)], times)
-        best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
+        if best is not None and not best.get("preload"):
+            best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
     return best, times
 
 

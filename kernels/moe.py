@@ -228,11 +228,12 @@ def _router_kernel(Logits, TopI, TopW, E, stride_l,
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype, num_experts: int | None = None,
-          shared: bool = False):  # fmt: skip
+          shared: bool = False, num_warps: int | None = None):  # fmt: skip
     """The router's softmax and top-k in one launch: (top_w [T, K] in dtype, top_i [T, K] int32), as
     torch.topk(softmax(logits[:, :E], fp32)) (then / sum when norm, then rounded to dtype) gives them; E =
     num_experts (default: every column). shared: logits[:, E] is a shared expert's gate, added as pair K (expert E,
-    weight its sigmoid)."""
+    weight its sigmoid). num_warps: per token (default SETTINGS["route_warps"]; fewer warps, fewer barriers in
+    the K rounds of arg-max)."""
     T = logits.shape[0]
     E = logits.shape[1] if num_experts is None else num_experts
     k_out = top_k + int(shared)
@@ -241,7 +242,7 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype, num_
     if T:
         _router_kernel[(T,)](logits, top_i, top_w, E, logits.stride(0), K_TOP=top_k, NORM=norm, SHARED=shared,
                              BE=triton.next_power_of_2(E), KP=max(2, triton.next_power_of_2(k_out)),
-                             **launch(logits))  # fmt: skip
+                             num_warps=num_warps or SETTINGS["route_warps"], **launch(logits))  # fmt: skip
     return top_w, top_i
 
 
@@ -293,26 +294,47 @@ def _pair_gate_up_kernel(X, W, TopI, Inter, H, I, stride_x, stride_we, stride_wn
 
 @triton.jit
 def _token_down_kernel(Inter, W, TopI, TopW, Out, H, I, stride_we, stride_wn,
-                       K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                       K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRELOAD: tl.constexpr,
+                       KP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Small batches: per (token, block of hidden columns) the down projections of the token's K pairs, each
-    scaled by its routing weight and summed in pair order in fp32 (the combine, without a launch of its own)."""
-    enter(PDL)
+    scaled by its routing weight and summed in pair order in fp32 (the combine, without a launch of its own).
+    PRELOAD (I <= BK): the pairs' experts, weights and weight tiles ([KP, BN, BK], KP >= K_TOP) are loaded before
+    waiting for the launch before (the SiLU-mul's); TopI and TopW come from the launch before that one, which has
+    finished once the launch before started this one (every launch here waits first: kernels.pdl)."""
     t, nb = tl.program_id(0), tl.program_id(1)
     rn = nb * BN + tl.arange(0, BN)
     mn = rn < H
     out = tl.zeros((BN,), dtype=tl.float32)
-    for k in tl.static_range(K_TOP):
-        p = t * K_TOP + k
-        e = tl.load(TopI + p).to(tl.int64)
-        w_base = W + e * stride_we
-        acc = tl.zeros((BN,), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            rk = k0 + tl.arange(0, BK)
-            mk = rk < I
-            a = tl.load(Inter + p.to(tl.int64) * I + rk, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(w_base + rn[:, None] * stride_wn + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        out += acc * tl.load(TopW + p).to(tl.float32)
+    if PRELOAD:
+        kk = tl.arange(0, KP)
+        mp = kk < K_TOP
+        rk = tl.arange(0, BK)
+        mk = rk < I
+        pairs = t * K_TOP + kk
+        e = tl.load(TopI + pairs, mask=mp, other=0).to(tl.int64)
+        pw = tl.load(TopW + pairs, mask=mp, other=0.0).to(tl.float32)
+        w3 = tl.load(W + e[:, None, None] * stride_we + rn[None, :, None] * stride_wn + rk[None, None, :],
+                     mask=mp[:, None, None] & mn[None, :, None] & mk[None, None, :], other=0.0)  # fmt: skip
+        enter(PDL)
+        a = tl.load(Inter + pairs.to(tl.int64)[:, None] * I + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0)
+        acc = tl.sum(w3.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)  # [KP, BN]
+        for k in tl.static_range(K_TOP):  # pair order; each pick adds zeros to one value, exactly
+            out += tl.sum(tl.where(kk[:, None] == k, acc, 0.0), 0) * tl.sum(tl.where(kk == k, pw, 0.0), 0)
+    else:
+        enter(PDL)
+        for k in tl.static_range(K_TOP):
+            p = t * K_TOP + k
+            e = tl.load(TopI + p).to(tl.int64)
+            w_base = W + e * stride_we
+            acc = tl.zeros((BN,), dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                rk = k0 + tl.arange(0, BK)
+                mk = rk < I
+                a = tl.load(Inter + p.to(tl.int64) * I + rk, mask=mk, other=0.0).to(tl.float32)
+                w = tl.load(w_base + rn[:, None] * stride_wn + rk[None, :], mask=mn[:, None] & mk[None, :],
+                            other=0.0)  # fmt: skip
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            out += acc * tl.load(TopW + p).to(tl.float32)
     tl.store(Out + t.to(tl.int64) * H + rn, out.to(Out.dtype.element_ty), mask=mn)
 
 
@@ -323,8 +345,9 @@ SMALL_BATCH = 2  # tokens up to which `routed` takes the matrix-vector path (two
 # matrix-vector path's (small_*) and the batch up to which that path is taken, chosen on the H200 with
 # `python -m perf.moe_bench --sweep` (perf/results/moe_h200/).
 SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
-            "down_stages": 3, "small_batch": SMALL_BATCH, "small_bn": 8, "small_bk": 512, "small_down_bn": 4,
-            "small_down_bk": 512, "small_warps": 4}  # fmt: skip
+            "down_stages": 3, "small_batch": SMALL_BATCH, "small_bn": 8, "small_bk": 512, "small_down_bn": 2,
+            "small_down_bk": 512, "small_warps": 4, "small_down_warps": 4, "small_preload": True,
+            "route_warps": 1}  # fmt: skip
 
 
 def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None) -> torch.Tensor:
@@ -371,14 +394,16 @@ def _routed_small(x, top_i, top_w, gate_up, down, st) -> torch.Tensor:
     I = gate_up.shape[1] // 2  # noqa: E741
     K = top_i.shape[1]
     inter = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
+    top_i, top_w = top_i.contiguous(), top_w.contiguous()  # any copy before the first launch: see _token_down_kernel
     _pair_gate_up_kernel[(T * K, triton.cdiv(I, st["small_bn"]))](
-        x, gate_up, top_i.contiguous(), inter, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        x, gate_up, top_i, inter, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         K_TOP=K, BN=st["small_bn"], BK=st["small_bk"], num_warps=st["small_warps"], **launch(x),
     )  # fmt: skip
     out = torch.empty_like(x)
+    preload = st["small_preload"] and I <= st["small_down_bk"]
     _token_down_kernel[(T, triton.cdiv(H, st["small_down_bn"]))](
-        inter, down, top_i.contiguous(), top_w.contiguous(), out, H, I, down.stride(0), down.stride(1),
-        K_TOP=K, BN=st["small_down_bn"], BK=st["small_down_bk"], num_warps=st["small_warps"],
-        **launch(x),
+        inter, down, top_i, top_w, out, H, I, down.stride(0), down.stride(1),
+        K_TOP=K, BN=st["small_down_bn"], BK=st["small_down_bk"], PRELOAD=bool(preload),
+        KP=triton.next_power_of_2(K), num_warps=st["small_down_warps"], **launch(x),
     )  # fmt: skip
     return out

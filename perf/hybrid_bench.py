@@ -95,13 +95,15 @@ def decode_rows(runner, B: int, context: int, steps: int, gen) -> list[tuple[lis
     return [(perm[i * n : (i + 1) * n], i, f"b{B}-{i}") for i in range(B)]
 
 
-def profile_graph(graph, title: str, reps: int = 5, top: int = 14) -> None:
+def profile_graph(graph, title: str, reps: int = 5, top: int = 14, sequence: int = 0) -> None:
     """Print the kernels of a graph replay by total GPU time (torch.profiler reads graph kernels through CUPTI)."""
-    profile_kernels(graph.replay, title, reps, top)
+    profile_kernels(graph.replay, title, reps, top, sequence)
 
 
-def profile_kernels(fn, title: str, reps: int = 5, top: int = 14) -> None:
-    """Print the kernels `fn` launches by total GPU time per call, and the wall time per call."""
+def profile_kernels(fn, title: str, reps: int = 5, top: int = 14, sequence: int = 0) -> None:
+    """Print the kernels `fn` launches by total GPU time per call, and the wall time per call; sequence: also the
+    first that many kernels of the last call in launch order, each with its start after the call's first kernel
+    and its duration (under programmatic dependent launch a kernel's time includes its wait for the one before)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -121,6 +123,13 @@ def profile_kernels(fn, title: str, reps: int = 5, top: int = 14) -> None:
           "profiler on)", flush=True)  # fmt: skip
     for name, (t, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  {name[:110]}", flush=True)
+    if sequence:
+        evs = sorted((ev for ev in prof.events() if ev.device_type.name == "CUDA"), key=lambda ev: ev.time_range.start)
+        last = evs[len(evs) - len(evs) // reps :]
+        t0 = last[0].time_range.start if last else 0
+        print(f"  the last call's first {min(sequence, len(last))} of {len(last)} kernels (start, duration, us):")
+        for ev in last[:sequence]:
+            print(f"    {ev.time_range.start - t0:9.1f} {ev.device_time:7.1f}  {ev.name[:80]}", flush=True)
 
 
 def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
@@ -147,7 +156,8 @@ def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
     t_loop = (time.perf_counter() - t) / (a.reps + 1)
     t_eager = cuda_time(lambda: model._eager(spans(a.reps + 1)), 3) if B in a.eager_batches else None
     if a.profile:
-        profile_graph(model.graphs[model.graph_size(B)], f"{runner.cfg.num_layers}-layer model, batch {B}")
+        profile_graph(model.graphs[model.graph_size(B)], f"{runner.cfg.num_layers}-layer model, batch {B}",
+                      sequence=a.profile_sequence)  # fmt: skip
     for _, _, key in seqs:
         runner.forget(key)
     return t_graph, t_loop, t_eager
@@ -182,6 +192,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 32], help="also time the eager path")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement (0: none)")
     ap.add_argument("--profile", action="store_true", help="print each batch's kernels by GPU time")
+    ap.add_argument(
+        "--profile-sequence",
+        type=int,
+        default=0,
+        help="with --profile: also this many kernels of a replay in launch order, with their times",
+    )
     ap.add_argument("--speculative", action="store_true",
                     help="also time the speculative step's graphs (verify an input and a draft per sequence, then "
                          "the MTP head) against the decode step")  # fmt: skip

@@ -51,12 +51,25 @@ def loop_layer(x, w, K, norm):
 
 
 def fused_layer(x, w, K, norm, settings=None):
-    """HybridModel._fused_moe: router + shared gate GEMM, route (the shared expert as pair K), routed."""
-    from kernels import moe
+    """HybridModel._fused_moe: router + shared gate GEMM, route (the shared expert as pair K), routed. settings:
+    kernels.moe.SETTINGS to change, and "router": skinny_linear settings for the router's GEMM (else cuBLAS)."""
+    from kernels import linear, moe
 
+    settings = settings or {}
     E = w["router"].shape[0] - 1
-    top_w, top_i = moe.route(F.linear(x, w["router"]), K, norm, x.dtype, E, shared=True)
+    r = settings.get("router")
+    logits = F.linear(x, w["router"]) if r is None else linear.skinny_linear(x, w["router"], **r)
+    top_w, top_i = moe.route(logits, K, norm, x.dtype, E, shared=True, num_warps=settings.get("route_warps"))
     return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], settings=settings)
+
+
+# the whole layer at a few tokens, with the routed kernels' settings of the sweep's best: the route launch's warps
+# and the router's GEMM in skinny_linear (one row: the weights' first tile read before the PDL wait)
+LAYER_SWEEP = [dict(route_warps=wp) for wp in (1, 2, 4)] + [
+    dict(route_warps=wp, router=dict(block_n=bn, block_k=bk, splits=sp, num_warps=4, num_stages=4, preload=True))
+    for wp in (1, 4)
+    for bn, bk, sp in ((4, 512, 1), (8, 256, 2), (4, 256, 2), (2, 512, 2))
+]
 
 
 def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
@@ -77,11 +90,11 @@ def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
 SWEEP = {
     "small": [dict(small_batch=0)]
     + [
-        dict(small_bn=bn, small_down_bn=dbn, small_bk=bk, small_down_bk=bk, small_warps=wp)
-        for bn in (4, 8, 16)
-        for dbn in (2, 4, 8)
-        for bk in (512, 1024)
-        for wp in (4, 8)
+        dict(small_bn=bn, small_down_bn=dbn, small_bk=512, small_down_bk=512, small_down_warps=dw, small_preload=pre)
+        for bn in (4, 8)
+        for dbn in (1, 2, 4)
+        for dw in (4, 8)
+        for pre in (False, True)
     ],  # fmt: skip
     "gate_up": [dict(bn=bn, bk=bk, stages=st) for bn in (32, 64) for bk in (64, 128, 256) for st in (2, 3, 4)],
     "down": [
@@ -214,7 +227,7 @@ def main(argv=None) -> int:
             from perf.hybrid_bench import profile_kernels
 
             g = capture_graph(partial(fused_layer, x, w, K, norm))
-            profile_kernels(g.replay, f"fused MoE layer, {T} tokens, graph", reps=10)
+            profile_kernels(g.replay, f"fused MoE layer, {T} tokens, graph", reps=10, sequence=12)
         if T == a.prefill:
             lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")
         write()
@@ -250,11 +263,29 @@ def main(argv=None) -> int:
                 lines.append(f"| {T} | " + " | ".join(cells) + " |")
                 write()
             lines.append("")
+    if a.sweep:
+        lines += ["## The whole layer at a few tokens: route warps and the router's GEMM (graph, us)", "",
+                  "| tokens | settings | fused layer |", "|---:|---|---:|"]  # fmt: skip
+        for T in [T for T in a.batches if T <= moe.SMALL_BATCH and ("small", T) in best]:
+            x = inputs[T][0]
+            for c in LAYER_SWEEP:
+                st = {**best[("small", T)][1], **c}
+                try:
+                    t = timed(partial(fused_layer, x, w, K, norm, st), a.reps, cuda, graph=cuda)
+                except Exception as exc:  # noqa: BLE001 - listed, and the sweep goes on
+                    rows.append(dict(sweep="layer", tokens=T, settings=c, error=str(exc)[:200]))
+                    continue
+                rows.append(dict(sweep="layer", tokens=T, settings=c, fused_graph_s=t))
+                lines.append(f"| {T} | `{c}` | {t * 1e6:.1f} |")
+                if t < best.get(("layer", T), (float("inf"),))[0]:
+                    best[("layer", T)] = (t, c)
+                write()
+        lines.append("")
     if best:
         lines += ["## The layer with the sweep's best settings (graph)", "",
                   "| tokens | fused layer | fused / roofline | settings |", "|---:|---:|---:|---|"]  # fmt: skip
         for T in a.batches:
-            groups = ["small"] if T <= moe.SMALL_BATCH else ["gate_up", "down"]
+            groups = ["small", "layer"] if T <= moe.SMALL_BATCH else ["gate_up", "down"]
             st = {k: v for g in groups if (g, T) in best for k, v in best[(g, T)][1].items()}
             x = inputs[T][0]
             t = timed(partial(fused_layer, x, w, K, norm, st), a.reps, cuda, graph=cuda)

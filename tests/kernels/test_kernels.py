@@ -278,6 +278,7 @@ def test_skinny_linear(M, N, K, dot):
         (3, 64, 1024, True, 2, False),
         (40, 70, 512, True, 2, True),
         (1, 33, 512, False, 1, True),
+        (1, 70, 1024, False, 2, "whole"),
     ],  # fmt: skip
 )
 def test_skinny_linear_split_and_gated(M, N, K, dot, splits, gated):
@@ -289,6 +290,8 @@ def test_skinny_linear_split_and_gated(M, N, K, dot, splits, gated):
     x = torch.randn(M, 2 * K if gated else K, generator=gen).to(DEVICE, BF16)
     w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
     settings = dict(block_n=32, block_k=128, num_stages=3, dot=dot, splits=splits, gated=gated)
+    if gated == "whole":  # gated, each program's K range as one tile read before the PDL wait
+        settings.update(gated=True, block_k=K // splits, preload=True, num_stages=1)
     got = linear.skinny_linear(x, w, **settings)
     again = linear.skinny_linear(x, w, **settings)
     xin = act.silu_mul(x) if gated else x
@@ -339,11 +342,15 @@ def test_skinny_linear_norm_prologue(with_res, splits):
         assert got_res is x
 
 
-@pytest.mark.parametrize("splits,preload,unroll", [(1, False, False), (2, True, False), (2, True, True)])
-def test_skinny_linear_conv_epilogue(splits, preload, unroll):
+@pytest.mark.parametrize(
+    "splits,preload,unroll,block_k",
+    [(1, False, False, 128), (2, True, False, 128), (2, True, True, 128), (2, True, False, 256), (1, True, False, 512)],
+)
+def test_skinny_linear_conv_epilogue(splits, preload, unroll, block_k):
     """One row of a linear-attention in_proj: rmsnorm fused in, and its first C outputs through the conv step in
     the same launch (state page read at one page, written at another): the outputs, the conv's float32 outputs and
-    the new state page as the unfused launches give them; other pages untouched."""
+    the new state page as the unfused launches give them; other pages untouched. block_k * splits = K: each
+    program's whole range of K in the one tile read before the PDL wait (`whole_range_candidates`)."""
     from kernels import delta_rule, linear
 
     K, N, C = 512, 160, 96
@@ -356,7 +363,7 @@ def test_skinny_linear_conv_epilogue(splits, preload, unroll):
     pages, out_pages = (torch.tensor([p], dtype=torch.int32, device=DEVICE) for p in (1, 2))
     ref_state, ref_mixed = state.clone(), torch.empty(1, C, device=DEVICE)
     mixed = torch.empty(1, C, device=DEVICE)
-    settings = dict(block_n=32, block_k=128, num_stages=3, dot=False, splits=splits, preload=preload, norm=True,
+    settings = dict(block_n=32, block_k=block_k, num_stages=3, dot=False, splits=splits, preload=preload, norm=True,
                     conv=True, unroll=unroll)  # fmt: skip
     got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings, conv=(cw, state, pages, out_pages, mixed))
     want, _ = linear.normed_linear(x, res.clone(), nw, 1e-6, w, None, conv=(cw, ref_state, pages, out_pages,

@@ -37,11 +37,15 @@ def weights(E, H, I, seed):  # noqa: E741
     return gate_up, down
 
 
-@pytest.mark.parametrize("settings", [dict(small_batch=0), dict(small_batch=8)], ids=["grouped", "matrix-vector"])
-@pytest.mark.parametrize("T,E,K,H,I", [(1, 8, 2, 64, 32), (5, 8, 2, 64, 48), (37, 16, 4, 96, 32)])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(small_batch=0), dict(small_batch=8, small_preload=False), dict(small_batch=8, small_preload=True)],
+    ids=["grouped", "matrix-vector", "matrix-vector, down preloaded"],
+)
+@pytest.mark.parametrize("T,E,K,H,I", [(1, 8, 2, 64, 32), (5, 8, 3, 64, 48), (37, 16, 4, 96, 32)])
 def test_routed_equals_the_loop_over_experts(T, E, K, H, I, settings):  # noqa: E741
     """Both paths of `routed`: grouped GEMMs after the alignment, and (a few tokens) one matrix-vector product
-    per pair and per token."""
+    per pair and per token (the down projection's experts and weights read before the wait, or after)."""
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(DEVICE, DTYPE)
     probs = torch.softmax(torch.randn(T, E, generator=g), -1)

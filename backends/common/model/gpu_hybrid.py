@@ -227,10 +227,10 @@ class GpuHybrid(DecodeGraphs):
                 self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
         core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
                            device=self.device)  # fmt: skip
-        for p, w in zip(parts, writes):
+        for i, (p, w) in enumerate(zip(parts, writes)):  # the drafts' rows read what the launch before wrote
             self.k_dr.gated_delta_step(
                 mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core[p], block_v=self.k_dr.step_block_v(p.stop - p.start), out_pages=w,
+                cfg.rms_norm_eps, out=core[p], out_pages=w, **self.k_dr.step_settings(p.stop - p.start, preload=i == 0),
             )  # fmt: skip
         return lin(core, L, "out")
 
