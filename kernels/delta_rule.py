@@ -459,7 +459,7 @@ def step_settings(batch: int, preload: bool = False) -> dict:
     (perf/hybrid_sweep.py on an H200, Qwen3-Next's shapes: 146 against 150 µs at batch 128, 41 against 42 at 32,
     4.8 against 5.2 at 1), with preload as given: the state read before the programmatic-dependent-launch wait
     (the caller's promise that the launch before wrote no page read here; 3.7 against 4.3 µs at batch 1 on an H200,
-    perf/results/hybrid_delta_h200/)."""
+    perf/results/preload_h200/)."""
     return dict(block_v=128 if batch < 16 else 64, preload=preload)
 
 

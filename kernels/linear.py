@@ -65,6 +65,10 @@ SPLIT_CANDIDATES = {
 
 
 SPLIT_MAX_N = 4096  # `tune` tries K split for outputs of at most this many columns
+# `tune` tries whole-range tiles (one row) for outputs of at most this many columns: on an H200 they were picked for
+# an MoE router (257 columns) and for none of random:qwen3-next-layout's projections of 2,048 columns and more
+# (perf/results/preload_h200/), where each candidate is only a compile at capture
+WHOLE_RANGE_MAX_N = 1024
 
 
 def whole_range_candidates(K: int) -> list[dict]:
@@ -428,9 +432,11 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     (`sigmoid_gated_linear`), "norm" (`normed_linear`, one row only: more rows time the projection alone).
     conv_channels (one row): the first that many outputs go through a conv step after (timed as its own launch
     after cuBLAS, fused into skinny_linear: flag conv). At one row the candidates include whole-range tiles
-    (`whole_range_candidates`), and the three fastest candidates with a loop over K are timed again with the loop
-    unrolled, then the fastest with its first weight tile loaded before the wait for the launch before (preload). Returns (choice, {description: seconds per weight, or the error of a setting that did
-    not run}). 16-bit weights only: the kernel's float32 products would round through TF32."""
+    (`whole_range_candidates`, outputs of up to WHOLE_RANGE_MAX_N columns), and the three fastest candidates with
+    a loop over K are timed again with the loop unrolled, then the fastest with its first weight tile loaded
+    before the wait for the launch before (preload). Returns (choice, {description: seconds per weight, or the
+    error of a setting that did not run}). 16-bit weights only: the kernel's float32 products would round through
+    TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
@@ -464,7 +470,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         flag = dict(flag, conv=True)
     # K split only where the column blocks are few (each candidate is a compile at capture time)
     base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
-    base += whole_range_candidates(K) if rows == 1 else []
+    base += whole_range_candidates(K) if rows == 1 and N <= WHOLE_RANGE_MAX_N else []
     settings = [dict(s, **flag) for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
     extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
     if conv is not None:

@@ -88,13 +88,11 @@ def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
 
 
 SWEEP = {
-    "small": [dict(small_batch=0)]
+    "small": [dict(small_batch=0), dict(small_preload=False)]
     + [
-        dict(small_bn=bn, small_down_bn=dbn, small_bk=512, small_down_bk=512, small_down_warps=dw, small_preload=pre)
-        for bn in (4, 8)
-        for dbn in (1, 2, 4)
-        for dw in (4, 8)
-        for pre in (False, True)
+        dict(small_bn=bn, small_down_bn=dbn, small_bk=512, small_down_bk=512, small_down_warps=4, small_preload=True)
+        for bn in (4, 8, 16, 32)
+        for dbn in (2, 4)
     ],  # fmt: skip
     "gate_up": [dict(bn=bn, bk=bk, stages=st) for bn in (32, 64) for bk in (64, 128, 256) for st in (2, 3, 4)],
     "down": [

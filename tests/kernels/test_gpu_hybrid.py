@@ -273,15 +273,18 @@ def fused_prologues(sizes=(1, 2, 4)):
         choice[("out", bs)] = dict(base, splits=2, unroll=True) if bs == 1 else dict(base, splits=2)
         choice[("o", bs)] = dict(base, sigmoid=True)
         choice[("down", bs)] = dict(base, gated=True)
+        # an MoE layer's router: at one row its whole K (64) as one tile read before the PDL wait
+        choice[("router", bs)] = dict(one, block_k=64, preload=True) if bs == 1 else base
     return choice
 
 
 @WHOLE_MODEL
-def test_graph_steps_with_fused_prologues_equal_the_pytorch_model():
+@pytest.mark.parametrize("cfg", [DENSE_TINY, MOE_FOLDED], ids=["dense", "moe"])
+def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
-    sigmoid gate and silu fused) with every projection on skinny_linear: logits and state pages equal the PyTorch
-    model's, and the residual stream the fused norms write comes out as the unfused path's."""
-    cfg = DENSE_TINY
+    sigmoid gate and silu fused) with every projection on skinny_linear (an MoE layer's router too): logits and
+    state pages equal the PyTorch model's, and the residual stream the fused norms write comes out as the unfused
+    path's."""
     r, gpu = build(cfg, linear_choice=fused_prologues())
     seqs = Seqs(cfg, [17, 6, 31], [2, 5, 8], gen(9))
     pages = seqs.pages

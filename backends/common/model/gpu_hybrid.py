@@ -98,6 +98,8 @@ class GpuHybrid(DecodeGraphs):
                      moe=i in eager.experts, mlp=p + "mlp.")  # fmt: skip
             if not L["moe"]:
                 L.update(gate_up=w[p + "mlp.gate_up_proj.weight"], down=w[p + "mlp.down_proj.weight"])
+            else:  # the router and shared-expert gate, one projection
+                L.update(router=eager.router[i])
             if i in eager.kv_index:
                 a = p + "self_attn."
                 L.update(full=True, kv_layer=eager.kv_index[i], qkv=w[a + "qkv_proj.weight"], o=w[a + "o_proj.weight"],
@@ -129,6 +131,8 @@ class GpuHybrid(DecodeGraphs):
             )  # fmt: skip
             if not self.mtp_layer["moe"]:
                 self.mtp_layer.update(gate_up=w[m + "mlp.gate_up_proj.weight"], down=w[m + "mlp.down_proj.weight"])
+            else:
+                self.mtp_layer.update(router=eager.router["mtp"])
         if graph_sizes:
             self.capture([b for b in graph_sizes if b <= max_batch] or [max_batch])
 
@@ -162,7 +166,8 @@ class GpuHybrid(DecodeGraphs):
     def _lin(self, rows: int):
         """The projection function of a graph with `rows` query rows (skinny_linear where tuning chose it, with its
         input computed as it loads where the choice says so)."""
-        choice = {n: self.linear_choice.get((n, rows)) for n in ("in_proj", "out", "qkv", "o", "gate_up", "down")}
+        names = ("in_proj", "out", "qkv", "o", "gate_up", "down", "router")
+        choice = {n: self.linear_choice.get((n, rows)) for n in names}
         eps = self.cfg.rms_norm_eps
 
         def lin(x, L, name, gated=False, gate=None, conv=None):
@@ -205,7 +210,7 @@ class GpuHybrid(DecodeGraphs):
         norm), pending (`_Norm`)."""
         x = _Norm(a, h, L["ln2"])
         if L["moe"]:
-            m = self.eager.mlp(self._normed(x), L["mlp"], key)
+            m = self.eager.mlp(self._normed(x), L["mlp"], key, router=lambda xn, w: lin(xn, L, "router"))
         else:
             m = lin(lin(x, L, "gate_up"), L, "down", gated=True)
         return _Norm(m, x.h, nxt)
@@ -423,7 +428,9 @@ class GpuHybrid(DecodeGraphs):
         full = [L for L in self.layers if L["full"]]
         lin = [L for L in self.layers if not L["full"]]
         dense = [L for L in self.layers if not L["moe"]]
-        groups = {"in_proj": lin, "out": lin, "qkv": full, "o": full, "gate_up": dense, "down": dense}
+        moe = [L for L in self.layers if L["moe"]]
+        groups = {"in_proj": lin, "out": lin, "qkv": full, "o": full, "gate_up": dense, "down": dense,
+                  "router": moe}  # fmt: skip
         return {name: [L[name] for L in ls] for name, ls in groups.items() if ls}
 
     def _after_capture(self) -> None:

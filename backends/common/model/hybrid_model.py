@@ -317,11 +317,12 @@ class HybridModel:
         g, u = self._linear(x, p + "gate_up_proj").chunk(2, dim=-1)
         return self._linear(F.silu(g) * u, p + "down_proj")
 
-    def mlp(self, x, p, key):
+    def mlp(self, x, p, key, router=None):
+        """router: with the kernels, the router's projection (x, weight) -> logits (default F.linear)."""
         if key not in self.experts:
             return self._gated_mlp(x, p)
         if self.k_moe is not None:
-            return self._fused_moe(x, p, key)
+            return self._fused_moe(x, p, key, router or F.linear)
         cfg = self.cfg
         gate_up, down = self.experts[key]
         logits = F.linear(x, self.w[p + "gate.weight"])
@@ -338,13 +339,13 @@ class HybridModel:
         shared = self._gated_mlp(x, p + "shared_expert.")
         return out + torch.sigmoid(self._linear(x, p + "shared_expert_gate")) * shared
 
-    def _fused_moe(self, x, p, key):
+    def _fused_moe(self, x, p, key, router=F.linear):
         """The MoE layer in kernels.moe's launches (no host synchronisation: CUDA-graph safe): router and shared
         gate in one GEMM, softmax + top-k (+ the shared expert as pair K), grouped GEMMs, a fixed-order combine."""
         cfg, moe = self.cfg, self.k_moe
         gate_up, down = self.experts[key]
         E = cfg.num_experts
-        logits = F.linear(x, self.router[key])  # [T, E + 1]: the last column is the shared expert's gate
+        logits = router(x, self.router[key])  # [T, E + 1]: the last column is the shared expert's gate
         top_w, top_i = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype, E, self.fold_shared)
         if self.fold_shared:
             return moe.routed(x, top_i, top_w, gate_up, down)
