@@ -52,13 +52,13 @@ def loop_layer(x, w, K, norm):
 
 def fused_layer(x, w, K, norm, settings=None):
     """HybridModel._fused_moe: router + shared gate GEMM, route (the shared expert as pair K), routed. settings:
-    kernels.moe.SETTINGS to change, and "router": skinny_linear settings for the router's GEMM (else cuBLAS)."""
+    kernels.moe.SETTINGS to change, and "router": skinny_linear settings for the router's GEMM (None: cuBLAS), as
+    the decode graphs choose them (`router_choices`)."""
     from kernels import linear, moe
 
     settings = settings or {}
     E = w["router"].shape[0] - 1
-    r = settings.get("router")
-    logits = F.linear(x, w["router"]) if r is None else linear.skinny_linear(x, w["router"], **r)
+    logits = linear.linear(x, w["router"], settings.get("router"))
     top_w, top_i = moe.route(logits, K, norm, x.dtype, E, shared=True, num_warps=settings.get("route_warps"))
     return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], settings=settings)
 
@@ -101,6 +101,15 @@ SWEEP = {
 }
 
 
+def router_choices(routers: list[torch.Tensor], sizes, cuda: bool) -> dict[int, dict | None]:
+    """The router projection per batch size as a decode graph of that many rows chooses it at capture
+    (kernels.linear.tune over the layers' routers: cuBLAS or skinny_linear); cuBLAS past linear.TUNE_ROWS and on
+    the CPU."""
+    from kernels import linear
+
+    return {T: linear.tune(routers, T)[0] if cuda and T <= linear.TUNE_ROWS else None for T in sizes}
+
+
 def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, inputs, cuda: bool) -> None:
     """`--chain L`: L MoE layers with weights of their own, run one after another in one captured graph (each on
     the batch's tokens; its routing from its own router), per layer against the same roofline summed over the L
@@ -124,9 +133,11 @@ def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, input
             top_w, top_i = moe.route(F.linear(x, lw["router"]), K, True, x.dtype, E, shared=True)
             roof += (top_i[:, :K].unique().numel() * expert_bytes + dense_bytes) / bw
 
-        def run(x=x):  # every layer reads the same tokens (PDL orders the launches as a data dependence would)
+        st = dict(router=router_choices([lw["router"] for lw in layers], [T], cuda)[T])
+
+        def run(x=x, st=st):  # every layer reads the same tokens (PDL orders the launches as a data dependence would)
             for lw in layers:
-                fused_layer(x, lw, K, True)
+                fused_layer(x, lw, K, True, st)
 
         t = (cuda_time(capture_graph(run).replay, a.reps) if cuda else timed(run, 1, False)) / L
         roof /= L
@@ -196,6 +207,9 @@ def main(argv=None) -> int:
     timer = wall_clock_limit(a.time_limit, write, [])
     norm = True
     sizes = list(a.batches) + ([a.prefill] if a.prefill else [])
+    # the router as the decode graphs take it, tuned over 8 routers (a model's layers: not one left in L2)
+    routers = router_choices([w["router"]] + [rand(E + 1, H) for _ in range(7)], sizes, cuda)
+    lines[2] += f" Router projection per batch (None: cuBLAS): {routers}."
     inputs = {}
     for T in sizes:
         x = rand(T, H) * 50
@@ -203,18 +217,20 @@ def main(argv=None) -> int:
         inputs[T] = (x, top_w, top_i)
         routed = top_i[:, :K].unique().numel()
         reps = a.reps if T <= 256 else max(3, a.reps // 10)
-        t_graph = timed(partial(fused_layer, x, w, K, norm), reps, cuda, graph=cuda and T <= 256)
-        t_eager = timed(partial(fused_layer, x, w, K, norm), reps, cuda)
+        st = dict(router=routers[T])
+        t_graph = timed(partial(fused_layer, x, w, K, norm, st), reps, cuda, graph=cuda and T <= 256)
+        t_eager = timed(partial(fused_layer, x, w, K, norm, st), reps, cuda)
         t_loop = timed(partial(loop_layer, x, w, K, norm), max(2, reps // 4), cuda)
         t_routed = timed(
             partial(moe.routed, x, top_i, top_w, w["gate_up"], w["down"]), reps, cuda, graph=cuda and T <= 256
         )
-        diff = (fused_layer(x, w, K, norm).float() - loop_layer(x, w, K, norm).float()).abs().max().item()
+        diff = (fused_layer(x, w, K, norm, st).float() - loop_layer(x, w, K, norm).float()).abs().max().item()
         roof = (routed * expert_bytes + dense_bytes) / bw
         roof_routed = (routed + 1) * expert_bytes / bw  # with the shared expert, a pair of every token
         rows.append(
-            dict(tokens=T, routed=routed, fused_graph_s=t_graph, fused_eager_s=t_eager, loop_s=t_loop,
-                 routed_graph_s=t_routed, roofline_s=roof, routed_roofline_s=roof_routed, max_abs_diff=diff)
+            dict(tokens=T, routed=routed, router=routers[T], fused_graph_s=t_graph, fused_eager_s=t_eager,
+                 loop_s=t_loop, routed_graph_s=t_routed, roofline_s=roof, routed_roofline_s=roof_routed,
+                 max_abs_diff=diff)
         )  # fmt: skip
         lines.append(
             f"| {T} | {routed} | {t_graph * 1e3:.3f} ms | {t_eager * 1e3:.3f} ms | {t_loop * 1e3:.3f} ms | "
@@ -224,7 +240,7 @@ def main(argv=None) -> int:
         if a.profile and cuda and T <= 256:
             from perf.hybrid_bench import profile_kernels
 
-            g = capture_graph(partial(fused_layer, x, w, K, norm))
+            g = capture_graph(partial(fused_layer, x, w, K, norm, st))
             profile_kernels(g.replay, f"fused MoE layer, {T} tokens, graph", reps=10, sequence=12)
         if T == a.prefill:
             lines.append(f"\nPrefill chunk of {T} tokens: fused {T / t_graph:,.0f} tokens/s, loop {T / t_loop:,.0f}.")
@@ -267,7 +283,7 @@ def main(argv=None) -> int:
         for T in [T for T in a.batches if T <= moe.SMALL_BATCH and ("small", T) in best]:
             x = inputs[T][0]
             for c in LAYER_SWEEP:
-                st = {**best[("small", T)][1], **c}
+                st = {"router": routers[T], **best[("small", T)][1], **c}
                 try:
                     t = timed(partial(fused_layer, x, w, K, norm, st), a.reps, cuda, graph=cuda)
                 except Exception as exc:  # noqa: BLE001 - listed, and the sweep goes on
@@ -284,7 +300,7 @@ def main(argv=None) -> int:
                   "| tokens | fused layer | fused / roofline | settings |", "|---:|---:|---:|---|"]  # fmt: skip
         for T in a.batches:
             groups = ["small", "layer"] if T <= moe.SMALL_BATCH else ["gate_up", "down"]
-            st = {k: v for g in groups if (g, T) in best for k, v in best[(g, T)][1].items()}
+            st = {"router": routers[T], **{k: v for g in groups if (g, T) in best for k, v in best[(g, T)][1].items()}}
             x = inputs[T][0]
             t = timed(partial(fused_layer, x, w, K, norm, st), a.reps, cuda, graph=cuda)
             roof = next(r["roofline_s"] for r in rows if r.get("tokens") == T and "roofline_s" in r)
