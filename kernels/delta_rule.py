@@ -116,13 +116,18 @@ def _chunk_state_kernel(
 def _chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row0_ptr, len_ptr,
     u_ptr, w_ptr, qd_ptr, kd_ptr, attn_ptr, last_ptr, H, M,
+    stride_m, stride_ab, a_log_ptr, dt_bias_ptr, q_scale,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, RAW: tl.constexpr, R: tl.constexpr, KD: tl.constexpr,
 ):  # fmt: skip
     """The state-independent chunk algebra (backends.common.model.delta_rule.chunk_prep) for chunk m of head h, read
     straight from the [T, H, .] rows: chunk m covers rows [row0[m], row0[m] + len[m]) (len <= C; the rest is
     padding with k = v = beta = g = 0, which leaves the state as it is). Within the chunk the delta-rule updates
-    fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16."""
+    fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16.
+    RAW: q, k, v are read from the conv output's rows (q_ptr: [T, 2 KD + H DV] float32, row stride stride_m; value
+    head h reads key head h // R), q and k L2-normalised here (q times q_scale); g and beta computed here from the
+    projection's a (g_ptr) and b (beta_ptr) columns (row stride stride_ab) as -exp(A_log) softplus(a + dt_bias) and
+    sigmoid(b): what HybridModel._qkv_gates computes, without its tensors."""
     tl.static_assert(C == 64)  # four blocks of 16 below
     m, h = tl.program_id(0), tl.program_id(1)
     row0 = tl.load(row0_ptr + m).to(tl.int64)
@@ -132,11 +137,26 @@ def _chunk_prep_kernel(
     rv = tl.arange(0, BV)
     valid = rc < n
     mk, mv = rk < DK, rv < DV
-    rows = (row0 + rc) * H + h
-    k = tl.load(k_ptr + rows[:, None] * DK + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
-    v = tl.load(v_ptr + rows[:, None] * DV + rv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
-    g = tl.load(g_ptr + rows, mask=valid, other=0.0)
-    beta = tl.load(beta_ptr + rows, mask=valid, other=0.0)
+    if RAW:
+        t = row0 + rc
+        kh = h // R
+        qrows = q_ptr + t[:, None] * stride_m + kh * DK + rk[None, :]
+        k = tl.load(qrows + KD, mask=valid[:, None] & mk[None, :], other=0.0)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        v = tl.load(q_ptr + t[:, None] * stride_m + 2 * KD + h * DV + rv[None, :], mask=valid[:, None] & mv[None, :],
+                    other=0.0)  # fmt: skip
+        a = tl.load(g_ptr + t * stride_ab + h, mask=valid, other=0.0).to(tl.float32)
+        a = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        g = tl.where(valid, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus, 0.0)
+        b = tl.load(beta_ptr + t * stride_ab + h, mask=valid, other=0.0).to(tl.float32)
+        beta = tl.where(valid, 1.0 / (1.0 + tl.exp(-b)), 0.0)
+    else:
+        rows = (row0 + rc) * H + h
+        k = tl.load(k_ptr + rows[:, None] * DK + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * DV + rv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
+        g = tl.load(g_ptr + rows, mask=valid, other=0.0)
+        beta = tl.load(beta_ptr + rows, mask=valid, other=0.0)
     cum = tl.cumsum(g, 0)  # log of the decay from the chunk's start through position i
     below = rc[:, None] >= rc[None, :]
     decay = tl.exp(tl.where(below, cum[:, None] - cum[None, :], float("-inf")))  # [C, C], 0 above the diagonal
@@ -167,7 +187,11 @@ def _chunk_prep_kernel(
     tl.store(u_ptr + cv, tl.dot(x, v * beta[:, None], input_precision=PREC), mask=mv[None, :])
     tl.store(w_ptr + ck, tl.dot(x, kb * ecum[:, None], input_precision=PREC), mask=mk[None, :])
     tl.store(kd_ptr + ck, k * tl.exp(last - cum)[:, None], mask=mk[None, :])
-    q = tl.load(q_ptr + rows[:, None] * DK + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+    if RAW:
+        q = tl.load(qrows, mask=valid[:, None] & mk[None, :], other=0.0)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * q_scale)[:, None]
+    else:
+        q = tl.load(q_ptr + rows[:, None] * DK + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
     tl.store(qd_ptr + ck, q * ecum[:, None], mask=mk[None, :])
     attn = tl.dot(q, tl.trans(k), input_precision=PREC) * decay  # causal within the chunk, diagonal included
     tl.store(attn_ptr + chunk * C * C + rc[:, None] * C + rc[None, :], attn)
@@ -221,34 +245,54 @@ def _chunk_layout(starts: list[int], lens: list[int], dev) -> tuple:
     return hit
 
 
-def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens) -> torch.Tensor:
+def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tuple | None = None) -> torch.Tensor:
     """Sequences i = 0..N-1 own rows [starts[i], starts[i] + lens[i]) of q, k: [T, H, DK], v: [T, H, DV], g, beta:
     [T, H] (float32) and start from (and end in) state page pages[i] of state [pages, H, DK, DV]. pages: an int
     tensor [N] on the device; starts, lens: lists (or tensors) of ints. Returns o [T, H, DV].
+
+    raw = (mixed, b, a, a_log, dt_bias, num_key_heads) instead of q, k, v, g, beta (pass None for them): the conv
+    output mixed [T, 2 Hk DK + H DV] float32 (rows of unit stride), the projection's b and a columns [T, H], read
+    by the first launch, which computes the L2 norms and the gates itself (HybridModel._qkv_gates' work, without
+    its [T, H, DK] copies); the state shape gives DK and DV.
 
     Three launches, none of them with host work per chunk or per layer (the chunk layout is built once per batch):
     the state-independent chunk algebra of every chunk of every sequence in parallel; the state carried across
     each sequence's chunks (the only sequential work: two matmuls per chunk), storing the state each chunk starts
     from; every chunk's output in parallel, written to its rows."""
-    T, H, DK = q.shape
-    DV = v.shape[-1]
+    if raw is None:
+        T, H, DK = q.shape
+        DV = v.shape[-1]
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        args = (q, k, v, g, beta)
+        extra = (0, 0, q, q, 1.0)
+        R = KD = 1
+    else:
+        mixed, b, a, a_log, dt_bias, hk = raw
+        H, DK, DV = state.shape[1:]
+        T = mixed.shape[0]
+        assert mixed.stride(1) == 1 and mixed.dtype == torch.float32 and a.stride() == b.stride() and b.stride(1) == 1
+        assert mixed.shape[1] == 2 * hk * DK + H * DV
+        args = (mixed, mixed, mixed, a, b)
+        extra = (mixed.stride(0), b.stride(0), a_log, dt_bias, DK**-0.5)
+        R, KD = H // hk, hk * DK
+    out = torch.zeros((T, H, DV), dtype=torch.float32, device=state.device)
     if T == 0 or pages.numel() == 0:
-        return torch.zeros_like(v)
+        return out
     starts, lens = [int(x) for x in starts], [int(x) for x in lens]
-    dev = q.device
+    dev = state.device
     firsts, counts, row0, clen = _chunk_layout(starts, lens, dev)
     M = row0.numel()
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     bk, bvp = max(16, triton.next_power_of_2(DK)), max(16, triton.next_power_of_2(DV))
-    prec = SCAN["precision"] if q.is_cuda else "ieee"
+    prec = SCAN["precision"] if dev.type == "cuda" else "ieee"
     u = torch.empty((H, M, CHUNK, DV), dtype=torch.float32, device=dev)
     v_new = torch.empty_like(u)
     w, qd, kd = (torch.empty((H, M, CHUNK, DK), dtype=torch.float32, device=dev) for _ in range(3))
     attn = torch.empty((H, M, CHUNK, CHUNK), dtype=torch.float32, device=dev)
     last = torch.empty((H, M), dtype=torch.float32, device=dev)
     _chunk_prep_kernel[(M, H)](
-        q, k, v, g, beta, row0, clen, u, w, qd, kd, attn, last, H, M,
-        DK=DK, DV=DV, BK=bk, BV=bvp, C=CHUNK, PREC=prec, num_warps=SCAN["prep_warps"],
+        *args, row0, clen, u, w, qd, kd, attn, last, H, M, *extra,
+        DK=DK, DV=DV, BK=bk, BV=bvp, C=CHUNK, PREC=prec, RAW=raw is not None, R=R, KD=KD,
+        num_warps=SCAN["prep_warps"],
     )  # fmt: skip
     hs = torch.empty((H, M, DK, DV), dtype=torch.float32, device=dev)
     sp, sh, sk = _state_strides(state)
@@ -257,7 +301,6 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens) -> torch
         u, w, kd, last, hs, v_new, state, pages, firsts, counts, sp, sh, sk, M,
         DK=DK, DV=DV, BK=bk, BV=bv, C=CHUNK, PREC=prec, num_warps=SCAN["warps"], num_stages=1,
     )  # fmt: skip
-    out = torch.zeros_like(v)
     bv = max(16, min(bvp, SCAN["out_bv"]))
     _chunk_out_kernel[(M, H, triton.cdiv(DV, bv))](
         qd, attn, hs, v_new, out, row0, clen, H, M,
@@ -291,15 +334,17 @@ def _conv_prefill_kernel(
     )
 
 
-def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, out=None) -> torch.Tensor:
     """backends.common.model.delta_rule.conv_prefill in one launch: x [n, >= C] (its first C columns, any dtype,
     computed in float32); conv_state [C, K - 1] float32 with unit strides inside (a page's view), updated in place;
-    weight [C, K]. Returns float32 [n, C]."""
+    weight [C, K]. Returns float32 [n, C] (into out, contiguous rows of C, when given)."""
     n = x.shape[0]
     C, K = weight.shape
     km1 = K - 1
     assert conv_state.stride(1) == 1 and conv_state.stride(0) == km1 and x.stride(1) == 1
-    out = torch.empty((n, C), dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty((n, C), dtype=torch.float32, device=x.device)
+    assert out.shape == (n, C) and out.is_contiguous() and out.dtype == torch.float32
     if n == 0:
         return out
     bt, bc = 32, 128

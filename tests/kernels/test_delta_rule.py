@@ -87,6 +87,38 @@ def test_chunked_varlen_equals_reference_and_recurrent(H, DK, DV):
     torch.testing.assert_close(s, s2, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("HK,H,DK,DV", [(1, 2, 16, 32)] + ([(16, 32, 128, 128)] if DEVICE == "cuda" else []))
+def test_chunked_from_the_conv_output_equals_chunked_from_its_gates(HK, H, DK, DV):
+    """chunked(raw=...) reads q, k, v from the conv output's rows (key heads shared by H / HK value heads) and b, a
+    from the projection's columns, and computes the L2 norms and gates itself: the outputs and state pages of
+    chunked on what HybridModel._qkv_gates computes from the same rows."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(HK + DV)
+    lens = [3, 64, 70]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    T, kdim = sum(lens), HK * DK
+    mixed = torch.randn(T, 2 * kdim + H * DV, generator=gen).to(DEVICE)
+    proj = torch.randn(T, 5 + 2 * H, generator=gen).to(DEVICE)  # [.. | b | a]: strided column views
+    b, a = proj[:, 5 : 5 + H], proj[:, 5 + H :]
+    a_log, dt_bias = torch.rand(H, generator=gen).log().to(DEVICE), torch.randn(H, generator=gen).to(DEVICE)
+    q = mixed[:, :kdim].reshape(T, HK, DK).repeat_interleave(H // HK, dim=1)
+    k = mixed[:, kdim : 2 * kdim].reshape(T, HK, DK).repeat_interleave(H // HK, dim=1)
+    v = mixed[:, 2 * kdim :].reshape(T, H, DV)
+    q, k = dr.l2norm(q) * DK**-0.5, dr.l2norm(k)
+    beta = torch.sigmoid(b)
+    g = -a_log.exp() * F.softplus(a + dt_bias)
+    buf, state = state_pages(4, H, DK, DV, gen)
+    buf2 = buf.clone()
+    state2 = buf2[:, 7 : 7 + H * DK * DV].view(4, H, DK, DV)
+    ints = lambda xs: torch.tensor(xs, device=DEVICE)  # noqa: E731
+    want = kd.chunked(q, k, v, g, beta, state, ints([2, 0, 3]), starts, lens)
+    got = kd.chunked(None, None, None, None, None, state2, ints([2, 0, 3]), starts, lens,
+                     raw=(mixed, b, a, a_log, dt_bias, HK))  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(buf2, buf, atol=1e-5, rtol=1e-5)
+
+
 @WHOLE_MODEL
 def test_engine_with_the_kernels_equals_the_pytorch_path():
     """random:tiny-hybrid end to end (fp32, greedy): ragged prefill spans in one varlen launch, batched decode

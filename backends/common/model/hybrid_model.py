@@ -289,26 +289,29 @@ class HybridModel:
             conv[sv], ssm[sv] = conv[pg], ssm[pg]
             step(first + 1, pg)
         multi = [i for i, n in enumerate(batch.new_lens) if n > 1 and i not in spec]
-        parts = []
-        for i in multi:
-            start, n, page = batch.starts[i], batch.new_lens[i], pages[i]
-            sl = slice(start, start + n)
-            if self.kd is None:
+        if self.kd is None:
+            for i in multi:
+                start, n, page = batch.starts[i], batch.new_lens[i], pages[i]
+                sl = slice(start, start + n)
                 m = dr.conv_prefill(mixed[sl].float(), conv[page], conv_w.float())
-            else:
-                m = self.kd.conv_prefill(mixed[sl], conv[page], conv_w)
-            q, k, v, g, beta = self._qkv_gates(m, b[sl], a[sl], p)
-            if self.kd is None:
-                core[sl] = dr.chunked(q, k, v, g, beta, ssm[page])
-            else:
-                parts.append((q, k, v, g, beta))
-        if parts:  # every prefill span of the batch in one varlen kernel launch
+                core[sl] = dr.chunked(*self._qkv_gates(m, b[sl], a[sl], p), ssm[page])
+        elif multi:  # every prefill span of the batch in one varlen launch, gates and L2 norms computed in it
             lens = [batch.new_lens[i] for i in multi]
             starts = [sum(lens[:j]) for j in range(len(lens))]
-            q, k, v, g, beta = (torch.cat([part[j] for part in parts]).contiguous() for j in range(5))
-            o = self.kd.chunked(q, k, v, g, beta, ssm, ints([pages[i] for i in multi]), starts, lens)
-            for j, i in enumerate(multi):
-                core[batch.starts[i] : batch.starts[i] + lens[j]] = o[starts[j] : starts[j] + lens[j]]
+            spans = [slice(batch.starts[i], batch.starts[i] + n) for i, n in zip(multi, lens)]
+            m = torch.empty(sum(lens), cfg.conv_dim, dtype=torch.float32, device=dev)
+            for i, sl, s0, n in zip(multi, spans, starts, lens):
+                self.kd.conv_prefill(mixed[sl], conv[pages[i]], conv_w, out=m[s0 : s0 + n])
+            if len(spans) == 1:
+                bb, aa = b[spans[0]], a[spans[0]]
+            else:
+                rows = torch.cat([torch.arange(sl.start, sl.stop, device=dev) for sl in spans])
+                bb, aa = b[rows], a[rows]
+            raw = (m, bb, aa, self.w[p + "A_log"], self.w[p + "dt_bias"], cfg.linear_num_key_heads)
+            o = self.kd.chunked(None, None, None, None, None, ssm, ints([pages[i] for i in multi]), starts, lens,
+                                raw=raw)  # fmt: skip
+            for sl, s0, n in zip(spans, starts, lens):
+                core[sl] = o[s0 : s0 + n]
         out = gated_rms_norm(core.to(x.dtype), z, self.w[p + "norm.weight"], cfg.rms_norm_eps)
         return self._linear(out.reshape(x.shape[0], -1), p + "out_proj")
 
