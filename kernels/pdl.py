@@ -6,8 +6,13 @@ overlap the tail of the launch before it instead of following it. CUDA graphs ke
 programmatic edge).
 
 Rules for a kernel that takes `PDL`:
-- call `enter(PDL)` before its first load of anything a previous launch may have written (activations, K/V,
-  state pages, slot tables, counters) and before its first store; loads of weights may come before it;
+- call `enter(PDL)` before its first load of anything the launch just before it may have written (activations,
+  K/V, state pages, slot tables, counters) and before its first store; every program calls it (none returns
+  before it). Since every launch waits first and only then lets the next one start, a launch starts only once
+  the launch two before it has finished: loads of weights, of the graph's inputs, and of what that earlier launch
+  (or an earlier step) wrote may come before the wait (`delta_rule.gated_delta_step(preload=True)`,
+  `moe`'s down projection of a few tokens); a launch of a library (cuBLAS, PyTorch) lets the next one start only
+  when it has finished;
 - launch it with `**launch(tensor)`: PDL=True and launch_pdl=True on a CUDA tensor when enabled, else both off
   (the CPU interpreter has no griddepcontrol).
 
