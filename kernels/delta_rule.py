@@ -499,6 +499,38 @@ def _gated_norm(o, orow, NormW, zrow, rv, mv, rstd, dt):
     tl.store(orow + rv, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
 
 
+@triton.jit
+def _gated_norm_rows_kernel(Core, Z, NormW, Out, stride_c, stride_z, stride_o, eps, HV: tl.constexpr,
+                            DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One program per (row, value head): the raw outputs rounded to Out's dtype, then `_gated_norm`."""
+    enter(PDL)
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rv = tl.arange(0, BV)
+    mv = rv < DV
+    dt = Out.dtype.element_ty
+    o = tl.load(Core + t * stride_c + h * DV + rv, mask=mv, other=0.0).to(dt)
+    of = o.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(of * of, 0) / DV + eps)
+    _gated_norm(o, Out + t * stride_o + h * DV, NormW, Z + t * stride_z + h * DV, rv, mv, rstd, dt)
+
+
+def gated_norm_rows(core: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, dtype) -> torch.Tensor:
+    """hybrid_model.gated_rms_norm(core.to(dtype), z, norm_w, eps) in one launch (the prefill's linear-attention
+    output; the decode step does it in `gated_delta_step`): core [T, HV, DV] any float dtype, z [T, HV, DV] (unit
+    stride inside a row's heads). Returns [T, HV * DV] in dtype."""
+    T, HV, DV = core.shape
+    core = core.reshape(T, HV * DV)
+    z = z.reshape(T, HV * DV)
+    assert core.stride(1) == 1 and z.stride(1) == 1
+    out = torch.empty(T, HV * DV, dtype=dtype, device=core.device)
+    if T:
+        _gated_norm_rows_kernel[(T, HV)](
+            core, z, norm_w, out, core.stride(0), z.stride(0), out.stride(0), eps, HV=HV, DV=DV,
+            BV=triton.next_power_of_2(DV), num_warps=4, **launch(core),
+        )  # fmt: skip
+    return out
+
+
 def step_settings(batch: int, preload: bool = False) -> dict:
     """`gated_delta_step`'s keyword settings for a batch: whole 128-dim heads for a few sequences, 64 from 16 up
     (perf/hybrid_sweep.py on an H200, Qwen3-Next's shapes: 146 against 150 µs at batch 128, 41 against 42 at 32,

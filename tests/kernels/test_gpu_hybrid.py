@@ -156,6 +156,21 @@ def test_offset_add_rms_norm(with_res):
         assert torch.equal(r2, h)
 
 
+@pytest.mark.parametrize("HV,DV", [(4, 16), (3, 24)] + ([(32, 128)] if DEVICE == "cuda" else []))
+def test_gated_norm_rows_equals_the_pytorch_norm(HV, DV):
+    """The prefill's gated RMSNorm of the linear-attention output (float32 core, rounded first) in one launch,
+    against hybrid_model.gated_rms_norm, z a strided view as the projection gives it."""
+    g = gen(4)
+    T = 5
+    core = rnd(T, HV, DV, g=g)
+    proj = rnd(T, 7 + HV * DV, g=g).to(DTYPE)
+    z = proj[:, 7:].view(T, HV, DV)
+    w = (1 + rnd(DV, g=g, scale=0.1)).to(DTYPE)
+    out = kd.gated_norm_rows(core, z, w, 1e-6, DTYPE)
+    want = gated_rms_norm(core.to(DTYPE), z, w, 1e-6).reshape(T, -1)
+    torch.testing.assert_close(out.float(), want.float(), **TOL)
+
+
 # ---- the whole decode step: graphs against the PyTorch model ------------------------------------------------
 # MoE: tiny-hybrid's experts; its shared expert (48) differs from the experts (32): a launch path of its own;
 # of the experts' size it is folded in as one more pair per token

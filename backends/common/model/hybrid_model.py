@@ -138,13 +138,13 @@ class HybridModel:
         pages; otherwise with the PyTorch reference, gathering and scattering the pages."""
         fuse_weights(cfg, weights)
         self.cfg, self.w = cfg, weights
-        self.kd = self.k_attn = None
+        self.kd = self.k_attn = self.k_norm = None
         if kernels:
-            from kernels import attention, delta_rule
+            from kernels import attention, delta_rule, norm
 
             # prefill attention in the paged flash kernel: SDPA with an explicit causal mask would not run
             # flash and materialises the T x T scores
-            self.kd, self.k_attn = delta_rule, attention
+            self.kd, self.k_attn, self.k_norm = delta_rule, attention, norm
         emb = weights["model.embed_tokens.weight"]
         self.dtype, self.device = emb.dtype, emb.device
         self.lm_head = emb if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -312,7 +312,10 @@ class HybridModel:
                                 raw=raw)  # fmt: skip
             for sl, s0, n in zip(spans, starts, lens):
                 core[sl] = o[s0 : s0 + n]
-        out = gated_rms_norm(core.to(x.dtype), z, self.w[p + "norm.weight"], cfg.rms_norm_eps)
+        if self.kd is not None:
+            out = self.kd.gated_norm_rows(core, z, self.w[p + "norm.weight"], cfg.rms_norm_eps, x.dtype)
+        else:
+            out = gated_rms_norm(core.to(x.dtype), z, self.w[p + "norm.weight"], cfg.rms_norm_eps)
         return self._linear(out.reshape(x.shape[0], -1), p + "out_proj")
 
     # ---- MLPs --------------------------------------------------------------------------------------------------
@@ -356,14 +359,20 @@ class HybridModel:
         return moe.routed(x, top_i, top_w, gate_up, down, shared=(logits[:, E:], shared))
 
     # ---- forward -----------------------------------------------------------------------------------------------
+    def _norm(self, h, weight):
+        """offset_rms_norm, in one launch with the kernels (kernels.norm, offset weights)."""
+        if self.k_norm is not None:
+            return self.k_norm.add_rms_norm(h, None, weight, self.cfg.rms_norm_eps, offset=True)
+        return offset_rms_norm(h, weight, self.cfg.rms_norm_eps)
+
     def layer(self, h, i, prefix, kv, state, batch, cos, sin, kv_layer=None, mlp_key=None):
-        cfg, w = self.cfg, self.w
-        x = offset_rms_norm(h, w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
+        w = self.w
+        x = self._norm(h, w[prefix + "input_layernorm.weight"])
         if kv_layer is not None:
             h = h + self.full_attention(x, prefix + "self_attn.", kv, kv_layer, batch, cos, sin)
         else:
             h = h + self.linear_attention(x, prefix + "linear_attn.", state, self.state_index[i], batch)
-        x = offset_rms_norm(h, w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        x = self._norm(h, w[prefix + "post_attention_layernorm.weight"])
         return h + self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key)
 
     @torch.inference_mode()
@@ -374,7 +383,7 @@ class HybridModel:
         cos, sin = self.rope(batch.positions)
         for i in range(cfg.num_layers):
             h = self.layer(h, i, f"model.layers.{i}.", kv, state, batch, cos, sin, kv_layer=self.kv_index.get(i))
-        return offset_rms_norm(h, self.w["model.norm.weight"], cfg.rms_norm_eps)
+        return self._norm(h, self.w["model.norm.weight"])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVStore, state: StateStore) -> torch.Tensor:
