@@ -150,8 +150,8 @@ def _skinny_kernel(
     layer's in_proj): the first CC output columns are also the inputs of its causal conv + SiLU (kernels.delta_rule's
     conv step: state rows of KM1 taps in CS at page CPages[0], written at COutPages[0], weights CW), done by the
     program that finishes a column block, stored float32 to Mixed. UNROLL (one row): the loop over K unrolled
-    (K_SPLIT = k_split), so every tile's load can be in flight at
-    once. K_FIRST is the first step of either loop (BLOCK_K after a preload)."""
+    (K_SPLIT = k_split), so every tile's load can be in flight at once. K_FIRST is the first step of either loop
+    (BLOCK_K after a preload)."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -333,8 +333,13 @@ def skinny_linear(
 FUSED = ("norm", "sigmoid", "conv")  # settings' flags for fused work whose inputs the caller passes
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, **fused) -> torch.Tensor:
-    return skinny_linear(x, w, **{k: v for k, v in settings.items() if k not in FUSED}, **fused)
+def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, conv: tuple | None = None, **fused) -> torch.Tensor:
+    """skinny_linear with `settings` less their FUSED flags and the fused inputs given; conv in the launch where the
+    settings say conv, else `_conv_after` it."""
+    plain = {k: v for k, v in settings.items() if k not in FUSED}
+    if conv is not None and settings.get("conv"):
+        return skinny_linear(x, w, **plain, conv=conv, **fused)
+    return _conv_after(skinny_linear(x, w, **plain, **fused), conv)
 
 
 def _conv_after(y: torch.Tensor, conv: tuple | None) -> torch.Tensor:
@@ -353,9 +358,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None, conv: tuple 
     layer's in_proj), fused where the settings say conv, else conv_step after the product."""
     if settings is None:
         return _conv_after(F.linear(x, w), conv)
-    if conv is not None and settings.get("conv"):
-        return _skinny(x, w, settings, conv=conv)
-    return _conv_after(_skinny(x, w, settings), conv)
+    return _skinny(x, w, settings, conv)
 
 
 def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
@@ -383,10 +386,7 @@ def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     else kernels.norm.add_rms_norm (the residual updated in place) and `linear`. conv: as for `linear`."""
     if settings is not None and settings.get("norm"):
         res_out = torch.empty_like(x) if residual is not None else x
-        fused = dict(norm=(residual, weight, eps, res_out))
-        if conv is not None and settings.get("conv"):
-            return _skinny(x, w, settings, conv=conv, **fused), res_out
-        return _conv_after(_skinny(x, w, settings, **fused), conv), res_out
+        return _skinny(x, w, settings, conv, norm=(residual, weight, eps, res_out)), res_out
     from kernels.norm import add_rms_norm
 
     y = linear(add_rms_norm(x, residual, weight, eps, offset=True), w, settings, conv)

@@ -404,7 +404,7 @@ def _routed_small(x, top_i, top_w, gate_up, down, st) -> torch.Tensor:
     preload = st["small_preload"] and I <= st["small_down_bk"]
     _token_down_kernel[(T, triton.cdiv(H, st["small_down_bn"]))](
         inter, down, top_i, top_w, out, H, I, down.stride(0), down.stride(1),
-        K_TOP=K, BN=st["small_down_bn"], BK=st["small_down_bk"], PRELOAD=bool(preload),
+        K_TOP=K, BN=st["small_down_bn"], BK=st["small_down_bk"], PRELOAD=preload,
         KP=triton.next_power_of_2(K), num_warps=st["small_down_warps"], **launch(x),
     )  # fmt: skip
     return out

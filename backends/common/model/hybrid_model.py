@@ -345,9 +345,10 @@ class HybridModel:
         shared = self._gated_mlp(x, p + "shared_expert.")
         return out + torch.sigmoid(self._linear(x, p + "shared_expert_gate")) * shared
 
-    def _fused_moe(self, x, p, key, router=F.linear):
+    def _fused_moe(self, x, p, key, router):
         """The MoE layer in kernels.moe's launches (no host synchronisation: CUDA-graph safe): router and shared
-        gate in one GEMM, softmax + top-k (+ the shared expert as pair K), grouped GEMMs, a fixed-order combine."""
+        gate in one GEMM (router(x, weight)), softmax + top-k (+ the shared expert as pair K), grouped GEMMs, a
+        fixed-order combine."""
         cfg, moe = self.cfg, self.k_moe
         gate_up, down = self.experts[key]
         E = cfg.num_experts
