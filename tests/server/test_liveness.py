@@ -83,6 +83,7 @@ def test_cancel_reaches_queued_running_and_recovering_requests(slow):
     """A and B decode (max-batch 2) and C waits for a batch row. Cancel C (queued). B is paused when the pool fills
     and, with its KV dropped, recovers through prefill once A is done; cancel it while prefill recomputes it."""
     cancelled_before = slow.metric("pd_prefill_cancelled_total")
+    recoveries_before = slow.read_metrics({"r": ("pd_prefill_jobs_total", {"kind": "recovery"})})["r"]
     a = StreamClient(slow.grpc_url, ids=ids(150, 1000), params={"max_tokens": 120, "ignore_eos": True})
     b = StreamClient(slow.grpc_url, ids=ids(150, 2000), params={"max_tokens": 300, "ignore_eos": True})
     wait_for(slow, "pd_decode_running_requests", lambda v: v == 2, 30)
@@ -92,9 +93,13 @@ def test_cancel_reaches_queued_running_and_recovering_requests(slow):
     wait_for(slow, "pd_decode_queued_requests", lambda v: v == 0, 1.0)
     wait_for(slow, "pd_decode_recovering_requests", lambda v: v == 1, 120)
     assert a.read(timeout=60).finish_reason == "length" and len(a.result.ids) == 120
+    # B's recovery job has reached prefill (counted on arrival), which holds it for SLOW_PREFILL_SECONDS
+    wait_for(slow, "pd_prefill_jobs_total", lambda v: v == recoveries_before + 1, 10, kind="recovery")
     b.cancel()
-    wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == cancelled_before + 1, 1.0)
-    slow.assert_released(timeout=1.0)
+    slow.assert_released(timeout=1.0)  # the request ends within a second
+    # ... and prefill dropped the job instead of computing it: counted inside its 3 s hold (on a loaded 2-core
+    # machine the notice's way through master, decode's mailbox and prefill's poll took over 1 s once)
+    wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == cancelled_before + 1, 2.5)
     assert slow.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=1.0) == 0
     a.close()
     # running: cancel a decoding stream
