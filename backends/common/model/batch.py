@@ -43,6 +43,7 @@ class ForwardBatch:
     save_pages: list[int] | None = None  # hybrid models: a scratch page per sequence for speculative steps, or -1
     _decode: tuple | None = None
     _prefill: tuple | None = None
+    _linear: LinearRows | None = None
 
     def _slot_table(self, idx: list[int], lens: list[int], dtype) -> torch.Tensor:
         """The context slots of sequences idx as rows of a zero-padded [len(idx), max(lens)] table."""
@@ -85,6 +86,55 @@ class ForwardBatch:
                 rows, q_start, q_len, ctx_len = torch.tensor(meta, dtype=torch.int32).to(dev).t().contiguous()
                 self._prefill = (table, rows, q_start, q_len, ctx_len, max(self.new_lens[i] for i in idx))
         return self._prefill or None
+
+    def linear_rows(self) -> LinearRows:
+        """How a hybrid model's linear-attention layers split this batch (`LinearRows`), on the device. Computed
+        once per batch and shared by every layer."""
+        if self._linear is None:
+            dev = self.input_ids.device
+            pages = self.state_pages
+            saves = self.save_pages or [-1] * len(pages)
+
+            def ints(v):
+                return torch.tensor(v, dtype=torch.int64, device=dev)
+
+            single = [i for i, n in enumerate(self.new_lens) if n == 1]
+            spec = [i for i, n in enumerate(self.new_lens) if n == 2 and saves[i] >= 0]
+            multi = [i for i, n in enumerate(self.new_lens) if n > 1 and i not in spec]
+            lens = [self.new_lens[i] for i in multi]
+            spans = [slice(self.starts[i], self.starts[i] + n) for i, n in zip(multi, lens)]
+            one = (ints([self.starts[i] for i in single]), ints([pages[i] for i in single])) if single else None
+            two = None
+            if spec:
+                two = tuple(ints(v) for v in ([self.starts[i] for i in spec], [pages[i] for i in spec],
+                                              [saves[i] for i in spec]))  # fmt: skip
+            packed = None
+            if len(spans) > 1:
+                packed = torch.cat([torch.arange(sl.start, sl.stop, device=dev) for sl in spans])
+            self._linear = LinearRows(
+                one, two, multi, spans, [sum(lens[:j]) for j in range(len(lens))], lens,
+                ints([pages[i] for i in multi]) if multi else None, packed,
+            )  # fmt: skip
+        return self._linear
+
+
+@dataclass(slots=True)
+class LinearRows:
+    """A batch as a hybrid model's linear-attention layers take it. single: (rows, state pages) of the one-token
+    sequences, stepped in the recurrent form together; spec: (first rows, pages, save pages) of the speculative
+    two-token sequences (the state after the first token copied to the save page); multi: the other sequences'
+    indices, spans their rows, packed_starts and lens where each starts and how long it is once the spans are
+    packed one after another, multi_pages their state pages, packed_rows their rows as one index (None for a
+    single span, which a slice takes)."""
+
+    single: tuple | None
+    spec: tuple | None
+    multi: list[int]
+    spans: list[slice]
+    packed_starts: list[int]
+    lens: list[int]
+    multi_pages: torch.Tensor | None
+    packed_rows: torch.Tensor | None
 
 
 def build_batch(spans: list[Span], device) -> ForwardBatch:

@@ -260,11 +260,7 @@ class HybridModel:
         conv, ssm = state.conv(j), state.ssm(j)
         core = torch.empty(x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim, device=x.device)
         pages = batch.state_pages
-        saves = batch.save_pages or [-1] * len(pages)
-        dev = x.device
-
-        def ints(v):
-            return torch.tensor(v, dtype=torch.int64, device=dev)
+        lr = batch.linear_rows()  # the batch's split and index tensors, built once for every layer
 
         def step(rows, pg):  # one token for each of rows, in the recurrent form
             cs = conv[pg]
@@ -278,39 +274,30 @@ class HybridModel:
                 core[rows] = dr.recurrent_step(q, k, v, g, beta, ss)
                 ssm[pg] = ss
 
-        single = [i for i, n in enumerate(batch.new_lens) if n == 1]
-        if single:
-            step(ints([batch.starts[i] for i in single]), ints([pages[i] for i in single]))
-        spec = [i for i, n in enumerate(batch.new_lens) if n == 2 and saves[i] >= 0]
-        if spec:  # input token, snapshot of the state after it (the rollback point), then the draft token
-            pg, sv = ints([pages[i] for i in spec]), ints([saves[i] for i in spec])
-            first = ints([batch.starts[i] for i in spec])
+        if lr.single is not None:
+            step(*lr.single)
+        if lr.spec is not None:  # input token, snapshot of the state after it (the rollback point), then the draft
+            first, pg, sv = lr.spec
             step(first, pg)
             conv[sv], ssm[sv] = conv[pg], ssm[pg]
             step(first + 1, pg)
-        multi = [i for i, n in enumerate(batch.new_lens) if n > 1 and i not in spec]
         if self.kd is None:
-            for i in multi:
-                start, n, page = batch.starts[i], batch.new_lens[i], pages[i]
-                sl = slice(start, start + n)
+            for i, sl in zip(lr.multi, lr.spans):
+                page = pages[i]
                 m = dr.conv_prefill(mixed[sl].float(), conv[page], conv_w.float())
                 core[sl] = dr.chunked(*self._qkv_gates(m, b[sl], a[sl], p), ssm[page])
-        elif multi:  # every prefill span of the batch in one varlen launch, gates and L2 norms computed in it
-            lens = [batch.new_lens[i] for i in multi]
-            starts = [sum(lens[:j]) for j in range(len(lens))]
-            spans = [slice(batch.starts[i], batch.starts[i] + n) for i, n in zip(multi, lens)]
-            m = torch.empty(sum(lens), cfg.conv_dim, dtype=torch.float32, device=dev)
-            for i, sl, s0, n in zip(multi, spans, starts, lens):
+        elif lr.multi:  # every prefill span of the batch in one varlen launch, gates and L2 norms computed in it
+            m = torch.empty(sum(lr.lens), cfg.conv_dim, dtype=torch.float32, device=x.device)
+            for i, sl, s0, n in zip(lr.multi, lr.spans, lr.packed_starts, lr.lens):
                 self.kd.conv_prefill(mixed[sl], conv[pages[i]], conv_w, out=m[s0 : s0 + n])
-            if len(spans) == 1:
-                bb, aa = b[spans[0]], a[spans[0]]
+            if lr.packed_rows is None:
+                bb, aa = b[lr.spans[0]], a[lr.spans[0]]
             else:
-                rows = torch.cat([torch.arange(sl.start, sl.stop, device=dev) for sl in spans])
-                bb, aa = b[rows], a[rows]
+                bb, aa = b[lr.packed_rows], a[lr.packed_rows]
             raw = (m, bb, aa, self.w[p + "A_log"], self.w[p + "dt_bias"], cfg.linear_num_key_heads)
-            o = self.kd.chunked(None, None, None, None, None, ssm, ints([pages[i] for i in multi]), starts, lens,
+            o = self.kd.chunked(None, None, None, None, None, ssm, lr.multi_pages, lr.packed_starts, lr.lens,
                                 raw=raw)  # fmt: skip
-            for sl, s0, n in zip(spans, starts, lens):
+            for sl, s0, n in zip(lr.spans, lr.packed_starts, lr.lens):
                 core[sl] = o[s0 : s0 + n]
         if self.kd is not None:
             out = self.kd.gated_norm_rows(core, z, self.w[p + "norm.weight"], cfg.rms_norm_eps, x.dtype)
