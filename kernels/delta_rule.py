@@ -118,7 +118,7 @@ def _chunk_prep_kernel(
     u_ptr, w_ptr, qd_ptr, kd_ptr, attn_ptr, last_ptr, H, M,
     stride_m, stride_ab, a_log_ptr, dt_bias_ptr, q_scale,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    PREC: tl.constexpr, RAW: tl.constexpr, R: tl.constexpr, KD: tl.constexpr,
+    PREC: tl.constexpr, RAW: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DOUBLING: tl.constexpr,
 ):  # fmt: skip
     """The state-independent chunk algebra (backends.common.model.delta_rule.chunk_prep) for chunk m of head h, read
     straight from the [T, H, .] rows: chunk m covers rows [row0[m], row0[m] + len[m]) (len <= C; the rest is
@@ -163,22 +163,32 @@ def _chunk_prep_kernel(
     kb = k * beta[:, None]
     a = tl.dot(kb, tl.trans(k), input_precision=PREC) * decay
     a = tl.where(rc[:, None] > rc[None, :], a, 0.0)
-    # (I + A)^-1 in blocks of 16: with D the block diagonal of I + A and E the rest (strictly block lower),
-    # I + A = D (I + N), N = D^-1 E, N^4 = 0, so (I + A)^-1 = (I - N + N^2 - N^3) D^-1. D^-1 by forward
-    # substitution, the four diagonal blocks at once: 15 rows in turn, not 63.
-    same = (rc[:, None] // 16) == (rc[None, :] // 16)
-    y = -tl.where(same, a, 0.0)
-    for i in range(1, 16):  # rows i, 16 + i, 32 + i, 48 + i of D^-1 - I from the rows before them in their block
-        ri = (rc % 16) == i
-        row = tl.sum(tl.where(ri[:, None], y, 0.0), 0)  # the four rows, each in its own block's columns
-        row = row + tl.sum(row[:, None] * y, 0)
-        y = tl.where(ri[:, None] & same, row[None, :], y)
     eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    d_inv = y + eye
-    nn = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision=PREC)
-    n2 = tl.dot(nn, nn, input_precision=PREC)
-    n3 = tl.dot(n2, nn, input_precision=PREC)
-    x = tl.dot(eye - nn + n2 - n3, d_inv, input_precision=PREC)
+    if DOUBLING:
+        # (I + A)^-1 by doubling the block size, matmuls only: X, the inverse of I + A's block diagonal of blocks
+        # of s, starts at I (s = 1); with E the part of A in the lower-left quarter of each block of 2s,
+        # (X E)^2 = 0, so the inverse for blocks of 2s is (I - X E) X = X - X E X. Six steps to 64.
+        x = eye
+        for i in tl.static_range(6):
+            r, c = rc[:, None] >> i, rc[None, :] >> i  # the blocks of s of rows and of columns
+            e = tl.where(((r >> 1) == (c >> 1)) & (r != c), a, 0.0)
+            x = x - tl.dot(tl.dot(x, e, input_precision=PREC), x, input_precision=PREC)
+    else:
+        # (I + A)^-1 in blocks of 16: with D the block diagonal of I + A and E the rest (strictly block lower),
+        # I + A = D (I + N), N = D^-1 E, N^4 = 0, so (I + A)^-1 = (I - N + N^2 - N^3) D^-1. D^-1 by forward
+        # substitution, the four diagonal blocks at once: 15 rows in turn, not 63.
+        same = (rc[:, None] // 16) == (rc[None, :] // 16)
+        y = -tl.where(same, a, 0.0)
+        for i in range(1, 16):  # rows i, 16 + i, 32 + i, 48 + i of D^-1 - I from the rows before them in their block
+            ri = (rc % 16) == i
+            row = tl.sum(tl.where(ri[:, None], y, 0.0), 0)  # the four rows, each in its own block's columns
+            row = row + tl.sum(row[:, None] * y, 0)
+            y = tl.where(ri[:, None] & same, row[None, :], y)
+        d_inv = y + eye
+        nn = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision=PREC)
+        n2 = tl.dot(nn, nn, input_precision=PREC)
+        n3 = tl.dot(n2, nn, input_precision=PREC)
+        x = tl.dot(eye - nn + n2 - n3, d_inv, input_precision=PREC)
     ecum = tl.exp(cum)
     last = tl.sum(tl.where(rc == C - 1, cum, 0.0), 0)  # padding has g = 0: the chunk's whole decay
     chunk = (h * M + m).to(tl.int64)
@@ -224,8 +234,10 @@ def _chunk_out_kernel(
 
 
 # Launch settings of the chunked prefill (perf/delta_rule_roofline.py --scan-sweep measures them). The matmuls
-# take float32 operands in three TF32 passes ("tf32x3"): tensor cores, with about float32's accuracy.
-SCAN = {"bv": 32, "warps": 4, "out_bv": 64, "out_warps": 4, "prep_warps": 8, "precision": "tf32x3"}
+# take float32 operands in three TF32 passes ("tf32x3"): tensor cores, with about float32's accuracy. inverse: how
+# the chunk algebra inverts I + A, "series" (forward substitution in blocks of 16, then a matmul series) or
+# "doubling" (twelve 64 x 64 matmuls, no loop of reductions; not yet timed on an H200).
+SCAN = {"bv": 32, "warps": 4, "out_bv": 64, "out_warps": 4, "prep_warps": 8, "precision": "tf32x3", "inverse": "series"}
 _LAYOUTS: dict = {}  # (starts, lens, device) -> the chunk layout, built once per batch, not once per layer
 
 
@@ -292,7 +304,7 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tup
     _chunk_prep_kernel[(M, H)](
         *args, row0, clen, u, w, qd, kd, attn, last, H, M, *extra,
         DK=DK, DV=DV, BK=bk, BV=bvp, C=CHUNK, PREC=prec, RAW=raw is not None, R=R, KD=KD,
-        num_warps=SCAN["prep_warps"],
+        DOUBLING=SCAN["inverse"] == "doubling", num_warps=SCAN["prep_warps"],
     )  # fmt: skip
     hs = torch.empty((H, M, DK, DV), dtype=torch.float32, device=dev)
     sp, sh, sk = _state_strides(state)

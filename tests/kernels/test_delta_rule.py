@@ -57,8 +57,11 @@ def test_recurrent_step_updates_pages_in_place(H, DK, DV):
     torch.testing.assert_close(buf, ref_buf, atol=1e-5, rtol=1e-5)  # other pages and floats untouched
 
 
+@pytest.mark.parametrize("inverse", ["series", "doubling"])
 @pytest.mark.parametrize("H,DK,DV", SHAPES)
-def test_chunked_varlen_equals_reference_and_recurrent(H, DK, DV):
+def test_chunked_varlen_equals_reference_and_recurrent(H, DK, DV, inverse, monkeypatch):
+    """Either way of inverting a chunk's I + A (kernels.delta_rule.SCAN["inverse"])."""
+    monkeypatch.setitem(kd.SCAN, "inverse", inverse)
     gen = torch.Generator().manual_seed(7 * H + DV)
     buf, state = state_pages(5, H, DK, DV, gen)
     lens = [1, 64, 70, 130]
