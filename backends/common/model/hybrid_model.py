@@ -138,13 +138,14 @@ class HybridModel:
         pages; otherwise with the PyTorch reference, gathering and scattering the pages."""
         fuse_weights(cfg, weights)
         self.cfg, self.w = cfg, weights
-        self.kd = self.k_attn = self.k_norm = None
+        self.kd = self.k_attn = self.k_norm = self.k_rope = self.k_act = None
         if kernels:
-            from kernels import attention, delta_rule, norm
+            from kernels import act, attention, delta_rule, norm, rope
 
             # prefill attention in the paged flash kernel: SDPA with an explicit causal mask would not run
-            # flash and materialises the T x T scores
-            self.kd, self.k_attn, self.k_norm = delta_rule, attention, norm
+            # flash and materialises the T x T scores; the full-attention layers' q/k norms, rotary embedding and
+            # K/V store in one launch, the MLP's silu(gate) * up in one, each residual add in its norm's launch
+            self.kd, self.k_attn, self.k_norm, self.k_rope, self.k_act = delta_rule, attention, norm, rope, act
         emb = weights["model.embed_tokens.weight"]
         self.dtype, self.device = emb.dtype, emb.device
         self.lm_head = emb if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -184,26 +185,40 @@ class HybridModel:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def rope(self, positions: torch.Tensor):
+        """(cos, sin) of every row's position: [T, rot_dim] in the model's dtype, as the PyTorch path rotates; with
+        the kernels, float32 [T, rot_dim / 2] (kernels.rope's table layout, indexed by row) and the row index."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        if self.k_rope is not None:
+            return freqs.cos(), freqs.sin(), torch.arange(positions.numel(), device=positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     # ---- token mixers ----------------------------------------------------------------------------------------
-    def full_attention(self, x, p, kv: KVStore, kv_layer: int, batch: ForwardBatch, cos, sin):
+    def full_attention(self, x, p, kv: KVStore, kv_layer: int, batch: ForwardBatch, rope):
+        """rope: what `rope` returns for the batch's positions."""
         cfg, T, D = self.cfg, x.shape[0], self.cfg.head_dim
         qd, kd = cfg.num_heads * D, cfg.num_kv_heads * D
-        q, gate, k, v = torch.split(self._linear(x, p + "qkv_proj"), [qd, qd, kd, kd], dim=-1)
-        q, k, v = q.view(T, cfg.num_heads, D), k.view(T, cfg.num_kv_heads, D), v.view(T, cfg.num_kv_heads, D)
-        q = offset_rms_norm(q, self.w[p + "q_norm.weight"], cfg.rms_norm_eps)
-        k = offset_rms_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps)
-        r = self.rot_dim
-        c, s = cos[:, None, :], sin[:, None, :]
-        q = torch.cat((q[..., :r] * c + rotate_half(q[..., :r]) * s, q[..., r:]), dim=-1)
-        k = torch.cat((k[..., :r] * c + rotate_half(k[..., :r]) * s, k[..., r:]), dim=-1)
-        kv.k(kv_layer)[batch.out_slots] = k
-        kv.v(kv_layer)[batch.out_slots] = v
-        out = torch.empty_like(q)
         k_pool, v_pool = kv.k(kv_layer), kv.v(kv_layer)
+        qkv = self._linear(x, p + "qkv_proj")
+        gate = qkv[:, qd : 2 * qd]
+        if self.k_rope is not None:  # norms, rotary embedding and the K/V store in one launch
+            cos, sin, rows = rope
+            q = self.k_rope.qk_norm_rope_store_kv_(
+                qkv, cfg.num_heads, cfg.num_kv_heads, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
+                cfg.rms_norm_eps, rows, cos, sin, k_pool, v_pool, batch.out_slots,
+            )  # fmt: skip
+        else:
+            q, _, k, v = torch.split(qkv, [qd, qd, kd, kd], dim=-1)
+            q, k, v = q.view(T, cfg.num_heads, D), k.view(T, cfg.num_kv_heads, D), v.view(T, cfg.num_kv_heads, D)
+            q = offset_rms_norm(q, self.w[p + "q_norm.weight"], cfg.rms_norm_eps)
+            k = offset_rms_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps)
+            r = self.rot_dim
+            c, s = rope[0][:, None, :], rope[1][:, None, :]
+            q = torch.cat((q[..., :r] * c + rotate_half(q[..., :r]) * s, q[..., r:]), dim=-1)
+            k = torch.cat((k[..., :r] * c + rotate_half(k[..., :r]) * s, k[..., r:]), dim=-1)
+            k_pool[batch.out_slots] = k
+            v_pool[batch.out_slots] = v
+        out = torch.empty_like(q)
         decode = batch.decode_rows()
         if decode is not None:  # every single-token sequence in one padded attention call
             rows, slots, valid = decode
@@ -307,7 +322,10 @@ class HybridModel:
 
     # ---- MLPs --------------------------------------------------------------------------------------------------
     def _gated_mlp(self, x, p):
-        g, u = self._linear(x, p + "gate_up_proj").chunk(2, dim=-1)
+        gate_up = self._linear(x, p + "gate_up_proj")
+        if self.k_act is not None:  # silu(gate) * up in one launch, rounded as below
+            return self._linear(self.k_act.silu_mul(gate_up), p + "down_proj")
+        g, u = gate_up.chunk(2, dim=-1)
         return self._linear(F.silu(g) * u, p + "down_proj")
 
     def mlp(self, x, p, key, router=None):
@@ -353,14 +371,21 @@ class HybridModel:
             return self.k_norm.add_rms_norm(h, None, weight, self.cfg.rms_norm_eps, offset=True)
         return offset_rms_norm(h, weight, self.cfg.rms_norm_eps)
 
-    def layer(self, h, i, prefix, kv, state, batch, cos, sin, kv_layer=None, mlp_key=None):
+    def layer(self, h, i, prefix, kv, state, batch, rope, kv_layer=None, mlp_key=None):
+        """h: the residual stream (with the kernels updated in place: callers pass a tensor of their own)."""
         w = self.w
         x = self._norm(h, w[prefix + "input_layernorm.weight"])
         if kv_layer is not None:
-            h = h + self.full_attention(x, prefix + "self_attn.", kv, kv_layer, batch, cos, sin)
+            a = self.full_attention(x, prefix + "self_attn.", kv, kv_layer, batch, rope)
         else:
-            h = h + self.linear_attention(x, prefix + "linear_attn.", state, self.state_index[i], batch)
-        x = self._norm(h, w[prefix + "post_attention_layernorm.weight"])
+            a = self.linear_attention(x, prefix + "linear_attn.", state, self.state_index[i], batch)
+        ln2 = w[prefix + "post_attention_layernorm.weight"]
+        if self.k_norm is not None:  # h += a and its norm in one launch
+            x = self.k_norm.add_rms_norm(a, h, ln2, self.cfg.rms_norm_eps, offset=True)
+            h += self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key)
+            return h
+        h = h + a
+        x = self._norm(h, ln2)
         return h + self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key)
 
     @torch.inference_mode()
@@ -368,9 +393,9 @@ class HybridModel:
         """Final-norm hidden states of every row [T, hidden] (before the LM head)."""
         cfg = self.cfg
         h = self.w["model.embed_tokens.weight"][batch.input_ids]
-        cos, sin = self.rope(batch.positions)
+        rope = self.rope(batch.positions)
         for i in range(cfg.num_layers):
-            h = self.layer(h, i, f"model.layers.{i}.", kv, state, batch, cos, sin, kv_layer=self.kv_index.get(i))
+            h = self.layer(h, i, f"model.layers.{i}.", kv, state, batch, rope, kv_layer=self.kv_index.get(i))
         return self._norm(h, self.w["model.norm.weight"])
 
     @torch.inference_mode()
@@ -395,7 +420,7 @@ class HybridModel:
                             cfg.rms_norm_eps)  # fmt: skip
         h = offset_rms_norm(hidden.to(e.dtype), w["mtp.pre_fc_norm_hidden.weight"], cfg.rms_norm_eps)
         h = F.linear(torch.cat((e, h), dim=-1), w["mtp.fc.weight"])
-        cos, sin = self.rope(batch.positions)
-        h = self.layer(h, None, "mtp.layers.0.", kv, None, batch, cos, sin, kv_layer=self.mtp_kv_layer, mlp_key="mtp")
+        rope = self.rope(batch.positions)
+        h = self.layer(h, None, "mtp.layers.0.", kv, None, batch, rope, kv_layer=self.mtp_kv_layer, mlp_key="mtp")
         h = offset_rms_norm(h[batch.logits_rows], w["mtp.norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
