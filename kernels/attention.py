@@ -228,14 +228,47 @@ def decode_attention(
 
 
 @triton.jit
+def _prefill_block(q, acc, m, l_sum, n0, end, qpos, K, V, Table, row, stride_tr, stride_ks, stride_kh, stride_vs,
+                   stride_vh, kvh, offs_d, scale_log2, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                   MASKED: tl.constexpr):  # fmt: skip
+    """One block of BLOCK_N keys from n0 into the online softmax. MASKED: the block may reach past `end` or past a
+    query's position (the causal diagonal); otherwise every key in it is visible to every query of the block."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n < end
+        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        slots = tl.load(Table + row * stride_tr + offs_n).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASKED:
+        keep = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])  # key 0 is always kept: no all -inf row
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_sum
+
+
+@triton.jit
 def _prefill_kernel(
     Q, K, V, O, Table, Rows, QStart, QLen, CtxLen,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tr,
     scale_log2,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """Program (sequence, query block, head). Query blocks in reverse order: the last (the most keys) start first,
+    so the short ones fill the tail. Key blocks wholly at or before the block's first query position take no mask;
+    the rest (the diagonal, the context's end) do."""
     i = tl.program_id(0)
-    mb = tl.program_id(1)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
     h = tl.program_id(2)
     q_len = tl.load(QLen + i)
     q_start = tl.load(QStart + i).to(tl.int64)
@@ -248,27 +281,23 @@ def _prefill_kernel(
     mask_m = offs_m < q_len
     q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None])
     qpos = prefix + offs_m
-    # blocks past this sequence's queries see no keys: the loop is empty and the store masked
-    end = tl.where(mb * BLOCK_M < q_len, tl.minimum(ctx, prefix + (mb + 1) * BLOCK_M), 0)
+    # blocks past this sequence's queries see no keys: the loops are empty and the store masked
+    live = mb * BLOCK_M < q_len
+    end = tl.where(live, tl.minimum(ctx, prefix + (mb + 1) * BLOCK_M), 0)
+    # keys [0, full) are visible to every query of the block (key n <= the first query's position)
+    full = tl.where(live, tl.minimum((prefix + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N, end), 0)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for n0 in range(0, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        keep = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])  # key 0 is always kept: no all -inf row
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
+    for n0 in range(0, full, BLOCK_N):
+        acc, m, l_sum = _prefill_block(q, acc, m, l_sum, n0, end, qpos, K, V, Table, row, stride_tr, stride_ks,
+                                       stride_kh, stride_vs, stride_vh, kvh, offs_d, scale_log2, BLOCK_N, PREC,
+                                       False)  # fmt: skip
+    for n0 in range(full, end, BLOCK_N):
+        acc, m, l_sum = _prefill_block(q, acc, m, l_sum, n0, end, qpos, K, V, Table, row, stride_tr, stride_ks,
+                                       stride_kh, stride_vs, stride_vh, kvh, offs_d, scale_log2, BLOCK_N, PREC,
+                                       True)  # fmt: skip
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(
         O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -291,10 +320,13 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [T, H, D]; rows/q_start/q_len/ctx_len: [N] int32 per sequence. Returns out [T, H, D] (rows of the
     sequences written; others untouched). block_n: keys per step (default 64; 32 for heads over 128 dims, whose
-    [block_m, D] accumulator already fills the registers)."""
+    [block_m, D] accumulator already fills the registers); num_warps: default 4, 8 for heads over 128 dims
+    (perf/prefill_attention_bench.py times the settings against PyTorch's flash attention)."""
     N = rows.shape[0]
     _, H, D = q.shape
     group = H // k_pool.shape[1]
@@ -309,6 +341,6 @@ def prefill_attention(
         out.stride(0), out.stride(1), table.stride(0),
         scale * _LOG2E,
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(q),
-        num_warps=4 if D <= 128 else 8, num_stages=2,
+        num_warps=num_warps or (4 if D <= 128 else 8), num_stages=num_stages,
     )  # fmt: skip
     return out
