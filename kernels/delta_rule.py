@@ -257,10 +257,12 @@ def _chunk_layout(starts: list[int], lens: list[int], dev) -> tuple:
     return hit
 
 
-def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tuple | None = None) -> torch.Tensor:
+def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tuple | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Sequences i = 0..N-1 own rows [starts[i], starts[i] + lens[i]) of q, k: [T, H, DK], v: [T, H, DV], g, beta:
     [T, H] (float32) and start from (and end in) state page pages[i] of state [pages, H, DK, DV]. pages: an int
-    tensor [N] on the device; starts, lens: lists (or tensors) of ints. Returns o [T, H, DV].
+    tensor [N] on the device; starts, lens: lists (or tensors) of ints. Returns o [T, H, DV] float32: `out` when
+    given (contiguous; only the sequences' rows are written), else a new tensor (zero outside the sequences).
 
     raw = (mixed, b, a, a_log, dt_bias, num_key_heads) instead of q, k, v, g, beta (pass None for them): the conv
     output mixed [T, 2 Hk DK + H DV] float32 (rows of unit stride), the projection's b and a columns [T, H], read
@@ -287,10 +289,13 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tup
         args = (mixed, mixed, mixed, a, b)
         extra = (mixed.stride(0), b.stride(0), a_log, dt_bias, DK**-0.5)
         R, KD = H // hk, hk * DK
-    out = torch.zeros((T, H, DV), dtype=torch.float32, device=state.device)
+    starts, lens = [int(x) for x in starts], [int(x) for x in lens]
+    if out is None:  # rows outside the sequences read as zeros; none to clear when they cover every row
+        packed = sum(lens) == T and starts == [sum(lens[:i]) for i in range(len(lens))]
+        out = (torch.empty if packed else torch.zeros)((T, H, DV), dtype=torch.float32, device=state.device)
+    assert out.shape == (T, H, DV) and out.dtype == torch.float32 and out.is_contiguous()
     if T == 0 or pages.numel() == 0:
         return out
-    starts, lens = [int(x) for x in starts], [int(x) for x in lens]
     dev = state.device
     firsts, counts, row0, clen = _chunk_layout(starts, lens, dev)
     M = row0.numel()

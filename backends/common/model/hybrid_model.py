@@ -310,10 +310,12 @@ class HybridModel:
             else:
                 bb, aa = b[lr.packed_rows], a[lr.packed_rows]
             raw = (m, bb, aa, self.w[p + "A_log"], self.w[p + "dt_bias"], cfg.linear_num_key_heads)
+            whole = sum(lr.lens) == x.shape[0]  # the spans are every row of the batch, in order: core is o
             o = self.kd.chunked(None, None, None, None, None, ssm, lr.multi_pages, lr.packed_starts, lr.lens,
-                                raw=raw)  # fmt: skip
-            for sl, s0, n in zip(lr.spans, lr.packed_starts, lr.lens):
-                core[sl] = o[s0 : s0 + n]
+                                raw=raw, out=core if whole else None)  # fmt: skip
+            if not whole:
+                for sl, s0, n in zip(lr.spans, lr.packed_starts, lr.lens):
+                    core[sl] = o[s0 : s0 + n]
         if self.kd is not None:
             out = self.kd.gated_norm_rows(core, z, self.w[p + "norm.weight"], cfg.rms_norm_eps, x.dtype)
         else:
