@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import l2
 from kernels.pdl import enter, launch
 
 CHUNK = 64
@@ -443,14 +444,16 @@ def _gated_delta_step_kernel(
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr,
-    PDL: tl.constexpr,
+    PF, PF_BYTES, PF_ON: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
     all DV outputs (from registers with one block, else read back). PRELOAD: the first block's state is loaded
     before waiting for the launch before this one (the page was written by an earlier step, never by the launch
-    just before: the caller's promise)."""
+    just before: the caller's promise). PF_ON: first, PF_BYTES of PF (the next projection's weights) are asked
+    into L2 (kernels.l2)."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    l2.prefetch(PF, PF_BYTES, b * HV + h, tl.num_programs(0) * HV, PF_ON)
     rk = tl.arange(0, BK)
     mk = rk < DK
     if PRELOAD:
@@ -560,7 +563,7 @@ def step_settings(batch: int, preload: bool = False) -> dict:
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
-    out_pages: torch.Tensor | None = None, preload: bool = False,
+    out_pages: torch.Tensor | None = None, preload: bool = False, prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -571,7 +574,8 @@ def gated_delta_step(
     projection, columns [z (HV * DV) | b (HV) | a (HV)] from z_off = mixed's width); state [pages, HV, DK, DV]
     float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers). preload:
     the state is read before waiting for the launch before (programmatic dependent launch); only where that launch
-    did not write the state pages read here. Returns [B, HV * DV] in proj's dtype."""
+    did not write the state pages read here. prefetch: weights to ask into L2 meanwhile (out_proj's; kernels.l2,
+    when enabled). Returns [B, HV * DV] in proj's dtype."""
     B = mixed.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
@@ -587,6 +591,6 @@ def gated_delta_step(
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
         DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
-        PRELOAD=preload, num_warps=num_warps, **launch(mixed),
+        PRELOAD=preload, num_warps=num_warps, **l2.args(prefetch, mixed), **launch(mixed),
     )  # fmt: skip
     return out
