@@ -69,3 +69,38 @@ def prefetch(base, nbytes, pid, nprog, ON: tl.constexpr):
             is_pure=False,
             pack=1,
         )
+
+
+def slab_args(slabs: torch.Tensor | None, like: torch.Tensor, count: int) -> dict:
+    """The keyword arguments of a launch that asks, per chosen expert, for the first bytes of that expert's weights
+    (slabs [E, ...], one contiguous slab per expert): PF, PF_STRIDE (bytes from one slab to the next), PF_BYTES
+    (per slab, so that `count` slabs stay within budget(), a multiple of 16) and PF_ON."""
+    on = slabs is not None and bool(mode(like.device))
+    if on:
+        es = slabs.element_size()
+        per = slabs[0].numel() * es
+        on = slabs[0].is_contiguous() and slabs.data_ptr() % 16 == 0 and slabs.stride(0) * es % 16 == 0
+    if not on:
+        return {"PF": like, "PF_STRIDE": 0, "PF_BYTES": 0, "PF_ON": False}
+    nbytes = min(per, budget() // max(count, 1)) // 16 * 16
+    return {"PF": slabs, "PF_STRIDE": slabs.stride(0) * slabs.element_size(), "PF_BYTES": nbytes, "PF_ON": nbytes > 0}
+
+
+@triton.jit
+def prefetch_slabs(base, ids, valid, stride_bytes, nbytes, ON: tl.constexpr):
+    """For each of ids [N] where valid: bytes [0, nbytes) of the slab at base + id * stride_bytes (16-byte aligned,
+    nbytes a multiple of 16) asked into L2, in PIECES bulk requests. A no-op unless ON."""
+    if ON:
+        piece = tl.cdiv(nbytes, 16 * PIECES) * 16
+        offs = tl.arange(0, PIECES).to(tl.int64) * piece
+        size = tl.minimum(tl.maximum(nbytes - offs, 0), piece).to(tl.int32)
+        ptrs = base.to(tl.pointer_type(tl.int8)) + ids.to(tl.int64)[:, None] * stride_bytes + offs[None, :]
+        size = tl.where(valid[:, None], size[None, :], 0)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptrs, size],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

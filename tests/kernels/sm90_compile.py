@@ -10,7 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import attention, delta_rule, linear
+from kernels import attention, delta_rule, linear, moe
 
 I32 = "*i32"
 
@@ -65,6 +65,12 @@ BUILDS = [
             PF_ON=True,
             PDL=True,
         ),  # fmt: skip
+    ),
+    (
+        moe._router_kernel,
+        _ptrs("Logits TopW PF", "*bf16", TopI=I32),
+        set(),
+        dict(K_TOP=8, NORM=True, SHARED=True, BE=256, KP=16, PF_ON=True, PDL=True),
     ),
     (
         linear._skinny_kernel,

@@ -42,15 +42,16 @@ def test_what_a_launch_asks_for(monkeypatch, mode):
 
 @pytest.mark.slow
 def test_the_asking_kernels_compile_for_sm90_with_the_prefetch():
-    """PTX with one bulk L2 prefetch (and the PDL wait) in the gated delta step, the decode attention and
-    skinny_linear as GpuHybrid launches them with TRITON_PD_L2_PREFETCH set, none without it; compiled in a process
-    of its own (TRITON_INTERPRET unset: the tests' conftest sets it without a GPU)."""
+    """PTX with bulk L2 prefetches (and the PDL wait) in the gated delta step, the decode attention, the MoE route
+    (the chosen experts' gate/up weights) and skinny_linear as GpuHybrid launches them with TRITON_PD_L2_PREFETCH
+    set, none without it; compiled in a process of its own (TRITON_INTERPRET unset: the tests' conftest sets it
+    without a GPU)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], capture_output=True, text=True,
                          env=env, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     counts = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(counts) == {"_gated_delta_step_kernel", "_decode_kernel", "_skinny_kernel"}
+    assert set(counts) == {"_gated_delta_step_kernel", "_decode_kernel", "_router_kernel", "_skinny_kernel"}
     for name, c in counts.items():
-        assert c["on"] == {"prefetch": 1, "wait": 1}, (name, c)
+        assert c["on"]["prefetch"] >= 1 and c["on"]["wait"] == 1, (name, c)
         assert c["off"]["prefetch"] == 0 and c["off"]["wait"] == 1, (name, c)
