@@ -53,6 +53,20 @@ def args(weight: torch.Tensor | None, like: torch.Tensor, min_mode: str = "on") 
 
 
 @triton.jit
+def _bulk_prefetch(ptrs, size):
+    """One `cp.async.bulk.prefetch.L2.global` per element: size bytes (int32, a multiple of 16; none when 0) from
+    ptrs (16-byte aligned). Its dummy result is not used; the asm is marked impure so that it stays."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def prefetch(base, nbytes, pid, nprog, ON: tl.constexpr):
     """Program pid of nprog asks for its share of bytes [0, nbytes) at base (16-byte aligned, nbytes a multiple of
     16) to be read into L2, in PIECES bulk requests of a multiple of 16 bytes. A no-op unless ON."""
@@ -61,14 +75,7 @@ def prefetch(base, nbytes, pid, nprog, ON: tl.constexpr):
         offs = (pid * PIECES + tl.arange(0, PIECES)).to(tl.int64) * piece
         size = tl.minimum(tl.maximum(nbytes - offs, 0), piece).to(tl.int32)
         ptrs = base.to(tl.pointer_type(tl.int8)) + offs
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptrs, size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        _bulk_prefetch(ptrs, size)
 
 
 def slab_args(slabs: torch.Tensor | None, like: torch.Tensor, count: int) -> dict:
@@ -96,11 +103,4 @@ def prefetch_slabs(base, ids, valid, stride_bytes, nbytes, ON: tl.constexpr):
         size = tl.minimum(tl.maximum(nbytes - offs, 0), piece).to(tl.int32)
         ptrs = base.to(tl.pointer_type(tl.int8)) + ids.to(tl.int64)[:, None] * stride_bytes + offs[None, :]
         size = tl.where(valid[:, None], size[None, :], 0)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptrs, size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        _bulk_prefetch(ptrs, size)

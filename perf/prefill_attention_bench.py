@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from perf.delta_rule_roofline import cuda_time
 from perf.limits import report_writer, wall_clock_limit
 
 # (query heads, KV heads, head dim) of the full-attention layers
@@ -37,24 +38,16 @@ SWEEP = [
 ]
 
 
-def cuda_time(fn, reps: int) -> float:
-    """Median seconds of fn() over reps, with CUDA events (wall clock off CUDA), after two warm-up calls."""
-    fn()
-    fn()
+def timed(fn, reps: int, cpu: bool) -> float:
+    """Median seconds of fn(): CUDA events (perf.delta_rule_roofline.cuda_time), or the wall clock for --cpu."""
+    if not cpu:
+        return cuda_time(fn, reps)
     times = []
-    for _ in range(reps):
-        if not torch.cuda.is_available():
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
         fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[reps // 2]
 
 
 def main(argv=None) -> int:
@@ -98,7 +91,7 @@ def main(argv=None) -> int:
 
         sdpa = partial(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True, scale=D**-0.5, enable_gqa=True)
 
-        t_ref = cuda_time(sdpa, a.reps)
+        t_ref = timed(sdpa, a.reps, a.cpu)
         ref = sdpa()[0].transpose(0, 1).float()
         shape = f"{name} ({H}, {Hkv}, {D})"
         lines.append(f"| {shape} | PyTorch SDPA (flash), contiguous | | {t_ref * 1e3:.2f} ms | "
@@ -120,7 +113,7 @@ def main(argv=None) -> int:
                 run = partial(attention.prefill_attention, q, k_pool, v_pool, *args, out=torch.empty_like(q), **setting)
 
                 try:
-                    t = cuda_time(run, a.reps)
+                    t = timed(run, a.reps, a.cpu)
                 except Exception as e:  # a setting past the device's shared memory: listed, not fatal
                     lines.append(f"| {shape} | kernel, slots {order} | {setting or 'default'} | "
                                  f"{type(e).__name__} | | | |")  # fmt: skip
