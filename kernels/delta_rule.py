@@ -500,38 +500,44 @@ def _gated_delta_step_kernel(
         sumsq += tl.sum(tl.where(mv, of * of, 0.0), 0)
     rstd = tl.rsqrt(sumsq / DV + eps)
     if NV == 1:  # the whole head in this program's registers
-        _gated_norm(o, orow, NormW, zrow, rv, mv, rstd, dt)
+        _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
     else:
         tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
         for vb in tl.static_range(NV):
             rv = vb * BV + tl.arange(0, BV)
             mv = rv < DV
-            _gated_norm(tl.load(orow + rv, mask=mv, other=0.0), orow, NormW, zrow, rv, mv, rstd, dt)
+            o = tl.load(orow + rv, mask=mv, other=0.0)
+            _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
 
 
 @triton.jit
-def _gated_norm(o, orow, NormW, zrow, rv, mv, rstd, dt):
-    """The gated RMSNorm of a head's raw outputs o at columns rv, given the head's rstd: (o * rstd, rounded) * w,
-    times silu(z), stored at orow."""
+def _gated_norm(o, optrs, w, zptrs, mask, rstd, dt):
+    """The gated RMSNorm of raw outputs o, given their head's rstd (broadcast to o): (o * rstd, rounded) * w,
+    times silu(z read at zptrs), stored at optrs."""
     y = (o.to(tl.float32) * rstd).to(dt)
-    y = (tl.load(NormW + rv, mask=mv, other=0.0) * y).to(tl.float32)
-    z = tl.load(zrow + rv, mask=mv, other=0.0).to(tl.float32)
-    tl.store(orow + rv, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
+    y = (w * y).to(tl.float32)
+    z = tl.load(zptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(optrs, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mask)
 
 
 @triton.jit
 def _gated_norm_rows_kernel(Core, Z, NormW, Out, stride_c, stride_z, stride_o, eps, HV: tl.constexpr,
-                            DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """One program per (row, value head): the raw outputs rounded to Out's dtype, then `_gated_norm`."""
+                            DV: tl.constexpr, BH: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One program per row, every value head at once ([BH, BV] tiles): the raw outputs rounded to Out's dtype,
+    each head's rstd, then `_gated_norm`."""
     enter(PDL)
-    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t = tl.program_id(0).to(tl.int64)
+    rh = tl.arange(0, BH)
     rv = tl.arange(0, BV)
     mv = rv < DV
+    m2 = (rh < HV)[:, None] & mv[None, :]
+    cols = rh[:, None] * DV + rv[None, :]
     dt = Out.dtype.element_ty
-    o = tl.load(Core + t * stride_c + h * DV + rv, mask=mv, other=0.0).to(dt)
+    o = tl.load(Core + t * stride_c + cols, mask=m2, other=0.0).to(dt)
     of = o.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(of * of, 0) / DV + eps)
-    _gated_norm(o, Out + t * stride_o + h * DV, NormW, Z + t * stride_z + h * DV, rv, mv, rstd, dt)
+    rstd = tl.rsqrt(tl.sum(of * of, 1) / DV + eps)
+    w = tl.load(NormW + rv, mask=mv, other=0.0)
+    _gated_norm(o, Out + t * stride_o + cols, w[None, :], Z + t * stride_z + cols, m2, rstd[:, None], dt)
 
 
 def gated_norm_rows(core: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, dtype) -> torch.Tensor:
@@ -544,9 +550,10 @@ def gated_norm_rows(core: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, e
     assert core.stride(1) == 1 and z.stride(1) == 1
     out = torch.empty(T, HV * DV, dtype=dtype, device=core.device)
     if T:
-        _gated_norm_rows_kernel[(T, HV)](
+        _gated_norm_rows_kernel[(T,)](
             core, z, norm_w, out, core.stride(0), z.stride(0), out.stride(0), eps, HV=HV, DV=DV,
-            BV=triton.next_power_of_2(DV), num_warps=4, **launch(core),
+            BH=triton.next_power_of_2(HV), BV=triton.next_power_of_2(DV), num_warps=4 if HV * DV <= 2048 else 8,
+            **launch(core),
         )  # fmt: skip
     return out
 
