@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from backends.server_process import ROOT, ServerProcess, free_ports
+
+STALE_S = 3600  # a test server's directory and log older than this are an earlier run's
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clear_earlier_runs():
+    """Each test server keeps its logs and model repository in .run/test-<name>-<port> for a failure's post-mortem;
+    those of earlier runs (untouched for STALE_S) go when a run starts, so that repeated runs do not pile them up
+    (hundreds of MB over a day of `make test`) while a run going on beside this one keeps its own."""
+    now = time.time()
+    for path in (ROOT / ".run").glob("test-*"):
+        try:
+            if now - path.stat().st_mtime < STALE_S:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink()
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove
+    yield
 
 
 class Server(ServerProcess):
