@@ -124,12 +124,13 @@ def _chunk_prep_kernel(
     """The state-independent chunk algebra (backends.common.model.delta_rule.chunk_prep) for chunk m of head h, read
     straight from the [T, H, .] rows: chunk m covers rows [row0[m], row0[m] + len[m]) (len <= C; the rest is
     padding with k = v = beta = g = 0, which leaves the state as it is). Within the chunk the delta-rule updates
-    fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16.
+    fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16 or, with
+    DOUBLING, by doubling the block size (SCAN["inverse"]).
     RAW: q, k, v are read from the conv output's rows (q_ptr: [T, 2 KD + H DV] float32, row stride stride_m; value
     head h reads key head h // R), q and k L2-normalised here (q times q_scale); g and beta computed here from the
     projection's a (g_ptr) and b (beta_ptr) columns (row stride stride_ab) as -exp(A_log) softplus(a + dt_bias) and
     sigmoid(b): what HybridModel._qkv_gates computes, without its tensors."""
-    tl.static_assert(C == 64)  # four blocks of 16 below
+    tl.static_assert(C == 64)  # four blocks of 16, or six doublings, below
     m, h = tl.program_id(0), tl.program_id(1)
     row0 = tl.load(row0_ptr + m).to(tl.int64)
     n = tl.load(len_ptr + m)
