@@ -7,8 +7,12 @@ read little (the gated delta step, the attention of one token). A launch given `
 weight (the next projection's) while it works, its programs each taking a share in `PIECES` bulk requests, so the
 projection after it reads what it can from L2. `GpuHybrid` passes out_proj's weights to the delta step and
 o_proj's to the decode attention (`TRITON_PD_L2_PREFETCH=1`, or `all` to have every `skinny_linear` launch also
-ask for the next projection's weights after its own loop); off by default until timed on an H200. Whatever is
-asked for beyond `budget()` bytes is left out (H200's L2 is 50 MB, shared with what the launches read)."""
+ask for the next projection's weights after its own loop). Whatever is asked for beyond `budget()` bytes is left
+out (H200's L2 is 50 MB, shared with what the launches read).
+
+Off by default: timed on an H200 (2026-12-05, perf/results/l2_prefetch_h200/) it made every launch chain slower.
+The layout's decode step took 1.18x / 1.03x / 1.02x as long at batch 1 / 32 / 128 (`all`: 1.73x at batch 1), and
+8 chained MoE layers at one token 9.0x their roofline against 1.80x without. Kept as an opt-in experiment."""
 
 from __future__ import annotations
 

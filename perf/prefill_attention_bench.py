@@ -35,6 +35,9 @@ SWEEP = [
     dict(block_m=128, block_n=32, num_warps=8, num_stages=2),
     dict(block_m=64, block_n=32, num_warps=4, num_stages=3),
     dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=32, num_warps=4, num_stages=2),
 ]
 
 

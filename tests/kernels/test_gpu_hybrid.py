@@ -267,7 +267,16 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
         torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
     assert gpu.stats["graph_steps"] == 4
     used = [s for sl in slots for s in sl]
-    torch.testing.assert_close(gpu.kv.buffer[:, :, used].float(), r[1].buffer[:, :, used].float(), **TOL)
+    kv, kv_ref = gpu.kv.buffer[:, :, used].float(), r[1].buffer[:, :, used].float()
+    if DTYPE == torch.float32:
+        torch.testing.assert_close(kv, kv_ref, **TOL)
+    else:
+        # The prefill's keys are rotated with float32 angles (the kernels' rope, as in the graphs); the reference
+        # rounds cos/sin to bfloat16 first, as transformers does. With the experts scaled (EXPERT_SCALE) one key
+        # of 20,480 differed by 0.039 on the H200 (2026-12-05): elementwise at twice the tolerance, and relative
+        # to the norm at 1% (a wrong rope or store is off by tens of percent).
+        torch.testing.assert_close(kv, kv_ref, atol=2 * TOL["atol"], rtol=2 * TOL["rtol"])
+        assert rel_err(kv, kv_ref) < 1e-2
     # the state integrates every step's rounding: elementwise in float32, relative to its norm in bfloat16
     if DTYPE == torch.float32:
         torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)
