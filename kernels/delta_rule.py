@@ -236,11 +236,23 @@ def _chunk_out_kernel(
 
 
 # Launch settings of the chunked prefill (perf/delta_rule_roofline.py --scan-sweep measures them). The matmuls
-# take float32 operands in three TF32 passes ("tf32x3"): tensor cores, with about float32's accuracy. inverse: how
+# take float32 operands in three TF32 passes ("tf32x3"): tensor cores, with about float32's accuracy. For models
+# whose activations are 16-bit (chunked(low_precision=True)) one TF32 pass ("precision_16bit"): on an H200 one layer
+# of 8,192 tokens took 2.50 ms against 4.02 ms, 2.4e-4 from the PyTorch float32 form against 1e-7, far below the
+# bf16 rounding of the layer's output (perf/results/l2_prefetch_h200/delta_precision.txt). inverse: how
 # the chunk algebra inverts I + A, "series" (forward substitution in blocks of 16, then a matmul series) or
 # "doubling" (twelve 64 x 64 matmuls, no loop of reductions; the whole chunked call on one layer of 8,192 tokens
 # took 7.0 ms with it against 4.0 ms with the series on an H200, perf/results/l2_prefetch_h200/inverse.txt).
-SCAN = {"bv": 32, "warps": 4, "out_bv": 64, "out_warps": 4, "prep_warps": 8, "precision": "tf32x3", "inverse": "series"}
+SCAN = {
+    "bv": 32,
+    "warps": 4,
+    "out_bv": 64,
+    "out_warps": 4,
+    "prep_warps": 8,
+    "precision": "tf32x3",
+    "precision_16bit": "tf32",
+    "inverse": "series",
+}
 _LAYOUTS: dict = {}  # (starts, lens, device) -> the chunk layout, built once per batch, not once per layer
 
 
@@ -261,7 +273,7 @@ def _chunk_layout(starts: list[int], lens: list[int], dev) -> tuple:
 
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tuple | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            out: torch.Tensor | None = None, low_precision: bool = False) -> torch.Tensor:  # fmt: skip
     """Sequences i = 0..N-1 own rows [starts[i], starts[i] + lens[i]) of q, k: [T, H, DK], v: [T, H, DV], g, beta:
     [T, H] (float32) and start from (and end in) state page pages[i] of state [pages, H, DK, DV]. pages: an int
     tensor [N] on the device; starts, lens: lists (or tensors) of ints. Returns o [T, H, DV] float32: `out` when
@@ -271,6 +283,9 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tup
     output mixed [T, 2 Hk DK + H DV] float32 (rows of unit stride), the projection's b and a columns [T, H], read
     by the first launch, which computes the L2 norms and the gates itself (HybridModel._qkv_gates' work, without
     its [T, H, DK] copies); the state shape gives DK and DV.
+
+    low_precision: the model's activations are 16-bit, so the matmuls may take SCAN["precision_16bit"] (one TF32
+    pass) instead of SCAN["precision"] (float32 models); the state and every sum stay float32.
 
     Three launches, none of them with host work per chunk or per layer (the chunk layout is built once per batch):
     the state-independent chunk algebra of every chunk of every sequence in parallel; the state carried across
@@ -303,7 +318,7 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tup
     firsts, counts, row0, clen = _chunk_layout(starts, lens, dev)
     M = row0.numel()
     bk, bvp = max(16, triton.next_power_of_2(DK)), max(16, triton.next_power_of_2(DV))
-    prec = SCAN["precision"] if dev.type == "cuda" else "ieee"
+    prec = SCAN["precision_16bit" if low_precision else "precision"] if dev.type == "cuda" else "ieee"
     u = torch.empty((H, M, CHUNK, DV), dtype=torch.float32, device=dev)
     v_new = torch.empty_like(u)
     w, qd, kd = (torch.empty((H, M, CHUNK, DK), dtype=torch.float32, device=dev) for _ in range(3))

@@ -190,8 +190,12 @@ def shapes():
 
 
 # random_weights' experts (std 0.02 at these widths) move a prompt's logits by at most 2e-3, and a wrong routing
-# weight by less than the float32 tolerance; scaled by 6 (each of gate, up and down) the experts move them by 0.3
-EXPERT_SCALE = 6.0
+# weight by less than the float32 tolerance; scaled by 6 (each of gate, up and down) the experts move them by 0.3.
+# Float32 only (the CPU run): in bf16 on the H200 the scaled experts turn the rounding differences between the
+# kernels and the reference into different top-k choices (tiny-moe-folded's prefill logits off by 0.16 at 15% of
+# the entries, 2026-12-05), so there the experts keep random_weights' scale; tests/kernels/test_moe.py checks the
+# MoE kernels themselves against the loop over experts in bf16.
+EXPERT_SCALE = 6.0 if DTYPE == torch.float32 else 1.0
 
 
 def build(cfg, slots=700, pages=12, max_batch=4, sizes=(1, 2, 4), linear_choice=None):

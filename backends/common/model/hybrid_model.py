@@ -312,7 +312,8 @@ class HybridModel:
             raw = (m, bb, aa, self.w[p + "A_log"], self.w[p + "dt_bias"], cfg.linear_num_key_heads)
             whole = sum(lr.lens) == x.shape[0]  # the spans are every row of the batch, in order: core is o
             o = self.kd.chunked(None, None, None, None, None, ssm, lr.multi_pages, lr.packed_starts, lr.lens,
-                                raw=raw, out=core if whole else None)  # fmt: skip
+                                raw=raw, out=core if whole else None,
+                                low_precision=self.dtype in (torch.bfloat16, torch.float16))  # fmt: skip
             if not whole:
                 for sl, s0, n in zip(lr.spans, lr.packed_starts, lr.lens):
                     core[sl] = o[s0 : s0 + n]
