@@ -238,8 +238,9 @@ def _chunk_out_kernel(
 # Launch settings of the chunked prefill (perf/delta_rule_roofline.py --scan-sweep measures them). The matmuls
 # take float32 operands in three TF32 passes ("tf32x3"): tensor cores, with about float32's accuracy. For models
 # whose activations are 16-bit (chunked(low_precision=True)) one TF32 pass ("precision_16bit"): on an H200 one layer
-# of 8,192 tokens took 2.50 ms against 4.02 ms, 2.4e-4 from the PyTorch float32 form against 1e-7, far below the
-# bf16 rounding of the layer's output (perf/results/l2_prefetch_h200/delta_precision.txt). inverse: how
+# of 8,192 tokens took 2.50 ms against 4.02 ms (2.37 ms with the chunk algebra in 4 warps: "prep_warps_16bit"),
+# 2.4e-4 from the PyTorch float32 form against 1e-7, far below the bf16 rounding of the layer's output
+# (perf/results/l2_prefetch_h200/delta_precision.txt). inverse: how
 # the chunk algebra inverts I + A, "series" (forward substitution in blocks of 16, then a matmul series) or
 # "doubling" (twelve 64 x 64 matmuls, no loop of reductions; the whole chunked call on one layer of 8,192 tokens
 # took 7.0 ms with it against 4.0 ms with the series on an H200, perf/results/l2_prefetch_h200/inverse.txt).
@@ -251,6 +252,7 @@ SCAN = {
     "prep_warps": 8,
     "precision": "tf32x3",
     "precision_16bit": "tf32",
+    "prep_warps_16bit": 4,
     "inverse": "series",
 }
 _LAYOUTS: dict = {}  # (starts, lens, device) -> the chunk layout, built once per batch, not once per layer
@@ -327,7 +329,7 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tup
     _chunk_prep_kernel[(M, H)](
         *args, row0, clen, u, w, qd, kd, attn, last, H, M, *extra,
         DK=DK, DV=DV, BK=bk, BV=bvp, C=CHUNK, PREC=prec, RAW=raw is not None, R=R, KD=KD,
-        DOUBLING=SCAN["inverse"] == "doubling", num_warps=SCAN["prep_warps"],
+        DOUBLING=SCAN["inverse"] == "doubling", num_warps=SCAN["prep_warps_16bit" if low_precision else "prep_warps"],
     )  # fmt: skip
     hs = torch.empty((H, M, DK, DV), dtype=torch.float32, device=dev)
     sp, sh, sk = _state_strides(state)
