@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import l2
 from kernels.pdl import enter, launch
 
 _LOG2E = 1.4426950408889634
@@ -34,15 +33,12 @@ def _decode_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr,
-    PF, PF_BYTES, PF_ON: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # the next projection's weights asked into L2 (kernels.l2) while this launch waits and works
-    l2.prefetch(PF, PF_BYTES, (b * tl.num_programs(1) + kvh) * NUM_SPLITS + split,
-                tl.num_programs(0) * tl.num_programs(1) * NUM_SPLITS, PF_ON)  # fmt: skip
-    enter(PDL)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(Rows + b).to(tl.int64)
     qrow = tl.load(QIdx + b).to(tl.int64)
@@ -186,7 +182,6 @@ def decode_attention(
     rope: tuple | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
     table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written.
@@ -196,9 +191,7 @@ def decode_attention(
     rope = (k, v, cos, sin, out_slots) fuses the rotary embedding and the KV store of the new token into the
     kernel (what `rope.rope_store_kv_` would do first): q and k ([T, Hkv, D], as the projection left them) are
     rotated at position seq_lens[b] - 1 with cos/sin [max_position, D/2]; the rotated k and v go into the pool at
-    out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated.
-
-    prefetch: weights to ask into L2 meanwhile (the output projection's; kernels.l2, when enabled)."""
+    out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated."""
     B = rows.shape[0]
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
@@ -229,8 +222,7 @@ def decode_attention(
         scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
-        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages, **l2.args(prefetch, q),
-        **launch(q),
+        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages, **launch(q),
     )  # fmt: skip
     return out
 

@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import l2
 from kernels.pdl import enter, launch
 
 CHUNK = 64
@@ -119,18 +118,17 @@ def _chunk_prep_kernel(
     u_ptr, w_ptr, qd_ptr, kd_ptr, attn_ptr, last_ptr, H, M,
     stride_m, stride_ab, a_log_ptr, dt_bias_ptr, q_scale,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    PREC: tl.constexpr, RAW: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DOUBLING: tl.constexpr,
+    PREC: tl.constexpr, RAW: tl.constexpr, R: tl.constexpr, KD: tl.constexpr,
 ):  # fmt: skip
     """The state-independent chunk algebra (backends.common.model.delta_rule.chunk_prep) for chunk m of head h, read
     straight from the [T, H, .] rows: chunk m covers rows [row0[m], row0[m] + len[m]) (len <= C; the rest is
     padding with k = v = beta = g = 0, which leaves the state as it is). Within the chunk the delta-rule updates
-    fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16 or, with
-    DOUBLING, by doubling the block size (SCAN["inverse"]).
+    fold into (I + A)^-1 with A = strictly_lower((beta k) k^T * decay), inverted here in blocks of 16.
     RAW: q, k, v are read from the conv output's rows (q_ptr: [T, 2 KD + H DV] float32, row stride stride_m; value
     head h reads key head h // R), q and k L2-normalised here (q times q_scale); g and beta computed here from the
     projection's a (g_ptr) and b (beta_ptr) columns (row stride stride_ab) as -exp(A_log) softplus(a + dt_bias) and
     sigmoid(b): what HybridModel._qkv_gates computes, without its tensors."""
-    tl.static_assert(C == 64)  # four blocks of 16, or six doublings, below
+    tl.static_assert(C == 64)  # four blocks of 16 below
     m, h = tl.program_id(0), tl.program_id(1)
     row0 = tl.load(row0_ptr + m).to(tl.int64)
     n = tl.load(len_ptr + m)
@@ -166,31 +164,23 @@ def _chunk_prep_kernel(
     a = tl.dot(kb, tl.trans(k), input_precision=PREC) * decay
     a = tl.where(rc[:, None] > rc[None, :], a, 0.0)
     eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    if DOUBLING:
-        # (I + A)^-1 by doubling the block size, matmuls only: X, the inverse of I + A's block diagonal of blocks
-        # of s, starts at I (s = 1); with E the part of A in the lower-left quarter of each block of 2s,
-        # (X E)^2 = 0, so the inverse for blocks of 2s is (I - X E) X = X - X E X. Six steps to 64.
-        x = eye
-        for i in tl.static_range(6):
-            r, c = rc[:, None] >> i, rc[None, :] >> i  # the blocks of s of rows and of columns
-            e = tl.where(((r >> 1) == (c >> 1)) & (r != c), a, 0.0)
-            x = x - tl.dot(tl.dot(x, e, input_precision=PREC), x, input_precision=PREC)
-    else:
-        # (I + A)^-1 in blocks of 16: with D the block diagonal of I + A and E the rest (strictly block lower),
-        # I + A = D (I + N), N = D^-1 E, N^4 = 0, so (I + A)^-1 = (I - N + N^2 - N^3) D^-1. D^-1 by forward
-        # substitution, the four diagonal blocks at once: 15 rows in turn, not 63.
-        same = (rc[:, None] // 16) == (rc[None, :] // 16)
-        y = -tl.where(same, a, 0.0)
-        for i in range(1, 16):  # rows i, 16 + i, 32 + i, 48 + i of D^-1 - I from the rows before them in their block
-            ri = (rc % 16) == i
-            row = tl.sum(tl.where(ri[:, None], y, 0.0), 0)  # the four rows, each in its own block's columns
-            row = row + tl.sum(row[:, None] * y, 0)
-            y = tl.where(ri[:, None] & same, row[None, :], y)
-        d_inv = y + eye
-        nn = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision=PREC)
-        n2 = tl.dot(nn, nn, input_precision=PREC)
-        n3 = tl.dot(n2, nn, input_precision=PREC)
-        x = tl.dot(eye - nn + n2 - n3, d_inv, input_precision=PREC)
+    # (I + A)^-1 in blocks of 16: with D the block diagonal of I + A and E the rest (strictly block lower),
+    # I + A = D (I + N), N = D^-1 E, N^4 = 0, so (I + A)^-1 = (I - N + N^2 - N^3) D^-1. D^-1 by forward
+    # substitution, the four diagonal blocks at once: 15 rows in turn, not 63. (Doubling the block size instead,
+    # X <- X - X E X from blocks of 1 to 64, matmuls only, took 7.0 ms against 4.0 ms for one layer of 8,192
+    # tokens on an H200, perf/results/l2_prefetch_h200/inverse.txt, and was taken out.)
+    same = (rc[:, None] // 16) == (rc[None, :] // 16)
+    y = -tl.where(same, a, 0.0)
+    for i in range(1, 16):  # rows i, 16 + i, 32 + i, 48 + i of D^-1 - I from the rows before them in their block
+        ri = (rc % 16) == i
+        row = tl.sum(tl.where(ri[:, None], y, 0.0), 0)  # the four rows, each in its own block's columns
+        row = row + tl.sum(row[:, None] * y, 0)
+        y = tl.where(ri[:, None] & same, row[None, :], y)
+    d_inv = y + eye
+    nn = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision=PREC)
+    n2 = tl.dot(nn, nn, input_precision=PREC)
+    n3 = tl.dot(n2, nn, input_precision=PREC)
+    x = tl.dot(eye - nn + n2 - n3, d_inv, input_precision=PREC)
     ecum = tl.exp(cum)
     last = tl.sum(tl.where(rc == C - 1, cum, 0.0), 0)  # padding has g = 0: the chunk's whole decay
     chunk = (h * M + m).to(tl.int64)
@@ -240,10 +230,7 @@ def _chunk_out_kernel(
 # whose activations are 16-bit (chunked(low_precision=True)) one TF32 pass ("precision_16bit"): on an H200 one layer
 # of 8,192 tokens took 2.50 ms against 4.02 ms (2.37 ms with the chunk algebra in 4 warps: "prep_warps_16bit"),
 # 2.4e-4 from the PyTorch float32 form against 1e-7, far below the bf16 rounding of the layer's output
-# (perf/results/l2_prefetch_h200/delta_precision.txt). inverse: how
-# the chunk algebra inverts I + A, "series" (forward substitution in blocks of 16, then a matmul series) or
-# "doubling" (twelve 64 x 64 matmuls, no loop of reductions; the whole chunked call on one layer of 8,192 tokens
-# took 7.0 ms with it against 4.0 ms with the series on an H200, perf/results/l2_prefetch_h200/inverse.txt).
+# (perf/results/l2_prefetch_h200/delta_precision.txt).
 SCAN = {
     "bv": 32,
     "warps": 4,
@@ -253,7 +240,6 @@ SCAN = {
     "precision": "tf32x3",
     "precision_16bit": "tf32",
     "prep_warps_16bit": 4,
-    "inverse": "series",
 }
 _LAYOUTS: dict = {}  # (starts, lens, device) -> the chunk layout, built once per batch, not once per layer
 
@@ -329,7 +315,7 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, pages, starts, lens, raw: tup
     _chunk_prep_kernel[(M, H)](
         *args, row0, clen, u, w, qd, kd, attn, last, H, M, *extra,
         DK=DK, DV=DV, BK=bk, BV=bvp, C=CHUNK, PREC=prec, RAW=raw is not None, R=R, KD=KD,
-        DOUBLING=SCAN["inverse"] == "doubling", num_warps=SCAN["prep_warps_16bit" if low_precision else "prep_warps"],
+        num_warps=SCAN["prep_warps_16bit" if low_precision else "prep_warps"],
     )  # fmt: skip
     hs = torch.empty((H, M, DK, DV), dtype=torch.float32, device=dev)
     sp, sh, sk = _state_strides(state)
@@ -462,17 +448,14 @@ def _gated_delta_step_kernel(
     Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages,
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr,
-    PF, PF_BYTES, PF_ON: tl.constexpr, PDL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
     all DV outputs (from registers with one block, else read back). PRELOAD: the first block's state is loaded
     before waiting for the launch before this one (the page was written by an earlier step, never by the launch
-    just before: the caller's promise). PF_ON: first, PF_BYTES of PF (the next projection's weights) are asked
-    into L2 (kernels.l2)."""
+    just before: the caller's promise)."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    l2.prefetch(PF, PF_BYTES, b * HV + h, tl.num_programs(0) * HV, PF_ON)
     rk = tl.arange(0, BK)
     mk = rk < DK
     if PRELOAD:
@@ -589,7 +572,7 @@ def step_settings(batch: int, preload: bool = False) -> dict:
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
-    out_pages: torch.Tensor | None = None, preload: bool = False, prefetch: torch.Tensor | None = None,
+    out_pages: torch.Tensor | None = None, preload: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -600,8 +583,7 @@ def gated_delta_step(
     projection, columns [z (HV * DV) | b (HV) | a (HV)] from z_off = mixed's width); state [pages, HV, DK, DV]
     float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers). preload:
     the state is read before waiting for the launch before (programmatic dependent launch); only where that launch
-    did not write the state pages read here. prefetch: weights to ask into L2 meanwhile (out_proj's; kernels.l2,
-    when enabled). Returns [B, HV * DV] in proj's dtype."""
+    did not write the state pages read here. Returns [B, HV * DV] in proj's dtype."""
     B = mixed.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
@@ -617,6 +599,6 @@ def gated_delta_step(
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
         DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
-        PRELOAD=preload, num_warps=num_warps, **l2.args(prefetch, mixed), **launch(mixed),
+        PRELOAD=preload, num_warps=num_warps, **launch(mixed),
     )  # fmt: skip
     return out

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import l2
 from kernels.delta_rule import conv_channels as _conv_channels
 from kernels.pdl import enter, launch
 
@@ -138,8 +137,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
     GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, CC, cs_page, KM1: tl.constexpr,
-    UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, PF, PF_BYTES, PF_ON: tl.constexpr,
-    PDL: tl.constexpr,
+    UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -153,8 +151,7 @@ def _skinny_kernel(
     conv step: state rows of KM1 taps in CS at page CPages[0], written at COutPages[0], weights CW), done by the
     program that finishes a column block, stored float32 to Mixed. UNROLL (one row): the loop over K unrolled
     (K_SPLIT = k_split), so every tile's load can be in flight at once. K_FIRST is the first step of either loop
-    (BLOCK_K after a preload). PF_ON: once its loop is done, each program asks its share of PF_BYTES of PF (the
-    next projection's weights) into L2 (kernels.l2)."""
+    (BLOCK_K after a preload)."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -206,7 +203,6 @@ def _skinny_kernel(
         offs_y = offs_n
         offs_p = offs_n
         mask_y = mask_n
-    l2.prefetch(PF, PF_BYTES, pid * SPLITS + ps, tl.num_programs(0) * SPLITS, PF_ON)
     if SPLITS == 1:
         tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
         if CONV:
@@ -269,7 +265,6 @@ def skinny_linear(
     preload: bool = False,
     conv: tuple | None = None,
     unroll: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -284,8 +279,7 @@ def skinny_linear(
     launch). conv = (weight [C, KM1 + 1], state [pages, C, KM1] float32 (unit stride in a page), pages [1],
     out_pages [1], mixed [1, C] float32), one row: the first C outputs also go through kernels.delta_rule.conv_step
     (its state read at pages, written at out_pages) into mixed. unroll (one row): the loop over K unrolled (a
-    compile per K). prefetch: the next projection's weights, asked into L2 once each program's loop is done
-    (kernels.l2, with TRITON_PD_L2_PREFETCH=all)."""
+    compile per K)."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -331,8 +325,7 @@ def skinny_linear(
         CONV=conv is not None, CS=cs, CW=cw, CPages=cpages, COutPages=cout_pages, Mixed=mixed,
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
         KM1=3 if conv is None else cw.shape[1] - 1, UNROLL=unroll, K_FIRST=block_k if preload else 0,
-        K_SPLIT=K // splits if unroll else 0, num_warps=num_warps, num_stages=num_stages,
-        **l2.args(prefetch, x, min_mode="all"), **launch(x),
+        K_SPLIT=K // splits if unroll else 0, num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 
@@ -359,49 +352,44 @@ def _conv_after(y: torch.Tensor, conv: tuple | None) -> torch.Tensor:
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None, conv: tuple | None = None,
-           prefetch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None, conv: tuple | None = None) -> torch.Tensor:
     """skinny_linear with `settings` (its keyword arguments) when given, else cuBLAS (F.linear). A setting chosen
     with fused work whose inputs are not given here runs without it. conv: skinny_linear's conv (a linear-attention
-    layer's in_proj), fused where the settings say conv, else conv_step after the product. prefetch: the next
-    projection's weights, for skinny_linear to ask into L2 (cuBLAS cannot)."""
+    layer's in_proj), fused where the settings say conv, else conv_step after the product."""
     if settings is None:
         return _conv_after(F.linear(x, w), conv)
-    return _skinny(x, w, settings, conv, prefetch=prefetch)
+    return _skinny(x, w, settings, conv)
 
 
-def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None,
-                 prefetch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
     """silu(gate) * up of gate_up = [gate | up], times w.T: one skinny_linear launch where `settings` say gated,
     else kernels.act.silu_mul and then `linear`."""
     if settings is not None and settings.get("gated"):
-        return _skinny(gate_up, w, settings, prefetch=prefetch)
+        return _skinny(gate_up, w, settings)
     from kernels.act import silu_mul
 
-    return linear(silu_mul(gate_up), w, settings, prefetch=prefetch)
+    return linear(silu_mul(gate_up), w, settings)
 
 
-def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, settings: dict | None,
-                         prefetch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
     """(x * sigmoid(gate)) @ w.T (a gated attention output into its o projection): one skinny_linear launch where
     `settings` say sigmoid, else torch.sigmoid, the product and `linear` (the same roundings)."""
     if settings is not None and settings.get("sigmoid"):
-        return _skinny(x, w, settings, sigmoid_gate=gate, prefetch=prefetch)
-    return linear(x * torch.sigmoid(gate), w, settings, prefetch=prefetch)
+        return _skinny(x, w, settings, sigmoid_gate=gate)
+    return linear(x * torch.sigmoid(gate), w, settings)
 
 
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
-                  settings: dict | None, conv: tuple | None = None,
-                  prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  settings: dict | None, conv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(rmsnorm(x + residual) * (1 + weight) @ w.T, the residual stream x + residual (x itself without a residual)).
     One skinny_linear launch, the residual stream written to a new tensor, where `settings` say norm (one row);
-    else kernels.norm.add_rms_norm (the residual updated in place) and `linear`. conv, prefetch: as for `linear`."""
+    else kernels.norm.add_rms_norm (the residual updated in place) and `linear`. conv: as for `linear`."""
     if settings is not None and settings.get("norm"):
         res_out = torch.empty_like(x) if residual is not None else x
-        return _skinny(x, w, settings, conv, norm=(residual, weight, eps, res_out), prefetch=prefetch), res_out
+        return _skinny(x, w, settings, conv, norm=(residual, weight, eps, res_out)), res_out
     from kernels.norm import add_rms_norm
 
-    y = linear(add_rms_norm(x, residual, weight, eps, offset=True), w, settings, conv, prefetch=prefetch)
+    y = linear(add_rms_norm(x, residual, weight, eps, offset=True), w, settings, conv)
     return y, (x if residual is None else residual)
 
 

@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import l2
 from kernels.pdl import enter, launch
 
 BLOCK_M = 16
@@ -194,12 +193,10 @@ def _down_kernel(
 @triton.jit
 def _router_kernel(Logits, TopI, TopW, E, stride_l,
                    K_TOP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BE: tl.constexpr,
-                   KP: tl.constexpr, PF, PF_STRIDE, PF_BYTES, PF_ON: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                   KP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Per token: softmax over the E experts (fp32), the top K by repeated arg-max (highest first, the lowest index
     on a tie), renormalised over the K when NORM; SHARED: one more pair, expert E with weight sigmoid(logit E).
-    The weights are rounded to TopW's dtype once, at the store (KP: K_TOP + SHARED rounded up to a power of 2).
-    PF_ON: the chosen experts' gate/up weights (PF, PF_BYTES of each) are asked into L2 (kernels.l2) for the
-    launch after this one, which can only read them once it knows the ids."""
+    The weights are rounded to TopW's dtype once, at the store (KP: K_TOP + SHARED rounded up to a power of 2)."""
     enter(PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BE)
@@ -225,30 +222,27 @@ def _router_kernel(Logits, TopI, TopW, E, stride_l,
         g = tl.load(row + E).to(tl.float32)
         ids = tl.where(kk == K_TOP, E, ids)
         ws = tl.where(kk == K_TOP, 1.0 / (1.0 + tl.exp(-g)), ws)
-    l2.prefetch_slabs(PF, ids, kk < K_OUT, PF_STRIDE, PF_BYTES, PF_ON)
     out = t * K_OUT
     tl.store(TopI + out + kk, ids, mask=kk < K_OUT)
     tl.store(TopW + out + kk, ws.to(TopW.dtype.element_ty), mask=kk < K_OUT)
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, dtype: torch.dtype, num_experts: int | None = None,
-          shared: bool = False, num_warps: int | None = None, prefetch: torch.Tensor | None = None):  # fmt: skip
+          shared: bool = False, num_warps: int | None = None):  # fmt: skip
     """The router's softmax and top-k in one launch: (top_w [T, K] in dtype, top_i [T, K] int32), as
     torch.topk(softmax(logits[:, :E], fp32)) (then / sum when norm, then rounded to dtype) gives them; E =
     num_experts (default: every column). shared: logits[:, E] is a shared expert's gate, added as pair K (expert E,
     weight its sigmoid). num_warps: per token (default SETTINGS["route_warps"]; fewer warps, fewer barriers in
-    the K rounds of arg-max). prefetch: the stacked gate/up weights [E(+1), 2I, H], of which the chosen experts'
-    are asked into L2 for `routed` when the tokens are few enough for its small path (kernels.l2, when enabled)."""
+    the K rounds of arg-max)."""
     T = logits.shape[0]
     E = logits.shape[1] if num_experts is None else num_experts
     k_out = top_k + int(shared)
     top_i = torch.empty((T, k_out), dtype=torch.int32, device=logits.device)
     top_w = torch.empty((T, k_out), dtype=dtype, device=logits.device)
     if T:
-        pf = l2.slab_args(prefetch if T <= SETTINGS["small_batch"] else None, logits, T * k_out)
         _router_kernel[(T,)](logits, top_i, top_w, E, logits.stride(0), K_TOP=top_k, NORM=norm, SHARED=shared,
                              BE=triton.next_power_of_2(E), KP=max(2, triton.next_power_of_2(k_out)),
-                             num_warps=num_warps or SETTINGS["route_warps"], **pf, **launch(logits))  # fmt: skip
+                             num_warps=num_warps or SETTINGS["route_warps"], **launch(logits))  # fmt: skip
     return top_w, top_i
 
 

@@ -19,16 +19,11 @@ tokens + causal attention (4 x T^2 / 2 x heads x head dim per full layer), again
 `--profile` also lists the prefill's kernels by GPU time.
 
 `--speculative`: the speculative step's graphs at each batch (every sequence verifies its input token and a draft,
-then the MTP head drafts the next), GPU time per replay against the decode step's and the same roofline.
-
-`--l2-prefetch on all`: after the step above (at the process's TRITON_PD_L2_PREFETCH, off by default), the decode
-graphs are captured again at each of these settings of kernels.l2 (the same projection choices, no new tuning)
-and every batch's graph step is timed again, against the first measurement of the same run."""
+then the MTP head drafts the next), GPU time per replay against the decode step's and the same roofline."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -188,31 +183,6 @@ def time_speculative(runner, B: int, a, gen) -> tuple[float, float]:
     return t_verify, t_both
 
 
-def l2_prefetch_steps(runner, name: str, first: dict, a, gen, write) -> list[str]:
-    """Table rows: each batch's graph step with the graphs captured again at each --l2-prefetch setting; then the
-    process's own setting is restored, while the graphs keep the last one (the caller times no decode step after:
-    only the eager prefill)."""
-    model, out = runner.model, []
-    before = os.environ.get("TRITON_PD_L2_PREFETCH")
-    quiet = argparse.Namespace(**{**vars(a), "eager_batches": [], "profile": False})
-    model.linear_fixed = True  # the choices the first capture timed
-    try:
-        for setting in a.l2_prefetch:
-            os.environ["TRITON_PD_L2_PREFETCH"] = "1" if setting == "on" else setting
-            model.capture(model.graph_sizes)
-            for B, (t0, roof) in first.items():
-                t = time_decode(runner, B, quiet, gen)[0]
-                out.append(f"| {name} | {B} | {setting} | {t * 1e3:.2f} ms | {t / roof:.2f}x | {t / t0:.3f}x |")
-                print(out[-1], flush=True)
-            write()
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_PD_L2_PREFETCH", None)
-        else:
-            os.environ["TRITON_PD_L2_PREFETCH"] = before
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["random:qwen3-next-layout", "random:qwen3.5-9b"])
@@ -231,9 +201,6 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative", action="store_true",
                     help="also time the speculative step's graphs (verify an input and a draft per sequence, then "
                          "the MTP head) against the decode step")  # fmt: skip
-    ap.add_argument("--l2-prefetch", nargs="*", default=[], choices=["on", "all"],
-                    help="also time the graph step with the decode graphs captured again at these "
-                         "TRITON_PD_L2_PREFETCH settings (kernels.l2)")  # fmt: skip
     ap.add_argument("--time-limit", type=float, default=540)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -256,7 +223,7 @@ def main(argv=None) -> int:
         "| tokens/s (loop) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    prefill_lines, spec_lines, l2_lines = [], [], []
+    prefill_lines, spec_lines = [], []
     gen = torch.Generator().manual_seed(0)
     for spec in a.models:
         t0 = time.perf_counter()
@@ -274,12 +241,10 @@ def main(argv=None) -> int:
         kv_token = len(cfg.full_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv.buffer.element_size()
         state_page = runner.state.bytes_per_page
         name = spec.removeprefix("random:")
-        first: dict[int, tuple[float, float]] = {}  # batch -> (graph step, roofline), for --l2-prefetch
         for B in a.batches:
             t_graph, t_loop, t_eager = time_decode(runner, B, a, gen)
             w_bytes, _ = weights_read_per_step(runner, B)
             roof = (w_bytes + B * (a.context * kv_token + 2 * state_page)) / bw
-            first[B] = (t_graph, roof)
             rows.append(dict(model=name, batch=B, graph_s=t_graph, loop_s=t_loop, eager_s=t_eager, roofline_s=roof,
                              weight_bytes=w_bytes, state_bytes=state_page, kv_bytes_per_token=kv_token))  # fmt: skip
             eager = f"{t_eager * 1e3:.1f} ms" if t_eager is not None else "-"
@@ -294,8 +259,6 @@ def main(argv=None) -> int:
                 spec_lines.append(f"| {name} | {B} | {t_graph * 1e3:.2f} ms | {t_verify * 1e3:.2f} ms "
                                   f"({t_verify / t_graph:.2f}x) | {both} | {t_verify / roof:.2f}x |")  # fmt: skip
             write()
-        if a.l2_prefetch:
-            l2_lines += l2_prefetch_steps(runner, name, first, a, gen, write)
         if a.prefill:
             page = max(a.batches)
             slots = list(range(a.prefill))
@@ -338,11 +301,6 @@ def main(argv=None) -> int:
                   "(2 query rows), then the MTP head drafts from both; two tokens per sequence when the draft is "
                   "kept.", "", "| model | batch | decode step | verify | verify + MTP | verify / roofline |",
                   "|---|---:|---:|---:|---:|---:|", *spec_lines]  # fmt: skip
-    if l2_lines:
-        lines += ["", "Graph step with the decode graphs captured again at each `--l2-prefetch` setting "
-                  "(kernels.l2), same run, same projection choices:", "",
-                  "| model | batch | TRITON_PD_L2_PREFETCH | graph step | graph / roofline | against the first |",
-                  "|---|---:|---|---:|---:|---:|", *l2_lines]  # fmt: skip
     if prefill_lines:
         lines += ["", "| model | prompt | prefill | tokens/s | model FLOP rate | of matmul rate |",
                   "|---|---:|---:|---:|---:|---:|", *prefill_lines]  # fmt: skip

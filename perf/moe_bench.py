@@ -19,7 +19,6 @@ script runs, on small shapes."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from functools import partial
@@ -60,8 +59,7 @@ def fused_layer(x, w, K, norm, settings=None):
     settings = settings or {}
     E = w["router"].shape[0] - 1
     logits = linear.linear(x, w["router"], settings.get("router"))
-    top_w, top_i = moe.route(logits, K, norm, x.dtype, E, shared=True, num_warps=settings.get("route_warps"),
-                             prefetch=w["gate_up"])  # fmt: skip
+    top_w, top_i = moe.route(logits, K, norm, x.dtype, E, shared=True, num_warps=settings.get("route_warps"))
     return moe.routed(x, top_i, top_w, w["gate_up"], w["down"], settings=settings)
 
 
@@ -125,9 +123,8 @@ def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, input
         "",
         f"## {L} MoE layers in one graph, each with its own weights (`--chain {L}`)",
         "",
-        "| tokens | per layer | roofline per layer | per layer / roofline | one layer replayed alone / roofline |"
-        + (" with TRITON_PD_L2_PREFETCH=1 / roofline |" if a.l2_prefetch else ""),
-        "|---:|---:|---:|---:|---:|" + ("---:|" if a.l2_prefetch else ""),
+        "| tokens | per layer | roofline per layer | per layer / roofline | one layer replayed alone / roofline |",
+        "|---:|---:|---:|---:|---:|",
     ]
     for T in a.batches:
         x = inputs[T][0]
@@ -146,16 +143,7 @@ def chain_rows(a, lines, rows, write, bw, expert_bytes, dense_bytes, rand, input
         roof /= L
         alone = next((r["fused_graph_s"] / r["roofline_s"] for r in rows if r.get("tokens") == T), float("nan"))
         rows.append(dict(chain=L, tokens=T, per_layer_s=t, roofline_s=roof))
-        line = f"| {T} | {t * 1e3:.3f} ms | {roof * 1e3:.3f} ms | **{t / roof:.2f}x** | {alone:.2f}x |"
-        if a.l2_prefetch:  # the same layers captured again with kernels.l2 asking for the experts' weights
-            os.environ["TRITON_PD_L2_PREFETCH"] = "1"
-            try:
-                t_l2 = (cuda_time(capture_graph(run).replay, a.reps) if cuda else timed(run, 1, False)) / L
-            finally:
-                os.environ.pop("TRITON_PD_L2_PREFETCH")
-            rows[-1]["per_layer_l2_s"] = t_l2
-            line += f" {t_l2 / roof:.2f}x |"
-        lines.append(line)
+        lines.append(f"| {T} | {t * 1e3:.3f} ms | {roof * 1e3:.3f} ms | **{t / roof:.2f}x** | {alone:.2f}x |")
         write()
 
 
@@ -173,8 +161,6 @@ def main(argv=None) -> int:
                     help="also time this many MoE layers, each with its own weights, in one graph (as a decode step "
                          "runs its layers: no graph launch per layer, no weights left in L2 by the layer before); 0: "
                          "off")  # fmt: skip
-    ap.add_argument("--l2-prefetch", action="store_true",
-                    help="--chain: also time the chained layers with TRITON_PD_L2_PREFETCH=1 (kernels.l2)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--time-limit", type=float, default=300)

@@ -55,11 +55,6 @@ class _Norm:
         return self.a.shape
 
 
-def _first_projection(L: dict) -> torch.Tensor | None:
-    """The weights a layer's step reads first: its in_proj or its q|gate|k|v projection."""
-    return L["qkv"] if L["full"] else L["in_proj"]
-
-
 class GpuHybrid(DecodeGraphs):
     # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
     # norms before in_proj / qkv / gate_up, the attention output's sigmoid gate, the MLP's silu(gate) * up
@@ -175,17 +170,16 @@ class GpuHybrid(DecodeGraphs):
         choice = {n: self.linear_choice.get((n, rows)) for n in names}
         eps = self.cfg.rms_norm_eps
 
-        def lin(x, L, name, gated=False, gate=None, conv=None, prefetch=None):
-            """prefetch: the weights of the projection after this one (kernels.l2)."""
+        def lin(x, L, name, gated=False, gate=None, conv=None):
             c = choice[name]
             if isinstance(x, _Norm):  # the norm in the projection's launch where the choice says norm
-                y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c, conv, prefetch=prefetch)
+                y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c, conv)
                 return y
             if gated:  # x is [gate | up]: silu(gate) * up goes in
-                return self.k_lin.gated_linear(x, L[name], c, prefetch=prefetch)
+                return self.k_lin.gated_linear(x, L[name], c)
             if gate is not None:  # x * sigmoid(gate) goes in
-                return self.k_lin.sigmoid_gated_linear(x, gate, L[name], c, prefetch=prefetch)
-            return self.k_lin.linear(x, L[name], c, conv, prefetch=prefetch)
+                return self.k_lin.sigmoid_gated_linear(x, gate, L[name], c)
+            return self.k_lin.linear(x, L[name], c, conv)
 
         return lin
 
@@ -208,18 +202,17 @@ class GpuHybrid(DecodeGraphs):
             else:
                 a = self._linear_attention(x, L, inp, lin, halves)
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
-            after = _first_projection(self.layers[i + 1]) if i + 1 < len(self.layers) else None
-            x = self._mlp(a, x.h, L, i, lin, nxt, after)
+            x = self._mlp(a, x.h, L, i, lin, nxt)
         return self._normed(x)
 
-    def _mlp(self, a, h, L, key, lin, nxt, after=None) -> _Norm:
+    def _mlp(self, a, h, L, key, lin, nxt) -> _Norm:
         """h + a, plus the MLP of its rmsnorm; returns the rmsnorm of that with weight nxt (the next layer's input
-        norm), pending (`_Norm`). after: the next layer's first projection weights (kernels.l2)."""
+        norm), pending (`_Norm`)."""
         x = _Norm(a, h, L["ln2"])
         if L["moe"]:
             m = self.eager.mlp(self._normed(x), L["mlp"], key, router=lambda xn, w: lin(xn, L, "router"))
         else:
-            m = lin(lin(x, L, "gate_up", prefetch=L["down"]), L, "down", gated=True, prefetch=after)
+            m = lin(lin(x, L, "gate_up"), L, "down", gated=True)
         return _Norm(m, x.h, nxt)
 
     def _linear_attention(self, x, L, inp, lin, halves: int | None = None):
@@ -232,9 +225,9 @@ class GpuHybrid(DecodeGraphs):
         writes = [None] * len(parts) if halves is None else [inp[6, p] for p in parts]
         mixed = torch.empty(n, cfg.conv_dim, dtype=torch.float32, device=self.device)
         if halves is None:  # the conv step in the projection's launch where the choice says conv (one row)
-            proj = lin(x, L, "in_proj", conv=(L["conv"], conv, inp[5], inp[5], mixed), prefetch=L["out"])
-        else:  # proj: [n, conv_dim | z | b | a]
-            proj = lin(x, L, "in_proj", prefetch=L["out"])
+            proj = lin(x, L, "in_proj", conv=(L["conv"], conv, inp[5], inp[5], mixed))  # [n, conv_dim | z | b | a]
+        else:
+            proj = lin(x, L, "in_proj")
             for p, w in zip(parts, writes):
                 self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
         core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
@@ -242,10 +235,9 @@ class GpuHybrid(DecodeGraphs):
         for i, (p, w) in enumerate(zip(parts, writes)):  # the drafts' rows read what the launch before wrote
             self.k_dr.gated_delta_step(
                 mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core[p], out_pages=w, prefetch=L["out"] if i == 0 else None,
-                **self.k_dr.step_settings(p.stop - p.start, preload=i == 0),
+                cfg.rms_norm_eps, out=core[p], out_pages=w, **self.k_dr.step_settings(p.stop - p.start, preload=i == 0),
             )  # fmt: skip
-        return lin(core, L, "out", prefetch=L.get("gate_up"))
+        return lin(core, L, "out")
 
     def _full_attention(self, x, L, inp, bs, lin):
         """bs: the number of query rows (inp's columns)."""
@@ -253,17 +245,16 @@ class GpuHybrid(DecodeGraphs):
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kl = L["kv_layer"]
         k_pool, v_pool = self.kv.k(kl), self.kv.v(kl)
-        qkv = lin(x, L, "qkv", prefetch=L["o"])  # [B, q | gate | k | v]
+        qkv = lin(x, L, "qkv")  # [B, q | gate | k | v]
         q = self.k_rope.qk_norm_rope_store_kv_(
             qkv, H, Hkv, L["q_norm"], L["k_norm"], cfg.rms_norm_eps, inp[1], self.cos, self.sin, k_pool, v_pool,
             inp[2],
         )  # fmt: skip
         attn = self.k_attn.decode_attention(
             q, k_pool, v_pool, self.table.table, inp[3], inp[4], self.eager.scale, q_idx=self.qidx[:bs],
-            counters=self.attn_counters, prefetch=L["o"], **self.k_attn.decode_settings(bs, Hkv, D),
+            counters=self.attn_counters, **self.k_attn.decode_settings(bs, Hkv, D),
         )  # fmt: skip
-        # the output's sigmoid gate in o's launch
-        return lin(attn.view(-1, H * D), L, "o", gate=qkv[:, H * D : 2 * H * D], prefetch=L.get("gate_up"))
+        return lin(attn.view(-1, H * D), L, "o", gate=qkv[:, H * D : 2 * H * D])  # the output's sigmoid gate
 
     # ----- speculative verification in graphs -----
     # A verification graph of bs sequences has 2 * bs query rows: column i is sequence i's input token, column

@@ -361,8 +361,7 @@ class HybridModel:
         gate_up, down = self.experts[key]
         E = cfg.num_experts
         logits = router(x, self.router[key])  # [T, E + 1]: the last column is the shared expert's gate
-        top_w, top_i = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype, E, self.fold_shared,
-                                 prefetch=gate_up)  # fmt: skip
+        top_w, top_i = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype, E, self.fold_shared)
         if self.fold_shared:
             return moe.routed(x, top_i, top_w, gate_up, down)
         shared = self._gated_mlp(x, p + "shared_expert.")
