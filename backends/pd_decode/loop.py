@@ -254,7 +254,7 @@ class DecodeLoop:
                     self.steps.flush()  # this schedule may look at token histories or hand slots out
                 t1 = self.clock()
                 lt["wait"] += t1 - t0
-                plan = self.sched.schedule()
+                plan = self.sched.schedule(decode_only=self.steps.pending)  # pending: may_keep said so
                 for req in plan.ended:
                     self._emit(req, [], "length")
                 for req in plan.failed:

@@ -42,6 +42,7 @@ an idle scheduler with work waiting (it must never happen).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -248,6 +249,9 @@ class DecodeScheduler:
         self.num_stale = 0
         self.max_epoch = 0
         self.num_unfittable = 0  # requests ended by the liveness guard
+        # until when (clock) a full schedule() is known to plan one more decode token for every running request and
+        # nothing else (`quiet`); any input (arrival, answer, finish, cancel) ends it
+        self._quiet_until = -math.inf
 
     def _move(self, req: InferReq, to: ReqState) -> None:
         """The one place a request changes state: a move the table does not allow is a bug, raised at once."""
@@ -298,12 +302,14 @@ class DecodeScheduler:
         req.arrival = self._arrivals
         self._arrivals += 1
         self.reqs[req.rid] = req
+        self._quiet_until = -math.inf
 
     def cancel(self, rid: str, reason: str = "cancelled") -> InferReq | None:
         """End a request now. Slots an in-flight transfer may still write stay reserved until it answers."""
         req = self.reqs.pop(rid, None)
         if req is None:
             return None
+        self._quiet_until = -math.inf
         self._drop_host(rid)  # any later use of its host slots is a later copy on the same FIFO stream
         job = self._inflight_of(req)
         if job is not None:
@@ -322,6 +328,7 @@ class DecodeScheduler:
             self.pool.free([req.slots.pop()])
 
     def finish(self, req: InferReq, reason: str) -> None:
+        self._quiet_until = -math.inf
         self._drop_reserved(req)
         self.reqs.pop(req.rid, None)
         self._drop_host(req.rid)
@@ -332,6 +339,7 @@ class DecodeScheduler:
     def on_transfer_done(
         self, rid: str, epoch: int, ok: bool, first_token: int | None = None, error: str | None = None
     ) -> Completion:
+        self._quiet_until = -math.inf
         job = self.inflight.pop((rid, epoch), None)
         orphan = self.orphans.pop((rid, epoch), None)
         if orphan is not None:  # cancelled meanwhile: the transfer has answered, so its slots are safe to reuse
@@ -374,8 +382,16 @@ class DecodeScheduler:
         return req.state is ReqState.PAUSED and (req.rid, req.epoch) in self.inflight
 
     # ---- planning ----------------------------------------------------------------------------------------
-    def schedule(self) -> Plan:
+    def schedule(self, decode_only: bool = False) -> Plan:
+        """The next plan. decode_only (only while `quiet`, which decode's overlapped steps check): one more decode
+        token for every running request and nothing else, so it may run over a step whose tokens are unread."""
         plan = Plan()
+        if decode_only:
+            self._checkpoint_running()
+            self._reserve_decode_slots(plan)
+            plan.decode = [r for r in self.by_state(ReqState.RUNNING) if len(r.slots) >= r.num_tokens]
+            return plan
+        self._quiet_until = -math.inf
         self._end_at_capacity(plan)
         self._checkpoint_running()
         self._reserve_decode_slots(plan)
@@ -386,7 +402,33 @@ class DecodeScheduler:
             self._admit_waiting(plan)
         self._ensure_progress(plan)
         plan.decode = [r for r in self.by_state(ReqState.RUNNING) if len(r.slots) >= r.num_tokens]
+        self._quiet_until = self._quiet_after(plan)
         return plan
+
+    def quiet(self) -> bool:
+        """Whether the next schedule() would be one more decode token for every running request and nothing
+        else: the last one planned nothing beyond that, no input came since, and no turn of rotation (or its
+        prefetch) falls due yet. Requests may be paused or waiting meanwhile: none of them fits (room only shrinks
+        while the running requests grow, until an input frees some), so until one of those happens their
+        schedules would change nothing for them."""
+        return self.clock() < self._quiet_until
+
+    def _quiet_after(self, plan: Plan) -> float:
+        if (plan.paused or plan.transfers or plan.swap_outs or plan.swap_ins or plan.recomputes or plan.restarted
+                or plan.resumed_local or plan.ended or plan.failed or self.inflight or self.orphans):  # fmt: skip
+            return -math.inf
+        paused = self._paused_in_order()
+        if self.quantum <= 0 or not paused:
+            return math.inf
+        # a turn needs the head to have waited turn_wait and a running request to have run a quantum; its
+        # prefetch starts half a quantum before the head's wait is over
+        running = self.by_state(ReqState.RUNNING)
+        due = paused[0].paused_at + self.turn_wait
+        if running:
+            due = max(due, min(r.running_since for r in running) + self.quantum)
+        if self.prefetch_margin is not None and self.host_pool is not None and self.state is None:
+            due = min(due, paused[0].paused_at + self.turn_wait - self.quantum / 2)
+        return due
 
     def _ensure_progress(self, plan: Plan) -> None:
         """Liveness, enforced: if after planning nothing runs and nothing is in flight while requests wait, every

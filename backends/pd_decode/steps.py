@@ -6,9 +6,13 @@ the real one and feeds it to the next step (a span id of -1, see `GpuLlama.launc
 those requests' token histories until the step is read, so the loop schedules over an unread step only when the
 plan is certain to be one more decode token for every running request (`may_keep`):
 
-- nothing waits, is paused, recovers or is in flight: no admission, no rotation, no recovery, so no slot goes to
+- nothing recovers or is in flight, and nothing waits or is paused unless the scheduler is `quiet` (its last full
+  plan was decode only, no input came since and no turn of rotation is due: what waits still cannot fit), and then
+  the plan is made with `schedule(decode_only=True)`: no admission, no rotation, no recovery, so no slot goes to
   prefill (another process) or to the host tier's copy stream while the GPU may still write it;
-- the pool has a free slot for every running request: the reservation pauses nobody and evicts nothing;
+- the pool's free slots and unlocked cache entries hold a slot for every running request: the reservation pauses
+  nobody (evicting an unlocked entry is safe: the unread step neither reads nor writes its slots, and what it
+  becomes is written by a later step on the same stream);
 - no running request is within one token of `max_len`, and every one is greedy with nothing banned;
 - the batch replays a captured graph.
 
@@ -60,13 +64,18 @@ class DecodeSteps:
         s = self.sched
         if busy or s.inflight or s.orphans:
             return False
-        running = []
+        running, quiet = [], None
         for r in s.reqs.values():
             if r.state is not ReqState.RUNNING:
-                return False
+                if r.state not in (ReqState.PAUSED, ReqState.WAITING):
+                    return False
+                quiet = s.quiet() if quiet is None else quiet
+                if not quiet:
+                    return False
+                continue
             running.append(r)
         return (
-            s.pool.num_free >= len(running)
+            s.pool.num_free + s.radix.evictable_size >= len(running)
             and self.runner.graph_batch(len(running))
             and all(r.num_tokens + 1 < s.max_len for r in running)
             and greedy_unbanned(running, self.eos)

@@ -19,14 +19,18 @@ from tests.common.test_engine import DeferredLaunch
 class Loop:
     """decode's scheduler loop without Triton: prefill is the same runner, answering one iteration later."""
 
-    def __init__(self, runner, pool: int, overlap: bool, max_batch: int = 4):
+    def __init__(self, runner, pool: int, overlap: bool, max_batch: int = 4, tick: float = 0.0, **sched_kw):
+        """tick: the scheduler's clock advances this much per iteration (rotation's quantum and turns)."""
         self.runner = DeferredLaunch(runner) if overlap else runner
         self.eos = runner.cfg.eos_token_ids
-        self.sched = DecodeScheduler(KVPool(pool), max_running=max_batch, max_len=runner.cfg.max_position_embeddings)
+        self.now, self.tick = 0.0, tick
+        self.sched = DecodeScheduler(KVPool(pool), max_running=max_batch, max_len=runner.cfg.max_position_embeddings,
+                                     clock=lambda: self.now, **sched_kw)  # fmt: skip
         self.steps = DecodeSteps(self.runner, self.sched, self.eos, self.on_token, overlap=overlap)
         self.transfers = []
         self.done: dict[str, tuple[list[int], str]] = {}
         self.kept = 0  # schedules run over an unread step
+        self.kept_beside_paused = 0  # of those, while requests were paused (the scheduler quiet)
 
     def on_token(self, req: InferReq, token: int, num_out: int) -> None:
         assert token != PENDING and req.output_ids[num_out - 1] == token
@@ -56,12 +60,14 @@ class Loop:
             c = self.sched.on_transfer_done(job.rid, job.epoch, True, token if job.sample else None)
             if c.first_token is not None:
                 self.on_token(c.req, c.first_token, len(c.req.output_ids))
+        self.now += self.tick
         if self.steps.pending:
             if self.steps.may_keep():
                 self.kept += 1
+                self.kept_beside_paused += any(r.state is ReqState.PAUSED for r in self.sched.reqs.values())
             else:
                 self.steps.flush()
-        plan = self.sched.schedule()
+        plan = self.sched.schedule(decode_only=self.steps.pending)
         if self.steps.pending:  # scheduled over an unread step: it may only have been one more decode token
             assert not (plan.paused or plan.transfers or plan.swap_outs or plan.ended or plan.resumed_local)
         for req in plan.ended:
@@ -138,6 +144,33 @@ def test_overlapped_decode_equals_synchronous(engine, runner, pool):
     # the tight pool pauses (those iterations read the step first, and recovery resumes the same tokens)
     assert (over.sched.num_pauses > 0) == (pool == 40) and over.sched.num_pauses == sync.sched.num_pauses
     assert over.sched.num_recoveries == sync.sched.num_recoveries
+    # while the paused ones cannot fit, the steps beside them overlap too
+    assert (over.kept_beside_paused > 0) == (pool == 40)
+
+
+def test_overlap_beside_paused_requests_keeps_rotation_turns(engine, runner):
+    """Rotation on a pool that holds about one answer: schedules over an unread step while others are paused
+    (the scheduler quiet until a turn falls due) give the same tokens, pauses, turns and recoveries as reading
+    every step first, and no turn comes later (the step before a due turn is read before it is planned)."""
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,", "Once upon a time")]
+
+    def requests():
+        return {0: [InferReq(f"r{i}", p, greedy(26)) for i, p in enumerate(prompts)]}
+
+    loops = []
+    for overlap in (False, True):
+        loop = Loop(runner, 48, overlap, tick=0.01, quantum=0.05, turn_wait=0.1)
+        loop.run(requests(), cancels={})
+        free, used, cached = loop.sched.accounting()
+        assert not loop.sched.reqs and used == 0 and free + cached == 48
+        loops.append(loop)
+    sync, over = loops
+    assert sync.done == over.done and all(len(ids) == 26 for ids, _ in over.done.values())
+    assert sync.sched.num_rotations > 2 and over.sched.num_rotations == sync.sched.num_rotations
+    assert over.sched.num_pauses == sync.sched.num_pauses
+    assert over.sched.num_recoveries == sync.sched.num_recoveries
+    assert over.kept_beside_paused > 5 and sync.kept == 0
 
 
 def test_may_keep_refuses_every_unsafe_schedule(engine, runner):
