@@ -192,7 +192,8 @@ class DecodeConfig(RoleConfig):
     decode_overlap: str = opt(
         "on",
         "decode launches step n+1 before reading step n's tokens whenever the next step is certain to be one more "
-        "greedy token for every running request (GPU decode graphs); off: every step is read before the next",
+        "greedy token for every running request (GPU decode graphs), also beside paused or waiting requests that "
+        "cannot fit yet; off: every step is read before the next",
         choices=("on", "off"),
     )
     speculative: str = opt(
