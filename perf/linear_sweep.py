@@ -1,5 +1,6 @@
 """The decode step's projections at small batch on the GPU: cuBLAS (F.linear) against `kernels.linear.skinny_linear`
-over a grid of launch settings, for the Llama-3.1-8B shapes, each timed in a CUDA graph of 32 launches over 32
+over a grid of launch settings (K split in parts too: --splits), for the Llama-3.1-8B shapes or
+random:qwen3-next-layout's (--shapes next_in next_out ...), each timed in a CUDA graph of 32 launches over 32
 distinct weights (as the 32 layers run, so L2 holds none of them), against the weight bytes at the copy bandwidth
 measured in the same run.
 
@@ -22,7 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.engine_bench import measure_bandwidth, write_report  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          # random:qwen3-next-layout's (hidden 2,048): a linear layer's in_proj (q, k, v, z, b, a) and out_proj, a
+          # full layer's qkv (q with its gate) and o, the MLP's gate_up and down
+          "next_in": (12352, 2048), "next_out": (2048, 4096), "next_qkv": (9216, 2048), "next_o": (2048, 4096),
+          "next_gate_up": (11264, 2048), "next_down": (2048, 5632)}  # fmt: skip
 LAYERS = 32
 
 
@@ -41,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-k", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1], help="K split in this many parts (1: none)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -67,10 +73,13 @@ def main(argv=None) -> int:
             ref = F.linear(x.float(), ws[0].float())
             best = None
             modes = [False, True] if M == 1 else [True]
-            for dot, bn, bk, nw, ns in itertools.product(modes, a.block_n, a.block_k, a.warps, a.stages):
-                if K % bk:
+            grid = itertools.product(modes, a.block_n, a.block_k, a.warps, a.stages, a.splits)
+            for dot, bn, bk, nw, ns, sp in grid:
+                if K % (bk * sp):
                     continue
                 s = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=dot)
+                if sp > 1:
+                    s["splits"] = sp
                 try:
                     linear.skinny_linear(x, ws[0], out=out, **s)
                     err = (out.float() - ref).abs().max().item()
