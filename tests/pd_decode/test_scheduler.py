@@ -312,3 +312,33 @@ def test_paused_kv_outlives_finished_kv_in_cache():
     s.pool.free(hog)
     plan = step(s)
     assert b in plan.resumed_local
+
+
+def test_quiet_until_an_input_or_a_due_turn_and_decode_only_plans_nothing_else():
+    """`quiet` (decode's overlapped steps plan over an unread step only then): after a full plan that only decodes,
+    while a paused request cannot fit; not after any input (arrival, answer, finish, cancel), nor once a rotation
+    turn falls due. schedule(decode_only=True) reserves the decode slots and does nothing for the others."""
+    now = [0.0]
+    s = DecodeScheduler(KVPool(24), quantum=0.1, turn_wait=0.3, clock=lambda: now[0])
+    a, b = mk(s, "a", 8), mk(s, "b", 8, base=100)
+    admit_and_run(s, [a, b])
+    assert not s.quiet()  # answers came in
+    while b.state is not ReqState.PAUSED:
+        step(s)
+    assert a.state is ReqState.RUNNING and not s.quiet()  # that plan paused b
+    step(s)  # decode only: b cannot fit beside a
+    assert s.quiet()
+    plan = s.schedule(decode_only=True)
+    assert plan.decode == [a] and not (plan.paused or plan.transfers or plan.swap_ins or plan.resumed_local)
+    assert b.state is ReqState.PAUSED and s.quiet()
+    s.after_decode(a, 5)
+    c = mk(s, "c", 4, base=200)
+    assert not s.quiet()  # an arrival: the next full plan decides about it
+    step(s)
+    assert c.state is ReqState.WAITING and s.quiet()  # paused requests go first: c waits, nothing else to plan
+    now[0] = b.paused_at + 0.3  # b's turn is due (a has run a quantum since it last resumed)
+    assert not s.quiet()
+    step(s)
+    assert b.state is not ReqState.PAUSED and a.state is ReqState.PAUSED and s.num_rotations == 1
+    s.cancel("c")
+    assert not s.quiet()
