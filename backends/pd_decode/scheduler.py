@@ -426,8 +426,10 @@ class DecodeScheduler:
         due = paused[0].paused_at + self.turn_wait
         if running:
             due = max(due, min(r.running_since for r in running) + self.quantum)
-        if self.prefetch_margin is not None and self.host_pool is not None and self.state is None:
-            due = min(due, paused[0].paused_at + self.turn_wait - self.quantum / 2)
+        head = paused[0]
+        if (self.prefetch_margin is not None and self.host_pool is not None and self.state is None
+                and self._prefetched.get(head.rid) != head.paused_at):  # fmt: skip
+            due = min(due, head.paused_at + self.turn_wait - self.quantum / 2)
         return due
 
     def _ensure_progress(self, plan: Plan) -> None:
