@@ -104,11 +104,18 @@ class HostKV:
         device_slots, host_slots = by_host_slot(job.device_slots, job.host_slots)
         for c in range(0, len(device_slots), CHUNK):
             d, h = device_slots[c : c + CHUNK], host_slots[c : c + CHUNK]
-            idx = torch.from_numpy(d).to(self.dev.device, non_blocking=True)
-            rows = self.dev.index_select(2, idx).permute(2, 0, 1, 3, 4)  # [n, layers, 2, heads, dim]
+            rows = self.dev.index_select(2, self._index(d)).permute(2, 0, 1, 3, 4)  # [n, layers, 2, heads, dim]
             rows = rows.contiguous()
             for off, first, n in runs(h):
                 self.buffer[first : first + n].copy_(rows[off : off + n], non_blocking=self.cuda)
+
+    def _index(self, slots: np.ndarray) -> torch.Tensor:
+        """Device slot numbers for index_select / index_copy_, on a GPU through pinned memory, so that the copy is
+        asynchronous: from pageable memory CUDA stages it through a bounce buffer, and whether the host then waits
+        for the copy stream (behind earlier chunks' DMA and the step the copies were ordered after) is up to the
+        driver. PyTorch's pinned-memory cache keeps the block until the copy has read it."""
+        t = torch.from_numpy(slots)
+        return t.pin_memory().to(self.dev.device, non_blocking=True) if self.cuda else t
 
     def swap_in(self, jobs: list[TransferJob]) -> list[TransferJob]:
         """Start the copies; returns the jobs already done (all of them on the CPU)."""
@@ -139,8 +146,7 @@ class HostKV:
             )
             for off, first, n in runs(h):
                 rows[off : off + n].copy_(self.buffer[first : first + n], non_blocking=self.cuda)
-            idx = torch.from_numpy(d).to(self.dev.device, non_blocking=True)
-            self.dev.index_copy_(2, idx, rows.permute(1, 2, 0, 3, 4))
+            self.dev.index_copy_(2, self._index(d), rows.permute(1, 2, 0, 3, 4))
 
     def done(self) -> list[TransferJob]:
         """Swap-ins whose copies have finished, in the order they were started."""
