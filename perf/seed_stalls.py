@@ -77,6 +77,9 @@ COUNTERS = {
     "swap_in_n": "pd_host_swap_in_seconds_count",
     "idle_swapping_s": "pd_decode_idle_swapping_seconds_total",
     "overlapped": "pd_decode_overlapped_steps_total",
+    "steps": "pd_decode_steps_total",
+    "handover_s": "pd_rotation_handover_seconds_sum",
+    "handover_n": "pd_rotation_handover_seconds_count",
     **{f"loop_{k}": f'pd_decode_loop_seconds_total{{part="{k}"' for k in LOOP_PARTS},
 }
 CLOSE_ALL = {
@@ -259,7 +262,19 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
                 f"{1e3 * r.get('swap_in_s', 0) / max(1, r.get('swap_in_n', 0)):.1f} / {r.get('idle_swapping_s', 0):.2f}"
             ),
         ),
-        ("decode steps launched over an unread step", lambda r: f"{r.get('overlapped', 0):,.0f}"),
+        (
+            "decode steps / of them launched over an unread step / mean batch",
+            lambda r: (
+                f"{r.get('steps', 0):,.0f} / {r.get('overlapped', 0):,.0f} / "
+                f"{r['output_tok_s'] * r['wall_s'] / max(1, r.get('steps', 0)):.2f}"
+            ),
+        ),
+        (
+            "rotation handover mean (ms) / in all (s)",
+            lambda r: (
+                f"{1e3 * r.get('handover_s', 0) / max(1, r.get('handover_n', 0)):.1f} / {r.get('handover_s', 0):.2f}"
+            ),
+        ),
         (
             "decode loop s: wait / schedule / copies / step",
             lambda r: " / ".join(f"{r.get('loop_' + k, 0):.1f}" for k in LOOP_PARTS),

@@ -217,6 +217,17 @@ class DecodeLoop:
             )
         }
         self._reported["overlapped"] = {"steps": 0}
+        self.c_steps = {"steps": m.counter("pd_decode_steps_total", "Decode steps launched, speculative ones included")}
+        self._reported["steps"] = {"steps": 0}
+        # a rotation turn's handover: from the step read before the plan that paused the running requests to the
+        # first token of each request that plan resumed (with one stream fitting, time no stream advances)
+        self.h_handover = m.histogram(
+            "pd_rotation_handover_seconds", "From the step read before a rotation turn to the resumed request's token",
+            buckets=[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0],
+        )  # fmt: skip
+        self._handover: dict[str, float] = {}  # rid -> when the step before its turn was read
+        self.handovers = 0  # observed, with their seconds in all: the histogram's count and sum, for tests and tools
+        self.handover_seconds = 0.0
         self.c_spec = {
             "drafts": m.counter("pd_decode_spec_draft_tokens_total", "Speculative draft tokens verified"),
             "accepted": m.counter("pd_decode_spec_accepted_tokens_total", "Speculative draft tokens kept"),
@@ -264,6 +275,9 @@ class DecodeLoop:
                     self.c_pauses.increment(len(plan.paused))
                 if plan.rotated:
                     self.c_rotations.increment(len(plan.rotated))
+                    resumed = [r.rid for r in plan.resumed_local] + [j.rid for j in plan.recomputes + plan.transfers]
+                    resumed += [j.rid for j in plan.swap_ins if not j.prefetch]
+                    self._handover.update(dict.fromkeys(resumed, t1))
                 for req in plan.resumed_local:
                     self.c_recover["local"].increment(1)
                     self.h_recovery.observe(self.clock() - req.paused_at)
@@ -485,6 +499,11 @@ class DecodeLoop:
         """`token` is output number num_out (default: the last) of req."""
         # "length" at sched.max_len: the model's context or the pool's size, whichever is smaller (a request that
         # outgrew the pool could never be given its next slot)
+        turn = self._handover.pop(req.rid, None)
+        if turn is not None:
+            self.handovers += 1
+            self.handover_seconds += self.clock() - turn
+            self.h_handover.observe(self.clock() - turn)
         reason = finish_reason(req, token, self.eos, self.sched.max_len, num_out=num_out)
         if reason:
             if num_out is not None:
@@ -494,6 +513,8 @@ class DecodeLoop:
 
     def _emit(self, req: InferReq, ids: list[int], reason: str | None, error: str | None = None) -> None:
         final = reason is not None or error is not None
+        if final:
+            self._handover.pop(req.rid, None)
         stream = self.streams.pop(req.rid, None) if final else self.streams.get(req.rid)
         self.watchdog.progress()
         if stream is not None:
@@ -535,6 +556,7 @@ class DecodeLoop:
         self._count_deltas("recovered", s.recovered_tokens, self.c_recovered)
         self._count_deltas("loop", self.loop_time, self.c_loop)
         self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
+        self._count_deltas("steps", {"steps": self.steps.num_steps}, self.c_steps)
         spec = {"drafts": self.steps.num_drafts, "accepted": self.steps.num_accepted}
         self._count_deltas("spec", spec, self.c_spec)
         self._count_deltas("kv", {**self.sink.counts, "failover": self.failovers}, self.c_kv)

@@ -80,6 +80,10 @@ def test_paused_answers_equal_unpaused_ones_through_host_swaps_and_rotation(serv
     sched = s.decode.sched
     assert sched.num_pauses > 0 and sched.num_rotations > 0 and sched.num_recoveries["host"] > 0
     assert sched.swapped_tokens["in"] > 0
+    # each turn's handover timed once, from the read before the turn to the resumed request's next token
+    loop = s.decode.loop
+    assert 0 < loop.handovers <= sum(sched.num_recoveries.values()) and loop.handover_seconds > 0
+    assert not loop._handover and loop.steps.num_steps >= max(len(x) for x in expected)
     # every recovery's completion was re-delivered under its old epoch: dropped and counted
     assert sched.num_stale >= sched.num_recoveries["host"] + sched.num_recoveries["prefill"]
     released(s)
