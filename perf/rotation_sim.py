@@ -5,6 +5,7 @@ queue, a prompt's prefill 20 ms, and decode waits for a copy only when nothing e
 
     python3 perf/rotation_sim.py                              # plain, round robin, smallest, smallest + prefetch
     python3 perf/rotation_sim.py --random 20                  # and 20 seeded loads of varied lengths each
+    python3 perf/rotation_sim.py --wait 0.3 0.4 --turn-cost 0.015  # turns that also cost 15 ms each
 
 Per policy and scenario: simulated seconds, output tokens/s (and the loss against plain), decode steps, steps at
 batch 1, the largest gap between two tokens of one answer, rotations and tokens swapped in. The defaults are the
@@ -43,8 +44,10 @@ class Clock:
 
 def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 65536, quantum: float = 0.1,
              wait: float = 0.3, step: float = 0.0045, swap_per_token: float = 11.5e-3 / 5000,
-             limit_s: float = 3600.0, **kw) -> dict:  # fmt: skip
-    """One stream per entry of `outs` (its output tokens), all arriving at once; returns the run's figures."""
+             limit_s: float = 3600.0, turn_cost: float = 0.0, **kw) -> dict:  # fmt: skip
+    """One stream per entry of `outs` (its output tokens), all arriving at once; returns the run's figures.
+    turn_cost: seconds decode stands still at each rotation turn, beyond waiting for its copies (the handover's
+    host work and pipeline restart, which the fake clock does not otherwise see)."""
     clock = Clock()
     s = DecodeScheduler(KVPool(pool), host_pool=KVPool(host), quantum=quantum, turn_wait=wait, clock=clock, **kw)
     for i, n in enumerate(outs):
@@ -63,6 +66,8 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
             if c.first_token is not None:
                 times[job.rid].append(clock.t)
         plan = s.schedule()
+        if plan.rotated:
+            clock.t += turn_cost
         pending += [(clock.t + PREFILL_S, job) for job in plan.transfers]
         for job in plan.swap_ins:  # one FIFO copy queue
             copy_free_at = max(copy_free_at, clock.t) + len(job.host_slots) * swap_per_token
@@ -92,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--step", type=float, default=0.0045, help="seconds per decode step")
     ap.add_argument("--swap-per-token", type=float, default=11.5e-3 / 5000, help="seconds per token swapped in")
-    ap.add_argument("--wait", type=float, default=0.3, help="--rotation-wait")
+    ap.add_argument("--wait", type=float, nargs="+", default=[0.3], help="--rotation-wait (several: each is run)")
+    ap.add_argument("--turn-cost", type=float, default=0.0,
+                    help="seconds decode stands still at each turn beyond its copies (host work, restart)")  # fmt: skip
     ap.add_argument("--random", type=int, default=0, help="also N seeded loads: 8 x ~2,000 and 16 x ~1,000 tokens, "
                     "each answer's length drawn 0.3-1.7x")  # fmt: skip
     a = ap.parse_args(argv)
@@ -101,24 +108,25 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(seed)
         for n, o in ((8, 2000), (16, 1000)):
             scenarios[f"random {seed}: {n} x ~{o}"] = [int(o * rng.uniform(0.3, 1.7)) for _ in range(n)]
-    kw = {"step": a.step, "swap_per_token": a.swap_per_token, "wait": a.wait}
-    means = {p: [] for p in a.policies}
-    print("| scenario | policy | s | tokens/s | vs plain | steps | at batch 1 | largest gap | rotations | swapped in |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    kw = {"step": a.step, "swap_per_token": a.swap_per_token, "turn_cost": a.turn_cost}
+    means = {(p, w): [] for p in a.policies for w in (a.wait if p != "plain" else a.wait[:1])}
+    print("| scenario | policy | wait | s | tokens/s | vs plain | steps | at batch 1 | largest gap | rotations | "
+          "swapped in |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, outs in scenarios.items():
         base = None
-        for p in a.policies:
-            r = simulate(outs, **kw, **POLICIES[p])
-            means[p].append(r["tokens_per_s"])
+        for p, w in means:
+            r = simulate(outs, wait=w, **kw, **POLICIES[p])
+            means[(p, w)].append(r["tokens_per_s"])
             base = r["tokens_per_s"] if p == "plain" else base
             loss = f"{1 - r['tokens_per_s'] / base:+.1%}" if base else "-"
-            print(f"| {name} | {p} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | {loss} | {r['steps']} | "
-                  f"{r['batch1_steps']} | {r['largest_gap']:.3f} | {r['rotations']} | {r['swapped_in']:,} |",
-                  flush=True)  # fmt: skip
+            print(f"| {name} | {p} | {'-' if p == 'plain' else w} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
+                  f"{loss} | {r['steps']} | {r['batch1_steps']} | {r['largest_gap']:.3f} | {r['rotations']} | "
+                  f"{r['swapped_in']:,} |", flush=True)  # fmt: skip
     if a.random:
-        for p, v in means.items():
+        for (p, w), v in means.items():
             rnd = v[2:]
-            print(f"mean tokens/s over the {len(rnd)} random loads, {p}: {sum(rnd) / len(rnd):.1f}")
+            print(f"mean tokens/s over the {len(rnd)} random loads, {p} (wait {w}): {sum(rnd) / len(rnd):.1f}")
     return 0
 
 

@@ -20,3 +20,12 @@ def test_the_command_prints_a_row_per_policy_and_scenario(capsys):
     assert main(["--policies", "plain", "smallest"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "+" in line]
     assert len(rows) == 4, rows
+
+
+def test_a_turn_cost_is_paid_at_every_rotation_and_each_wait_gets_its_rows(capsys):
+    base = simulate([5300] * 3, **POLICIES["smallest"])
+    costly = simulate([5300] * 3, turn_cost=0.01, **POLICIES["smallest"])
+    assert costly["rotations"] > 0 and costly["seconds"] > base["seconds"] + 0.5 * 0.01 * costly["rotations"]
+    assert main(["--policies", "plain", "smallest", "--wait", "0.3", "0.4", "--turn-cost", "0.01"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 x")]
+    assert [r.split(" | ")[2] for r in rows] == ["-", "0.3", "0.4"], rows
