@@ -501,9 +501,10 @@ class DecodeLoop:
         # outgrew the pool could never be given its next slot)
         turn = self._handover.pop(req.rid, None)
         if turn is not None:
+            took = self.clock() - turn
             self.handovers += 1
-            self.handover_seconds += self.clock() - turn
-            self.h_handover.observe(self.clock() - turn)
+            self.handover_seconds += took
+            self.h_handover.observe(took)
         reason = finish_reason(req, token, self.eos, self.sched.max_len, num_out=num_out)
         if reason:
             if num_out is not None:

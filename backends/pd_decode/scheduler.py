@@ -422,11 +422,10 @@ class DecodeScheduler:
             return math.inf
         # a turn needs the head to have waited turn_wait and a running request to have run a quantum; its
         # prefetch starts half a quantum before the head's wait is over
-        running = self.by_state(ReqState.RUNNING)
-        due = paused[0].paused_at + self.turn_wait
+        head, running = paused[0], self.by_state(ReqState.RUNNING)
+        due = head.paused_at + self.turn_wait
         if running:
             due = max(due, min(r.running_since for r in running) + self.quantum)
-        head = paused[0]
         if (self.prefetch_margin is not None and self.host_pool is not None and self.state is None
                 and self._prefetched.get(head.rid) != head.paused_at):  # fmt: skip
             due = min(due, head.paused_at + self.turn_wait - self.quantum / 2)

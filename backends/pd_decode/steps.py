@@ -64,16 +64,10 @@ class DecodeSteps:
         s = self.sched
         if busy or s.inflight or s.orphans:
             return False
-        running, quiet = [], None
-        for r in s.reqs.values():
-            if r.state is not ReqState.RUNNING:
-                if r.state not in (ReqState.PAUSED, ReqState.WAITING):
-                    return False
-                quiet = s.quiet() if quiet is None else quiet
-                if not quiet:
-                    return False
-                continue
-            running.append(r)
+        others = {r.state for r in s.reqs.values()} - {ReqState.RUNNING}
+        if others and (others - {ReqState.PAUSED, ReqState.WAITING} or not s.quiet()):
+            return False  # the others may only wait or be paused, and only while none of them can change
+        running = [r for r in s.reqs.values() if r.state is ReqState.RUNNING]
         return (
             s.pool.num_free + s.radix.evictable_size >= len(running)
             and self.runner.graph_batch(len(running))

@@ -10,16 +10,9 @@ import torch
 from backends.common.model.kv_store import KVStore, StateStore
 from backends.pd_decode import host_tier
 from backends.pd_decode.scheduler import SwapOut, TransferJob
+from tests.pd_decode.test_host_tier import StateCfg as Cfg
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class Cfg:  # a state page: 2 linear layers, conv 6 x 3, 2 heads of 4 x 4
-    conv_dim, linear_conv_kernel_dim, linear_num_value_heads, linear_key_head_dim = 6, 4, 2, 4
-    linear_value_head_dim, linear_layers = 4, [0, 1]
-
-    def state_floats_per_page(self):
-        return 2 * (6 * 3 + 2 * 4 * 4)
 
 
 def test_round_trip_through_chunks_and_jobs_is_exact(monkeypatch):

@@ -533,6 +533,14 @@ def test_hybrid_random_load_with_host_tier_rotation_and_cancels(seed):
 # ---- the executor's copies (backends/pd_decode/host_tier.py) on CPU tensors ------------------------------------
 
 
+class StateCfg:  # a state store's shape: 2 linear layers, conv 6 x 3, 2 heads of 4 x 4 (tests/kernels too)
+    conv_dim, linear_conv_kernel_dim, linear_num_value_heads, linear_key_head_dim = 6, 4, 2, 4
+    linear_value_head_dim, linear_layers = 4, [0, 1]
+
+    def state_floats_per_page(self):
+        return 2 * (6 * 3 + 2 * 4 * 4)
+
+
 def test_host_kv_round_trip_with_fragmented_host_slots(monkeypatch):
     import torch
 
@@ -565,15 +573,8 @@ def test_host_kv_round_trip_carries_the_state_page_bit_exact():
     from backends.pd_decode import host_tier
     from backends.pd_decode.scheduler import SwapOut, TransferJob
 
-    class Cfg:  # the state store's shape: 2 linear layers, conv 6 x 3, 2 heads of 4 x 4
-        conv_dim, linear_conv_kernel_dim, linear_num_value_heads, linear_key_head_dim = 6, 4, 2, 4
-        linear_value_head_dim, linear_layers = 4, [0, 1]
-
-        def state_floats_per_page(self):
-            return 2 * (6 * 3 + 2 * 4 * 4)
-
     dev = torch.randn(2, 2, 20, 2, 4)
-    state = StateStore(Cfg(), torch.randn(5, Cfg().state_floats_per_page()))
+    state = StateStore(StateCfg(), torch.randn(5, StateCfg().state_floats_per_page()))
     host = host_tier.HostKV(KVStore(dev), 16, state, num_pages=3)
     assert host.nbytes == 16 * host.bytes_per_slot + 3 * state.bytes_per_page
     want_kv, want_state = dev[:, :, [4, 5, 6]].clone(), state.buffer[2].clone()

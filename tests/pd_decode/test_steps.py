@@ -5,7 +5,11 @@ never schedules over an unread step when the plan could look at token histories.
 
 from __future__ import annotations
 
+import random
+import types
+
 import pytest
+import torch
 
 from backends.common.core.kv_pool import KVPool
 from backends.common.core.request import InferReq, ReqState, SamplingParams
@@ -208,8 +212,6 @@ class SlotModel:
     VOCAB, EOS = 61, 2
 
     def __init__(self, num_slots: int):
-        import types
-
         self.kv = [-1] * num_slots
         self.cfg = types.SimpleNamespace(eos_token_ids=[self.EOS], max_position_embeddings=4096)
 
@@ -229,8 +231,6 @@ class SlotModel:
         return out
 
     def forward(self, spans):
-        import torch
-
         logits = torch.zeros(len(spans), self.VOCAB)
         for i, s in enumerate(spans):
             for j, t in enumerate(s.token_ids):
@@ -250,8 +250,6 @@ def test_overlap_beside_paused_requests_is_exact_under_random_load(seed):
     slot's content: in overlapped and synchronous loops every answer equals the model's unpaused one token for
     token (the cancelled one up to where it was cut), and nothing leaks. (The two loops need not pause at the same
     iterations: an overlapped step's stop is read one iteration later, which shifts the pool's timeline.)"""
-    import random
-
     rng = random.Random(seed)
     pool = 60
     prompts = [[rng.randrange(3, 61) for _ in range(rng.randrange(3, 12))] for _ in range(7)]
