@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from backends.common.core import kv_pool
 from backends.common.core.kv_pool import KVPool, KVPoolError
 from backends.common.core.radix_cache import RadixCache
 
@@ -50,6 +51,48 @@ def test_pool_alloc_at_takes_a_run_and_alloc_never_hands_it_out_again():
         assert not held & set(got)
         held |= set(got)
         assert pool.num_free == 64 - len(held) and all(pool.is_free(s) != (s in held) for s in range(64))
+
+
+def test_bulk_alloc_and_free_give_exactly_what_the_per_slot_path_gives(monkeypatch):
+    """Calls of many slots go through numpy (kv_pool.BULK): the same slots in the same order as the per-slot path,
+    over random mixes with alloc_at's stale stack entries, and a slot freed twice (within one call or across
+    calls) raises with nothing freed."""
+
+    def run(bulk: int) -> list:
+        monkeypatch.setattr(kv_pool, "BULK", bulk)
+        rng, pool, held, log = random.Random(7), KVPool(600), [], []
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.4:
+                got = pool.alloc(rng.choice([1, 3, 40, 150])) or []
+            elif op < 0.55:
+                got = pool.alloc_at(rng.randrange(600), rng.randint(1, 60)) or []
+            else:
+                got = []
+                if held:
+                    out = rng.sample(held, min(len(held), rng.choice([2, 50, 200])))
+                    pool.free(out)
+                    held = [h for h in held if h not in set(out)]
+            held += got
+            log.append((list(got), pool.num_free))
+            assert pool.num_free == 600 - len(held) == sum(pool.is_free(s) for s in range(600))
+        return log
+
+    assert run(32) == run(10**9)
+    monkeypatch.setattr(kv_pool, "BULK", 32)
+    pool = KVPool(100)
+    got = pool.alloc(60)
+    assert got == list(range(60))
+    with pytest.raises(KVPoolError, match="slot 5 freed twice"):
+        pool.free(got[:40] + [5])  # twice in one call
+    assert pool.num_free == 40  # nothing freed
+    pool.free(got[:40])
+    with pytest.raises(KVPoolError, match="slot 10 freed twice"):
+        pool.free(got[40:] + list(range(10, 30)))  # already free
+    assert pool.num_free == 80
+    with pytest.raises(IndexError):
+        pool.free(list(range(70, 101)) + [40])
+    assert pool.num_free == 80
 
 
 def test_match_insert_split_and_lock():
