@@ -252,6 +252,11 @@ class DecodeScheduler:
         # until when (clock) a full schedule() is known to plan one more decode token for every running request and
         # nothing else (`quiet`); any input (arrival, answer, finish, cancel) ends it
         self._quiet_until = -math.inf
+        # what the last full plan's rotation and prefetch declined for the paused head, though due, keyed by the
+        # head's (rid, paused_at): its turn waits until this time (a running request reaches its quantum; inf: only
+        # an input can change it), a declined prefetch until an input
+        self._turn_retry: tuple[str, float, float] | None = None
+        self._prefetch_declined: tuple[str, float] | None = None
 
     def _move(self, req: InferReq, to: ReqState) -> None:
         """The one place a request changes state: a move the table does not allow is a bug, raised at once."""
@@ -392,6 +397,7 @@ class DecodeScheduler:
             plan.decode = [r for r in self.by_state(ReqState.RUNNING) if len(r.slots) >= r.num_tokens]
             return plan
         self._quiet_until = -math.inf
+        self._turn_retry = self._prefetch_declined = None
         self._end_at_capacity(plan)
         self._checkpoint_running()
         self._reserve_decode_slots(plan)
@@ -410,12 +416,16 @@ class DecodeScheduler:
         else: the last one planned nothing beyond that, no input came since, and no turn of rotation (or its
         prefetch) falls due yet. Requests may be paused or waiting meanwhile: none of them fits (room only shrinks
         while the running requests grow, until an input frees some), so until one of those happens their
-        schedules would change nothing for them."""
+        schedules would change nothing for them. Transfers and host copies may be in flight: what they write
+        belongs to requests that are not running, and their answers end the quiet state."""
         return self.clock() < self._quiet_until
 
     def _quiet_after(self, plan: Plan) -> float:
-        if (plan.paused or plan.transfers or plan.swap_outs or plan.swap_ins or plan.recomputes or plan.restarted
-                or plan.resumed_local or plan.ended or plan.failed or self.inflight or self.orphans):  # fmt: skip
+        # A full plan takes every action that is due now, so the next one is decode only until an input or a due
+        # time (tests/pd_decode/conftest.py checks this on every full plan of the scheduler tests). Transfers and
+        # copies in flight do not end it (their answers do), nor do the plan's own pauses, turns and recoveries.
+        # A request failed or restarted at its end frees what the plan's earlier stages could have used.
+        if plan.failed or plan.restarted:
             return -math.inf
         paused = self._paused_in_order()
         if self.quantum <= 0 or not paused:
@@ -426,8 +436,11 @@ class DecodeScheduler:
         due = head.paused_at + self.turn_wait
         if running:
             due = max(due, min(r.running_since for r in running) + self.quantum)
+        key = (head.rid, head.paused_at)
+        if self._turn_retry is not None and self._turn_retry[:2] == key:
+            due = max(due, self._turn_retry[2])  # a turn this plan declined waits for what can change that
         if (self.prefetch_margin is not None and self.host_pool is not None and self.state is None
-                and self._prefetched.get(head.rid) != head.paused_at):  # fmt: skip
+                and self._prefetched.get(head.rid) != head.paused_at and self._prefetch_declined != key):  # fmt: skip
             due = min(due, head.paused_at + self.turn_wait - self.quantum / 2)
         return due
 
@@ -622,10 +635,12 @@ class DecodeScheduler:
         need_kv = head.num_tokens - 1
         copy = self.host.get(head.rid)
         if copy is None or len(copy.slots) < need_kv:
+            self._prefetch_declined = (head.rid, head.paused_at)  # no copy to fetch from until an input
             return
         keep = (self.reserve_per_running + self.prefetch_margin) * self._running_soon()
         # the room before the match is an upper bound (it counts the head's own cached prefix as evictable)
         if self._available() - keep < min(self.prefetch_min, need_kv):
+            self._prefetch_declined = (head.rid, head.paused_at)  # room only shrinks as the running ones grow
             return
         # one try per pause, taken or not: a match walks thousands of positions of the tree, too dear for every
         # step (on an H200 it tripled the scheduler's time)
@@ -772,12 +787,13 @@ class DecodeScheduler:
             return
         head = paused[0]
         if self._prefetching(head):  # its slots are being written: its turn comes once the copy has answered
+            self._turn_retry = (head.rid, head.paused_at, math.inf)
             return
         need_kv = head.num_tokens - 1
         self.kv.match(head, need_kv)
         deficit = need_kv - len(head.slots) + 1 - (self._available() - self._reserve())
         self.kv.release(head, keep_in_cache=False)
-        if deficit <= 0:
+        if deficit <= 0:  # it fits: _recover_paused resumes it in this plan
             return
         running = (r for r in self.reqs.values() if r.state is ReqState.RUNNING)
         eligible = [r for r in running if now - r.running_since >= self.quantum]
@@ -800,7 +816,10 @@ class DecodeScheduler:
                     break
                 victims.append(r)
                 gain += g
-            if gain < deficit:
+            if gain < deficit:  # until one more running request has run its quantum
+                later = [r.running_since + self.quantum for r in self.reqs.values()
+                         if r.state is ReqState.RUNNING and now - r.running_since < self.quantum]  # fmt: skip
+                self._turn_retry = (head.rid, head.paused_at, min(later, default=math.inf))
                 return
         for r in victims:
             self._pause(r, plan)

@@ -6,10 +6,12 @@ the real one and feeds it to the next step (a span id of -1, see `GpuLlama.launc
 those requests' token histories until the step is read, so the loop schedules over an unread step only when the
 plan is certain to be one more decode token for every running request (`may_keep`):
 
-- nothing recovers or is in flight, and nothing waits or is paused unless the scheduler is `quiet` (its last full
-  plan was decode only, no input came since and no turn of rotation is due: what waits still cannot fit), and then
+- every request runs and nothing is in flight, or else the scheduler is `quiet` (its last full plan was decode
+  only, no input came since and no turn of rotation is due: what waits still cannot fit, and what recovers or
+  waits for its prompt changes only when its transfer or host copy answers, which ends the quiet state), and then
   the plan is made with `schedule(decode_only=True)`: no admission, no rotation, no recovery, so no slot goes to
-  prefill (another process) or to the host tier's copy stream while the GPU may still write it;
+  prefill (another process) or to the host tier's copy stream while the GPU may still write it. A transfer or
+  copy in flight writes only its own request's slots and state page, which the step does not touch;
 - the pool's free slots and unlocked cache entries hold a slot for every running request: the reservation pauses
   nobody (evicting an unlocked entry is safe: the unread step neither reads nor writes its slots, and what it
   becomes is written by a later step on the same stream);
@@ -62,11 +64,9 @@ class DecodeSteps:
         """Whether the next schedule() may run over the unread step (see the module's rules); `busy`: the caller
         has work of its own in flight that hands out slots (host copies)."""
         s = self.sched
-        if busy or s.inflight or s.orphans:
-            return False
         others = {r.state for r in s.reqs.values()} - {ReqState.RUNNING}
-        if others and (others - {ReqState.PAUSED, ReqState.WAITING} or not s.quiet()):
-            return False  # the others may only wait or be paused, and only while none of them can change
+        if (others or busy or s.inflight or s.orphans) and not s.quiet():
+            return False  # beside requests that do not run, only while none of them can change
         running = [r for r in s.reqs.values() if r.state is ReqState.RUNNING]
         return (
             s.pool.num_free + s.radix.evictable_size >= len(running)

@@ -140,6 +140,7 @@ def conversation_workload(rng: random.Random, n: int, pool: int):
     return out
 
 
+@pytest.mark.quiet_probe(every=25)  # long replays on a large tree: a sample of their plans is probed
 @pytest.mark.parametrize("seed", range(6))
 def test_conversation_replay_never_stalls(seed):
     """Requests arrive over time with heavy prefix sharing, transfers answer after a delay, and every request ends:

@@ -315,9 +315,10 @@ def test_paused_kv_outlives_finished_kv_in_cache():
 
 
 def test_quiet_until_an_input_or_a_due_turn_and_decode_only_plans_nothing_else():
-    """`quiet` (decode's overlapped steps plan over an unread step only then): after a full plan that only decodes,
-    while a paused request cannot fit; not after any input (arrival, answer, finish, cancel), nor once a rotation
-    turn falls due. schedule(decode_only=True) reserves the decode slots and does nothing for the others."""
+    """`quiet` (decode's overlapped steps plan over an unread step only then): after a full plan, the pausing one
+    included (it took every action then due), while a paused request cannot fit; not after any input (arrival,
+    answer, finish, cancel), nor once a rotation turn falls due. schedule(decode_only=True) reserves the decode slots
+    and does nothing for the others. (tests/pd_decode/conftest.py checks each quiet full plan's successor.)"""
     now = [0.0]
     s = DecodeScheduler(KVPool(24), quantum=0.1, turn_wait=0.3, clock=lambda: now[0])
     a, b = mk(s, "a", 8), mk(s, "b", 8, base=100)
@@ -325,7 +326,7 @@ def test_quiet_until_an_input_or_a_due_turn_and_decode_only_plans_nothing_else()
     assert not s.quiet()  # answers came in
     while b.state is not ReqState.PAUSED:
         step(s)
-    assert a.state is ReqState.RUNNING and not s.quiet()  # that plan paused b
+    assert a.state is ReqState.RUNNING and s.quiet()  # that plan paused b, and nothing else is due
     step(s)  # decode only: b cannot fit beside a
     assert s.quiet()
     plan = s.schedule(decode_only=True)

@@ -23,18 +23,22 @@ from tests.common.test_engine import DeferredLaunch
 class Loop:
     """decode's scheduler loop without Triton: prefill is the same runner, answering one iteration later."""
 
-    def __init__(self, runner, pool: int, overlap: bool, max_batch: int = 4, tick: float = 0.0, **sched_kw):
-        """tick: the scheduler's clock advances this much per iteration (rotation's quantum and turns)."""
+    def __init__(self, runner, pool: int, overlap: bool, max_batch: int = 4, tick: float = 0.0, delay: int = 1,
+                 **sched_kw):  # fmt: skip
+        """tick: the scheduler's clock advances this much per iteration (rotation's quantum and turns); delay:
+        iterations a transfer is in flight (its rows land when it answers, as a real prefill's may land any time)."""
         self.runner = DeferredLaunch(runner) if overlap else runner
         self.eos = runner.cfg.eos_token_ids
         self.now, self.tick = 0.0, tick
         self.sched = DecodeScheduler(KVPool(pool), max_running=max_batch, max_len=runner.cfg.max_position_embeddings,
                                      clock=lambda: self.now, **sched_kw)  # fmt: skip
         self.steps = DecodeSteps(self.runner, self.sched, self.eos, self.on_token, overlap=overlap)
-        self.transfers = []
+        self.transfers = []  # (job, iteration it answers at)
+        self.delay, self.i = delay, 0
         self.done: dict[str, tuple[list[int], str]] = {}
         self.kept = 0  # schedules run over an unread step
         self.kept_beside_paused = 0  # of those, while requests were paused (the scheduler quiet)
+        self.kept_in_flight = 0  # of those, while a transfer was in flight
 
     def on_token(self, req: InferReq, token: int, num_out: int) -> None:
         assert token != PENDING and req.output_ids[num_out - 1] == token
@@ -44,9 +48,11 @@ class Loop:
             self.sched.finish(req, reason)
             self.done[req.rid] = (list(req.output_ids), reason)
 
-    def _prefill(self, job) -> int:
+    def _prefill(self, job) -> int | None:
         """What prefill does for a job: K/V of positions [start, len(ids)) into the request's slots."""
-        req = self.sched.reqs[job.rid]
+        req = self.sched.reqs.get(job.rid)
+        if req is None or req.epoch != job.epoch:
+            return None  # cancelled meanwhile (the answer frees its slots)
         assert PENDING not in job.ids
         logits = self.runner.runner.forward if isinstance(self.runner, DeferredLaunch) else self.runner.forward
         out = logits([Span(job.ids[job.start :], job.start, req.slots, None)])
@@ -59,8 +65,11 @@ class Loop:
             self.done[rid] = (list(req.output_ids), "cancelled")
 
     def iteration(self) -> None:
-        answering, self.transfers = self.transfers, []
-        for job, token in answering:
+        self.i += 1
+        answering = [job for job, at in self.transfers if at <= self.i]
+        self.transfers = [(job, at) for job, at in self.transfers if at > self.i]
+        for job in answering:
+            token = self._prefill(job)
             c = self.sched.on_transfer_done(job.rid, job.epoch, True, token if job.sample else None)
             if c.first_token is not None:
                 self.on_token(c.req, c.first_token, len(c.req.output_ids))
@@ -69,6 +78,7 @@ class Loop:
             if self.steps.may_keep():
                 self.kept += 1
                 self.kept_beside_paused += any(r.state is ReqState.PAUSED for r in self.sched.reqs.values())
+                self.kept_in_flight += bool(self.sched.inflight)
             else:
                 self.steps.flush()
         plan = self.sched.schedule(decode_only=self.steps.pending)
@@ -76,7 +86,7 @@ class Loop:
             assert not (plan.paused or plan.transfers or plan.swap_outs or plan.ended or plan.resumed_local)
         for req in plan.ended:
             self.done[req.rid] = (list(req.output_ids), req.finish_reason)
-        self.transfers = [(job, self._prefill(job)) for job in plan.transfers]
+        self.transfers += [(job, self.i + self.delay) for job in plan.transfers]
         if plan.decode:
             self.steps.step(plan.decode)
         else:
@@ -137,7 +147,10 @@ def test_overlapped_decode_equals_synchronous(engine, runner, pool):
         assert all(PENDING not in ids for ids, _ in loop.done.values())
         results.append(loop.done)
         loops.append(loop)
-    assert results[0] == results[1]
+    # the cancelled answer is cut where the cancel found it: an overlapped loop may have read one step more
+    (sync_d, _), (over_d, _) = results[0].pop("d"), results[1]["d"]
+    assert over_d[: len(sync_d)] == sync_d and len(over_d) - len(sync_d) in (0, 1)
+    assert results[0] == {k: v for k, v in results[1].items() if k != "d"}
     assert results[1]["b"][1] == "stop" and results[1]["b"][0][-1] == probe[7]
     assert results[1]["d"][1] == "cancelled" and 0 < len(results[1]["d"][0]) < 30
     sync, over = loops
@@ -145,9 +158,12 @@ def test_overlapped_decode_equals_synchronous(engine, runner, pool):
     least = 10 if pool == 4096 else 0  # a tight pool mostly runs synchronously: the next plan may pause
     assert over.steps.num_overlapped > least and over.kept > least
     assert over.runner.launched >= over.steps.num_overlapped
-    # the tight pool pauses (those iterations read the step first, and recovery resumes the same tokens)
-    assert (over.sched.num_pauses > 0) == (pool == 40) and over.sched.num_pauses == sync.sched.num_pauses
-    assert over.sched.num_recoveries == sync.sched.num_recoveries
+    # the tight pool pauses (those iterations read the step first, and recovery resumes the same tokens); the two
+    # loops need not pause equally often, as an overlapped step's tokens are read an iteration later, and every
+    # pause but the cancelled request's is recovered
+    for loop in loops:
+        pauses, recovered = loop.sched.num_pauses, sum(loop.sched.num_recoveries.values())
+        assert (pauses > 0) == (pool == 40) and pauses - recovered in (0, 1)
     # while the paused ones cannot fit, the steps beside them overlap too
     assert (over.kept_beside_paused > 0) == (pool == 40)
 
@@ -185,10 +201,11 @@ def test_may_keep_refuses_every_unsafe_schedule(engine, runner):
         loop.iteration()
     assert a.state is ReqState.RUNNING and loop.steps.pending and loop.steps.may_keep()
     assert a.output_ids[-1] == PENDING
-    assert not loop.steps.may_keep(busy=True)  # host copies in flight
+    assert loop.steps.may_keep(busy=True)  # quiet: copies in flight write only requests that do not run
     waiting = InferReq("w", [1, 2, 3], greedy(2))
     loop.sched.add(waiting)
     assert not loop.steps.may_keep()  # an admission hands slots to prefill
+    assert not loop.steps.may_keep(busy=True)
     loop.sched.cancel("w")
     assert loop.steps.may_keep()
     loop.sched.max_len = a.num_tokens + 1
@@ -244,12 +261,14 @@ class SlotModel:
         return self.forward(spans).argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("delay", [1, 4], ids=["answered-next", "in-flight"])
 @pytest.mark.parametrize("seed", range(6))
-def test_overlap_beside_paused_requests_is_exact_under_random_load(seed):
+def test_overlap_beside_paused_requests_is_exact_under_random_load(seed, delay):
     """Random arrivals, a cancel, early stops and rotation on a tight pool, with a model whose tokens depend on every
     slot's content: in overlapped and synchronous loops every answer equals the model's unpaused one token for
     token (the cancelled one up to where it was cut), and nothing leaks. (The two loops need not pause at the same
-    iterations: an overlapped step's stop is read one iteration later, which shifts the pool's timeline.)"""
+    iterations: an overlapped step's stop is read one iteration later, which shifts the pool's timeline.) With
+    transfers in flight for 4 iterations, steps also overlap while prompts and recoveries are being written."""
     rng = random.Random(seed)
     pool = 60
     prompts = [[rng.randrange(3, 61) for _ in range(rng.randrange(3, 12))] for _ in range(7)]
@@ -265,7 +284,7 @@ def test_overlap_beside_paused_requests_is_exact_under_random_load(seed):
 
     loops = []
     for overlap in (False, True):
-        loop = Loop(SlotModel(pool), pool, overlap, max_batch=4, tick=0.01, quantum=0.05, turn_wait=0.1)
+        loop = Loop(SlotModel(pool), pool, overlap, max_batch=4, tick=0.01, delay=delay, quantum=0.05, turn_wait=0.1)
         loop.run(requests(), cancels={cancel_at: victim})
         free, used, cached = loop.sched.accounting()
         assert not loop.sched.reqs and used == 0 and free + cached == pool
@@ -278,3 +297,4 @@ def test_overlap_beside_paused_requests_is_exact_under_random_load(seed):
             assert ids == (ref[: len(ids)] if reason == "cancelled" else ref), (i, reason)
     sync, over = loops
     assert sync.sched.num_pauses > 0 and over.sched.num_pauses > 0 and over.kept_beside_paused > 0
+    assert (over.kept_in_flight > 0) == (delay > 1) and sync.kept_in_flight == 0
