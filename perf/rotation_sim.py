@@ -8,14 +8,19 @@ queue, a prompt's prefill 20 ms, and decode waits for a copy only when nothing e
     python3 perf/rotation_sim.py --wait 0.3 0.4 --turn-cost 0.015  # turns that also cost 15 ms each
 
 Per policy and scenario: simulated seconds, output tokens/s (and the loss against plain), decode steps, steps at
-batch 1, the largest gap between two tokens of one answer, rotations and tokens swapped in. The defaults are the
-dense Llama-3.1-8B shape on an H200: a 4.5 ms step, a 5,000-token swap-in in 11.5 ms."""
+batch 1, the largest gap between two tokens of one answer, rotations and tokens swapped in; the steps decode
+reads before planning the next (`DecodeSteps.may_keep` does not hold: the GPU waits for the host's plan); and the
+host side, in this machine's wall time: schedule()'s milliseconds in a rotation turn and in any other plan, and
+the runs of consecutive host slots per swap (the host tier launches one copy per run). The defaults are the dense
+Llama-3.1-8B shape on an H200: a 4.5 ms step, a 5,000-token swap-in in 11.5 ms."""
 
 from __future__ import annotations
 
 import argparse
 import random
 import sys
+import time
+import types
 from pathlib import Path
 
 if __package__ in (None, ""):  # python3 perf/rotation_sim.py: the project root on the path
@@ -23,7 +28,9 @@ if __package__ in (None, ""):  # python3 perf/rotation_sim.py: the project root 
 
 from backends.common.core.kv_pool import KVPool  # noqa: E402
 from backends.common.core.request import InferReq, SamplingParams  # noqa: E402
+from backends.pd_decode.host_tier import by_host_slot, runs  # noqa: E402
 from backends.pd_decode.scheduler import DecodeScheduler  # noqa: E402
+from backends.pd_decode.steps import DecodeSteps  # noqa: E402
 
 PREFILL_S = 0.02
 POLICIES = {  # name: DecodeScheduler keywords
@@ -51,11 +58,15 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
     clock = Clock()
     s = DecodeScheduler(KVPool(pool), host_pool=KVPool(host), quantum=quantum, turn_wait=wait, clock=clock, **kw)
     for i, n in enumerate(outs):
-        s.add(InferReq(f"r{i}", [1000 * i + j for j in range(prompt)], SamplingParams(max_tokens=n)))
+        s.add(InferReq(f"r{i}", [1000 * i + j for j in range(prompt)], SamplingParams(max_tokens=n, temperature=0)))
+    # decode's rule for planning over an unread step (a step is "read first" when it does not hold)
+    rule = DecodeSteps(types.SimpleNamespace(graph_batch=lambda n: True), s, [], None)
+    stepped = False
     pending: list[tuple[float, object]] = []  # (done at, job)
     times: dict[str, list[float]] = {f"r{i}": [] for i in range(len(outs))}
     tokens = steps = batch1 = 0
     copy_free_at = 0.0
+    host = {"turn_s": 0.0, "other_s": 0.0, "others": 0, "copies": 0, "runs": 0, "read_first": 0}
     while not s.idle():
         if clock.t > limit_s:
             raise RuntimeError(f"not done after {limit_s} simulated seconds: {s.counts()}")
@@ -65,17 +76,30 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
             c = s.on_transfer_done(job.rid, job.epoch, True, first_token=7 if job.sample else 0)
             if c.first_token is not None:
                 times[job.rid].append(clock.t)
-        plan = s.schedule()
+        keep = stepped and rule.may_keep()
+        t0 = time.perf_counter()
+        plan = s.schedule(decode_only=keep)
+        dt = time.perf_counter() - t0
         if plan.rotated:
             clock.t += turn_cost
+            host["turn_s"] += dt
+        else:
+            host["other_s"] += dt
+            host["others"] += 1
+        for job in plan.swap_outs + plan.swap_ins:  # HostKV copies one run of host slots per copy launch
+            host["copies"] += 1
+            host["runs"] += len(runs(by_host_slot(job.device_slots if hasattr(job, "device_slots")
+                                                  else job.dst_slots, job.host_slots)[1]))  # fmt: skip
         pending += [(clock.t + PREFILL_S, job) for job in plan.transfers]
         for job in plan.swap_ins:  # one FIFO copy queue
             copy_free_at = max(copy_free_at, clock.t) + len(job.host_slots) * swap_per_token
             pending.append((copy_free_at, job))
         pending += [(clock.t, job) for job in plan.recomputes]
+        stepped = bool(plan.decode)
         if plan.decode:
             clock.t += step
             steps += 1
+            host["read_first"] += not keep
             batch1 += len(plan.decode) == 1
             for req in list(plan.decode):
                 s.after_decode(req, 7)
@@ -89,7 +113,10 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
             clock.t += 0.001
     gap = max((b - a for v in times.values() for a, b in zip(v, v[1:])), default=0.0)
     return {"seconds": clock.t, "tokens_per_s": tokens / clock.t, "steps": steps, "batch1_steps": batch1,
-            "largest_gap": gap, "rotations": s.num_rotations, "swapped_in": s.swapped_tokens["in"]}  # fmt: skip
+            "largest_gap": gap, "rotations": s.num_rotations, "swapped_in": s.swapped_tokens["in"],
+            "turn_ms": 1e3 * host["turn_s"] / max(s.num_rotations, 1),
+            "plan_ms": 1e3 * host["other_s"] / max(host["others"], 1),
+            "runs_per_copy": host["runs"] / max(host["copies"], 1), "read_first": host["read_first"]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"step": a.step, "swap_per_token": a.swap_per_token, "turn_cost": a.turn_cost}
     means = {(p, w): [] for p in a.policies for w in (a.wait if p != "plain" else a.wait[:1])}
     print("| scenario | policy | wait | s | tokens/s | vs plain | steps | at batch 1 | largest gap | rotations | "
-          "swapped in |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "swapped in | steps read first | turn's plan ms | other plans ms | runs per copy |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, outs in scenarios.items():
         base = None
         for p, w in means:
@@ -122,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             loss = f"{1 - r['tokens_per_s'] / base:+.1%}" if base else "-"
             print(f"| {name} | {p} | {'-' if p == 'plain' else w} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
                   f"{loss} | {r['steps']} | {r['batch1_steps']} | {r['largest_gap']:.3f} | {r['rotations']} | "
-                  f"{r['swapped_in']:,} |", flush=True)  # fmt: skip
+                  f"{r['swapped_in']:,} | {r['read_first']} | {r['turn_ms']:.2f} | {r['plan_ms']:.3f} | "
+                  f"{r['runs_per_copy']:.1f} |", flush=True)  # fmt: skip
     if a.random:
         for (p, w), v in means.items():
             rnd = v[2:]

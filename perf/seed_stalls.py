@@ -80,6 +80,7 @@ COUNTERS = {
     "steps": "pd_decode_steps_total",
     "handover_s": "pd_rotation_handover_seconds_sum",
     "handover_n": "pd_rotation_handover_seconds_count",
+    "turn_host_s": "pd_rotation_turn_host_seconds_total",
     **{f"loop_{k}": f'pd_decode_loop_seconds_total{{part="{k}"' for k in LOOP_PARTS},
 }
 CLOSE_ALL = {
@@ -273,6 +274,12 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
             "rotation handover mean (ms) / in all (s)",
             lambda r: (
                 f"{1e3 * r.get('handover_s', 0) / max(1, r.get('handover_n', 0)):.1f} / {r.get('handover_s', 0):.2f}"
+            ),
+        ),
+        (
+            "a turn's host part, plan to step launched: per rotation (ms) / in all (s)",
+            lambda r: (
+                f"{1e3 * r.get('turn_host_s', 0) / max(1, r.get('rotations', 0)):.2f} / {r.get('turn_host_s', 0):.2f}"
             ),
         ),
         (

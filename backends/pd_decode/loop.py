@@ -228,6 +228,13 @@ class DecodeLoop:
         self._handover: dict[str, float] = {}  # rid -> when the step before its turn was read
         self.handovers = 0  # observed, with their seconds in all: the histogram's count and sum, for tests and tools
         self.handover_seconds = 0.0
+        # the host's part of a turn, with the step before it read and the next not launched (the GPU idle): from
+        # the turn's plan to its decode step launched (or its plan done, when nothing runs)
+        self.c_turn_host = m.counter(
+            "pd_rotation_turn_host_seconds_total",
+            "Seconds from a rotation turn's plan to its decode step launched (the GPU waits on the host meanwhile)",
+        )
+        self.turn_host_seconds = 0.0
         self.c_spec = {
             "drafts": m.counter("pd_decode_spec_draft_tokens_total", "Speculative draft tokens verified"),
             "accepted": m.counter("pd_decode_spec_accepted_tokens_total", "Speculative draft tokens kept"),
@@ -303,7 +310,11 @@ class DecodeLoop:
                 else:
                     self.steps.flush()
                     self._check_invariants()
-                lt["step"] += self.clock() - t3
+                t4 = self.clock()
+                lt["step"] += t4 - t3
+                if plan.rotated:
+                    self.turn_host_seconds += t4 - t1
+                    self.c_turn_host.increment(t4 - t1)
                 self._check_progress()
                 self._gauges()
             except Exception as e:  # never let the loop die silently: fail what is running, keep serving

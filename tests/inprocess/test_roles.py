@@ -51,8 +51,15 @@ def serve(tmp_path):
 def released(s: Server, timeout: float = 5.0) -> None:
     """Every request gone from master and decode, every decode KV slot free or cached, no state held."""
     sched, t0 = s.decode.sched, time.monotonic()
+    # the loop thread may be mid-way through an answer (inflight popped, an orphan's slots not yet freed): wait for
+    # the whole state, read from this thread while it may change (a dict resized mid-read: read again)
     while time.monotonic() - t0 < timeout:
-        if not sched.reqs and not s.master.active and not sched.inflight:
+        try:
+            free, _, cached = sched.accounting()
+            settled = not (sched.reqs or s.master.active or sched.inflight or sched.orphans)
+        except RuntimeError:
+            settled = False
+        if settled and free + cached == sched.pool.num_slots:
             break
         time.sleep(0.02)
     assert not sched.reqs and not s.master.active, (dict(sched.counts()), list(s.master.active))
@@ -84,6 +91,8 @@ def test_paused_answers_equal_unpaused_ones_through_host_swaps_and_rotation(serv
     loop = s.decode.loop
     assert 0 < loop.handovers <= sum(sched.num_recoveries.values()) and loop.handover_seconds > 0
     assert not loop._handover and loop.steps.num_steps >= max(len(x) for x in expected)
+    # and each turn's host part, from its plan to its step launched: part of the loop's wall time
+    assert 0 < loop.turn_host_seconds <= sum(loop.loop_time.values())
     # every recovery's completion was re-delivered under its old epoch: dropped and counted
     assert sched.num_stale >= sched.num_recoveries["host"] + sched.num_recoveries["prefill"]
     released(s)
