@@ -6,9 +6,9 @@ the real one and feeds it to the next step (a span id of -1, see `GpuLlama.launc
 those requests' token histories until the step is read, so the loop schedules over an unread step only when the
 plan is certain to be one more decode token for every running request (`may_keep`):
 
-- every request runs and nothing is in flight, or else the scheduler is `quiet` (its last full plan was decode
-  only, no input came since and no turn of rotation is due: what waits still cannot fit, and what recovers or
-  waits for its prompt changes only when its transfer or host copy answers, which ends the quiet state), and then
+- every request runs and nothing is in flight, or else the scheduler is `quiet` (no input came since its last full
+  plan, which took every action then due, and no turn of rotation is due: what waits still cannot fit, and what
+  recovers or waits for its prompt changes only when its transfer or host copy answers, which ends it), and then
   the plan is made with `schedule(decode_only=True)`: no admission, no rotation, no recovery, so no slot goes to
   prefill (another process) or to the host tier's copy stream while the GPU may still write it. A transfer or
   copy in flight writes only its own request's slots and state page, which the step does not touch;
