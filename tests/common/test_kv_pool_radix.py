@@ -54,9 +54,9 @@ def test_pool_alloc_at_takes_a_run_and_alloc_never_hands_it_out_again():
 
 
 def test_bulk_alloc_and_free_give_exactly_what_the_per_slot_path_gives(monkeypatch):
-    """Calls of many slots go through numpy (kv_pool.BULK): the same slots in the same order as the per-slot path,
-    over random mixes with alloc_at's stale stack entries, and a slot freed twice (within one call or across
-    calls) raises with nothing freed."""
+    """Allocations of many slots take the stack's top as one slice (kv_pool.BULK): the same slots in the same order
+    as the per-slot path, over random mixes with alloc_at's stale stack entries; a slot freed twice (within one
+    call or across calls) or out of range raises with nothing freed."""
 
     def run(bulk: int) -> list:
         monkeypatch.setattr(kv_pool, "BULK", bulk)
@@ -91,8 +91,10 @@ def test_bulk_alloc_and_free_give_exactly_what_the_per_slot_path_gives(monkeypat
         pool.free(got[40:] + list(range(10, 30)))  # already free
     assert pool.num_free == 80
     with pytest.raises(IndexError):
-        pool.free(list(range(70, 101)) + [40])
-    assert pool.num_free == 80
+        pool.free(list(range(40, 60)) + [100])
+    assert pool.num_free == 80 and not any(pool.is_free(s) for s in range(40, 60))
+    pool.free(got[40:])
+    assert pool.num_free == 100 and all(pool.is_free(s) for s in range(100))
 
 
 def test_match_insert_split_and_lock():

@@ -1,13 +1,11 @@
-"""Token-granular KV slot allocator (page size 1), over integers on the host: it never touches a device. A call of
-many slots (a paused stream's thousands of positions released, a recovery's allocated) marks the free map through
-numpy, at a fraction of a per-slot Python loop's cost: that loop was most of a rotation turn's scheduling time
-(perf/rotation_sim.py). A few slots (one decode token per request) take the plain path, cheaper there."""
+"""Token-granular KV slot allocator (page size 1). Pure Python over integers: it never touches a device. A call of
+many slots (a paused stream's thousands of positions released, a recovery's allocated) takes them off the stack as
+one slice and marks the free map in one tight loop: the general per-slot loop was most of a rotation turn's
+scheduling time (perf/rotation_sim.py)."""
 
 from __future__ import annotations
 
-import numpy as np
-
-BULK = 32  # from this many slots per call, alloc and free go through numpy
+BULK = 32  # from this many slots per call, alloc takes the stack's top as one slice when it can
 
 
 class KVPoolError(RuntimeError):
@@ -26,7 +24,6 @@ class KVPool:
         # marking them, and the stack drops such entries when it reaches them
         self._free = list(range(num_slots - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_slots
-        self._mask = np.frombuffer(self._is_free, dtype=np.uint8)  # the same bytes, for the bulk paths
         self._num_free = num_slots
 
     @property
@@ -43,7 +40,9 @@ class KVPool:
             out = self._free[-n:]
             del self._free[-n:]
             out.reverse()  # the order pop() gives
-            self._mask[np.array(out, dtype=np.int64)] = 0
+            is_free = self._is_free
+            for s in out:
+                is_free[s] = 0
             self._num_free -= n
             return out
         out = []
@@ -76,28 +75,19 @@ class KVPool:
         return None if i < 0 else i
 
     def free(self, slots) -> None:
-        """Give slots back; a slot already free (or given twice) raises, with nothing freed by the bulk path."""
-        if len(slots) >= BULK:
-            arr = np.array(slots, dtype=np.int64)
-            if arr.min() < 0 or arr.max() >= self.num_slots:
-                raise IndexError(f"slot out of range [0, {self.num_slots})")
-            twice = np.flatnonzero(self._mask[arr])
-            if twice.size:
-                raise KVPoolError(f"slot {int(arr[twice[0]])} freed twice")
-            ordered = np.sort(arr)
-            same = np.flatnonzero(ordered[1:] == ordered[:-1])
-            if same.size:
-                raise KVPoolError(f"slot {int(ordered[same[0]])} freed twice")
-            self._mask[arr] = 1
-            self._free.extend(slots)
-            self._num_free += len(slots)
-            return
-        for s in slots:
-            if self._is_free[s]:
-                raise KVPoolError(f"slot {s} freed twice")
-            self._is_free[s] = 1
-            self._free.append(s)
-            self._num_free += 1
+        """Give slots back. A slot already free, given twice in one call or out of range raises, with nothing freed."""
+        is_free = self._is_free
+        try:
+            for i, s in enumerate(slots):
+                if is_free[s]:
+                    raise KVPoolError(f"slot {s} freed twice")
+                is_free[s] = 1
+        except (KVPoolError, IndexError):
+            for t in slots[:i]:  # undo this call's marks
+                is_free[t] = 0
+            raise
+        self._free.extend(slots)
+        self._num_free += len(slots)
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
