@@ -78,7 +78,7 @@ class KVPool:
         """Give slots back. A slot already free, given twice in one call or out of range raises, with nothing freed."""
         is_free = self._is_free
         try:
-            for i, s in enumerate(slots):
+            for i, s in enumerate(slots):  # noqa: B007 (i is read by the except clause)
                 if is_free[s]:
                     raise KVPoolError(f"slot {s} freed twice")
                 is_free[s] = 1
