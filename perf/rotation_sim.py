@@ -3,9 +3,12 @@ throughput before an H200 measures it (perf/seed_stalls.py). No model and no ser
 decode step costs --step seconds whatever the batch, a swap-in --swap-per-token seconds per token on one copy
 queue, a prompt's prefill 20 ms, and decode waits for a copy only when nothing else can run.
 
-    python3 perf/rotation_sim.py                              # plain, round robin, smallest, smallest + prefetch
-    python3 perf/rotation_sim.py --random 20                  # and 20 seeded loads of varied lengths each
-    python3 perf/rotation_sim.py --wait 0.3 0.4 --turn-cost 0.015  # turns that also cost 15 ms each
+    .venv/bin/python perf/rotation_sim.py                     # plain, round robin, smallest, smallest + prefetch
+    .venv/bin/python perf/rotation_sim.py --random 20         # and 20 seeded loads of varied lengths each
+    .venv/bin/python perf/rotation_sim.py --wait 0.3 0.4 --turn-cost 0.015  # turns that also cost 15 ms each
+
+(The project's environment, or any Python with torch: decode's step rule and the host tier's run count are
+imported from backends/pd_decode.)
 
 Per policy and scenario: simulated seconds, output tokens/s (and the loss against plain), decode steps, steps at
 batch 1, the largest gap between two tokens of one answer, rotations and tokens swapped in; the steps decode
