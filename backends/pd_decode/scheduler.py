@@ -795,7 +795,7 @@ class DecodeScheduler:
         self.kv.release(head, keep_in_cache=False)
         if deficit <= 0:  # it fits: _recover_paused resumes it in this plan
             return
-        running = (r for r in self.reqs.values() if r.state is ReqState.RUNNING)
+        running = [r for r in self.reqs.values() if r.state is ReqState.RUNNING]
         eligible = [r for r in running if now - r.running_since >= self.quantum]
         smallest = self.rotation_victims == "smallest"
         if smallest:
@@ -817,8 +817,7 @@ class DecodeScheduler:
                 victims.append(r)
                 gain += g
             if gain < deficit:  # until one more running request has run its quantum
-                later = [r.running_since + self.quantum for r in self.reqs.values()
-                         if r.state is ReqState.RUNNING and now - r.running_since < self.quantum]  # fmt: skip
+                later = [r.running_since + self.quantum for r in running if now - r.running_since < self.quantum]
                 self._turn_retry = (head.rid, head.paused_at, min(later, default=math.inf))
                 return
         for r in victims:
