@@ -1,7 +1,7 @@
 """y = x @ w.T for a few rows of x (decode at small batch), in Triton: one program per BLOCK_N output columns reads
 its rows of w once, in BLOCK_K pieces, for every row of x. No split over K, so no second pass to reduce partial
-sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows up to 64 (tensor-core tiles of 16, 32
-or 64 rows); more go to cuBLAS."""
+sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows up to 128 (tensor-core tiles of 16,
+32, 64 or 128 rows); more go to cuBLAS."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import triton.language as tl
 from kernels.delta_rule import conv_channels as _conv_channels
 from kernels.pdl import enter, launch
 
-MAX_ROWS = 64
-TUNE_ROWS = 64  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
+MAX_ROWS = 128
+TUNE_ROWS = 128  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
 
 # settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections); the narrow column blocks
 # give outputs of 2,048 columns (small models' o/out/down projections) more programs than the H200 has SMs
@@ -38,6 +38,12 @@ CANDIDATES = {
         dict(block_n=128, block_k=64, num_warps=4, num_stages=4, dot=True),
         dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=True),
     ],
+    "most rows": [  # 65..128 rows: tiles of 128 rows
+        dict(block_n=64, block_k=64, num_warps=4, num_stages=4, dot=True),
+        dict(block_n=128, block_k=64, num_warps=8, num_stages=3, dot=True),
+        dict(block_n=64, block_k=128, num_warps=8, num_stages=3, dot=True),
+        dict(block_n=32, block_k=128, num_warps=4, num_stages=3, dot=True),
+    ],
 }
 # K split in parts, for outputs of few columns (2,048-column projections of hidden-2,048 models), where one program
 # per column block leaves each program a long serial loop over K
@@ -60,6 +66,11 @@ SPLIT_CANDIDATES = {
         dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True, splits=2),
         dict(block_n=32, block_k=128, num_warps=4, num_stages=4, dot=True, splits=4),
         dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=True, splits=2),
+    ],
+    "most rows": [
+        dict(block_n=64, block_k=64, num_warps=4, num_stages=4, dot=True, splits=2),
+        dict(block_n=32, block_k=128, num_warps=4, num_stages=3, dot=True, splits=2),
+        dict(block_n=64, block_k=64, num_warps=4, num_stages=4, dot=True, splits=4),
     ],
 }
 
@@ -86,7 +97,7 @@ def whole_range_candidates(K: int) -> list[dict]:
 
 
 def _kind(rows: int) -> str:
-    return "one row" if rows == 1 else ("more rows" if rows <= 16 else "many rows")
+    return "one row" if rows == 1 else "more rows" if rows <= 16 else "many rows" if rows <= 64 else "most rows"
 
 
 @triton.jit
@@ -145,7 +156,7 @@ def _skinny_kernel(
     (`_prologue`): GATED, x's row is [gate | up] of width 2K and the input silu(gate) * up; SIGMOID, x * sigmoid(G);
     NORM (one row), rmsnorm(x (+ R with HAS_RES)) * (1 + NW), every program taking the row's sum of squares over
     all K columns (BLOCK_H, a power of 2 >= K) and the first writing x + R to RO (the residual stream's next value,
-    never in place: the other programs still read R). PRELOAD (one row): the first tile of weights is loaded before
+    never in place: the other programs still read R). PRELOAD: the first tile of weights is loaded before
     waiting for the launch before this one (weights are no launch's output). CONV (one row, a linear-attention
     layer's in_proj): the first CC output columns are also the inputs of its causal conv + SiLU (kernels.delta_rule's
     conv step: state rows of KM1 taps in CS at page CPages[0], written at COutPages[0], weights CW), done by the
@@ -176,7 +187,11 @@ def _skinny_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, k_split, BLOCK_K):
+        if PRELOAD:
+            x = _prologue(X, G, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_gm, 0, K, rstd,
+                          W.dtype.element_ty, GATED, SIGMOID, False, False)  # fmt: skip
+            acc += tl.dot(x, tl.trans(w0))
+        for k0 in range(K_FIRST, k_split, BLOCK_K):
             x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, 0, K, rstd,
                           W.dtype.element_ty, GATED, SIGMOID, False, False)  # fmt: skip
             w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
@@ -266,7 +281,7 @@ def skinny_linear(
     conv: tuple | None = None,
     unroll: bool = False,
 ) -> torch.Tensor:
-    """x: [M, K] with M <= 64, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
+    """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
     that many parts, each its own program (more programs in flight for outputs of few columns), added in a fixed
     order. What multiplies w is computed as it is read (one launch instead of two or three):
@@ -275,7 +290,7 @@ def skinny_linear(
     - norm = (residual or None, weight, eps, residual_out), one row only: the input is rmsnorm(x + residual) *
       (1 + weight) as kernels.norm.add_rms_norm(..., offset=True) gives it, and x + residual is written to
       residual_out (a tensor of its own: the residual is not updated in place).
-    preload (one row): the first weight tile is loaded before waiting for the launch before (programmatic dependent
+    preload: the first weight tile is loaded before waiting for the launch before (programmatic dependent
     launch). conv = (weight [C, KM1 + 1], state [pages, C, KM1] float32 (unit stride in a page), pages [1],
     out_pages [1], mixed [1, C] float32), one row: the first C outputs also go through kernels.delta_rule.conv_step
     (its state read at pages, written at out_pages) into mixed. unroll (one row): the loop over K unrolled (a
@@ -310,8 +325,8 @@ def skinny_linear(
             assert residual.shape == x.shape and residual.is_contiguous() and res_out.shape == x.shape
             assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()), "norm: residual_out is its own"
             res = residual
-    if preload or unroll:
-        assert not dot, "preload, unroll: one row"
+    if unroll:
+        assert not dot, "unroll: one row"
     cw, cs, cpages, cout_pages, mixed = (x, x, x, x, x) if conv is None else conv
     if conv is not None:
         assert not dot and cs.stride(2) == 1 and cs.stride(1) == cw.shape[1] - 1 and mixed.stride(1) == 1
@@ -434,7 +449,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     after cuBLAS, fused into skinny_linear: flag conv). At one row the candidates include whole-range tiles
     (`whole_range_candidates`, outputs of up to WHOLE_RANGE_MAX_N columns), and the three fastest candidates with
     a loop over K are timed again with the loop unrolled, then the fastest with its first weight tile loaded
-    before the wait for the launch before (preload). Returns (choice, {description: seconds per weight, or the
+    before the wait for the launch before (preload); at more rows the fastest candidate is timed again with
+    preload, whether or not it beat cuBLAS. Returns (choice, {description: seconds per weight, or the
     error of a setting that did not run}). 16-bit weights only: the kernel's float32 products would round through
     TF32."""
     N, K = weights[0].shape
@@ -489,6 +505,14 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         best, times = fastest(unrolled, run, len(weights), best, times[str(best)], times)
         if best is not None and not best.get("preload"):
             best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
+    elif rows > 1:
+        # the fastest candidate with its first weight tile loaded before the PDL wait, even where cuBLAS was the
+        # faster so far: cuBLAS's launches cannot start early, a preloading one overlaps the launch before it
+        timed = sorted((t, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float))
+        if timed:
+            best_t = times[str(best)] if best is not None else times["cublas"]
+            pre = dict(settings[timed[0][1]], preload=True)
+            best, times = fastest([pre], run, len(weights), best, best_t, times)
     return best, times
 
 

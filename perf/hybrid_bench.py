@@ -282,7 +282,21 @@ def main(argv=None) -> int:
                 f"{flops / t_pre / mm:.2f} |"
             )
         choice = getattr(runner.model, "linear_choice", {})
-        rows.append(dict(model=name, linear_choice={f"{n}@{bs}": c for (n, bs), c in sorted(choice.items())}))
+        times = getattr(runner.model, "linear_times", {})
+        rows.append(
+            dict(
+                model=name,
+                linear_choice={f"{n}@{bs}": c for (n, bs), c in sorted(choice.items())},
+                linear_times={f"{n}@{bs}": t for (n, bs), t in sorted(times.items()) if bs in a.batches},
+            )
+        )
+        for (n, bs), t in sorted(times.items()):  # cuBLAS against the fastest skinny setting, per projection
+            if bs in a.batches and isinstance(t.get("cublas"), float):
+                sk = min((v for k, v in t.items() if k != "cublas" and isinstance(v, float)), default=None)
+                pre = min((v for k, v in t.items() if "'preload': True" in k and isinstance(v, float)), default=None)
+                print(f"{name}, graph of {bs}, {n}: cuBLAS {t['cublas'] * 1e6:.1f} us, skinny best "
+                      + (f"{sk * 1e6:.1f} us" if sk is not None else "-")
+                      + (f" (preloading {pre * 1e6:.1f} us)" if pre is not None else ""), flush=True)  # fmt: skip
         flags = ("splits", "gated", "sigmoid", "norm", "conv", "unroll", "preload")
         for bs in sorted({bs for _, bs in choice} & set(a.batches)):
             fused = {n: "+".join(k for k in flags if c.get(k)) for (n, b), c in sorted(choice.items()) if b == bs}

@@ -258,6 +258,8 @@ def test_silu_mul(T, f):
         (16, 33, 256, True),
         (40, 70, 256, True),
         (64, 32, 512, True),
+        (100, 70, 256, True),
+        (128, 64, 512, True),
     ],  # fmt: skip
 )
 def test_skinny_linear(M, N, K, dot):
@@ -277,6 +279,7 @@ def test_skinny_linear(M, N, K, dot):
         (1, 70, 1024, False, 2, True),
         (3, 64, 1024, True, 2, False),
         (40, 70, 512, True, 2, True),
+        (128, 70, 512, True, 4, True),
         (1, 33, 512, False, 1, True),
         (1, 70, 1024, False, 2, "whole"),
     ],  # fmt: skip
@@ -299,6 +302,31 @@ def test_skinny_linear_split_and_gated(M, N, K, dot, splits, gated):
     assert torch.equal(got, again)
     assert all(int(c.count_nonzero()) == 0 for c in linear._COUNTERS.values())
     close(linear.gated_linear(x, w, None) if gated else linear.linear(x, w, None), got)
+
+
+@pytest.mark.parametrize(
+    "M,splits,prologue", [(3, 1, None), (40, 2, "gated"), (20, 2, "sigmoid"), (64, 1, None), (128, 2, None)]
+)
+def test_skinny_linear_preload_on_tensor_cores(M, splits, prologue):
+    """More than one row (tensor cores): the first weight tile loaded before the wait for the launch before gives
+    the same bits as the same settings without it (the same products in the same order), near the reference."""
+    from kernels import act, linear
+
+    K, N = 512, 96
+    gen = torch.Generator().manual_seed(M + splits)
+    x = torch.randn(M, 2 * K if prologue == "gated" else K, generator=gen).to(DEVICE, BF16)
+    gate = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    settings = dict(block_n=32, block_k=128, num_stages=3, dot=True, splits=splits, gated=prologue == "gated")
+    if prologue == "sigmoid":
+        settings["sigmoid_gate"] = gate
+    plain = linear.skinny_linear(x, w, **settings)
+    pre = linear.skinny_linear(x, w, preload=True, **settings)
+    assert torch.equal(pre, plain)
+    xin = act.silu_mul(x) if prologue == "gated" else x
+    if prologue == "sigmoid":
+        xin = (x.float() * torch.sigmoid(gate.float())).to(BF16)
+    close(pre, (xin.float() @ w.float().T).to(BF16))
 
 
 @pytest.mark.parametrize("M,splits", [(1, 1), (1, 2), (3, 1), (20, 2)])
@@ -420,7 +448,7 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 32, 128])
 def test_tune_returns_a_setting_that_runs_and_is_right(rows):
     """kernels.linear.tune times cuBLAS and each candidate; whatever it picks gives F.linear's result, and a setting
     that cannot run (too much shared memory) is reported instead of raising."""
