@@ -32,7 +32,9 @@ over-committed: few streams taking turns pay for few turns, and many still get o
 With a host tier, the next paused request's positions are copied back ahead of its turn into slots that are free
 or hold evictable cache (`Plan.swap_ins`, jobs with `prefetch`): it stays paused, and when the copy answers those
 positions go to the cache like a paused request's own KV, so at its turn they are a local hit and only the rest is
-swapped in while decode waits. Dense models only: a hybrid model's cache hit needs a state checkpoint at its end.
+swapped in while decode waits. Hybrid models too, from a host copy holding the state at the paused position: the
+prefetched K/V goes to the cache without a checkpoint, and at its turn the request takes its cached K/V prefix
+(checkpoint or not) and the state from the copy's page with the rest.
 
 Liveness: a request never holds more than `max_len` tokens (the pool's size, or less), so whenever nothing runs
 and no transfer is in flight, every cached slot is evictable and the head of the queue fits. `add` refuses a
@@ -439,7 +441,7 @@ class DecodeScheduler:
         key = (head.rid, head.paused_at)
         if self._turn_retry is not None and self._turn_retry[:2] == key:
             due = max(due, self._turn_retry[2])  # a turn this plan declined waits for what can change that
-        if (self.prefetch_margin is not None and self.host_pool is not None and self.state is None
+        if (self.prefetch_margin is not None and self.host_pool is not None
                 and self._prefetched.get(head.rid) != head.paused_at and self._prefetch_declined != key):  # fmt: skip
             due = min(due, head.paused_at + self.turn_wait - self.quantum / 2)
         return due
@@ -578,7 +580,10 @@ class DecodeScheduler:
                 if self.quantum > 0:
                     return
                 continue
-            self.kv.match(req, need_kv)
+            exact = self._exact_host_copy(req, need_kv)
+            self.kv.match(req, need_kv, kv_only=exact)
+            if exact:  # the state comes from the host copy's page: any cached K/V prefix will do
+                req.state_page = self.kv.alloc_state()
             missing = need_kv - len(req.slots)
             # the missing positions, plus the next token's slot, must fit beside the running requests' reserve
             own = self._alloc(missing) if missing + 1 <= self._available() - self._reserve() else None
@@ -589,7 +594,7 @@ class DecodeScheduler:
                 continue
             req.slots += own
             self.recovered_tokens["cached"] += need_kv - missing
-            if missing == 0:
+            if missing == 0 and not exact:
                 self._resume(req)
                 self.num_recoveries["local"] += 1
                 plan.resumed_local.append(req)
@@ -601,7 +606,7 @@ class DecodeScheduler:
             self.max_epoch = max(self.max_epoch, req.epoch)
             self._move(req, ReqState.RECOVERING)
             host = self._host_source(req, need_kv, missing)
-            if host is not None:
+            if host is not None:  # (always, when exact)
                 job = self._transfer(req, need_kv, sample=False, source="host")
                 job.host_slots = host.slots[job.start : need_kv]
                 if self.state is not None:  # the whole page comes from the host: no queued copy may run after
@@ -618,13 +623,14 @@ class DecodeScheduler:
                 plan.transfers.append(self._transfer(req, need_kv, sample=False))
 
     def _prefetch(self, plan: Plan) -> None:
-        """Rotating with a host tier (dense models): half a quantum before the next paused request's turn, if it
-        still does not fit, copy its missing positions back, as many as fit in the free and evictable slots beside
-        the reserve and `prefetch_margin` per request that runs or soon will, so that at its turn decode waits
-        only for the rest. One try per pause (positions evicted again before its turn are not fetched twice), at
-        least `prefetch_min` positions; it evicts cached entries as a recovery would (its own prefix is locked
-        first) and never pauses anybody."""
-        if self.quantum <= 0 or self.host_pool is None or self.state is not None or self.prefetch_margin is None:
+        """Rotating with a host tier: half a quantum before the next paused request's turn, if it still does not
+        fit, copy its missing positions back, as many as fit in the free and evictable slots beside the reserve
+        and `prefetch_margin` per request that runs or soon will, so that at its turn decode waits only for the
+        rest. One try per pause (positions evicted again before its turn are not fetched twice), at least
+        `prefetch_min` positions; it evicts cached entries as a recovery would (its own prefix is locked first) and
+        never pauses anybody. Hybrid models: only from a host copy with the state at the paused position (its turn
+        takes the K/V prefix without a checkpoint and that page, `_exact_host_copy`); the K/V alone is fetched."""
+        if self.quantum <= 0 or self.host_pool is None or self.prefetch_margin is None:
             return
         paused = self._paused_in_order()
         if not paused or self.clock() - paused[0].paused_at < self.turn_wait - self.quantum / 2:
@@ -634,7 +640,11 @@ class DecodeScheduler:
             return
         need_kv = head.num_tokens - 1
         copy = self.host.get(head.rid)
-        if copy is None or len(copy.slots) < need_kv:
+        if self.state is not None:
+            usable = self._exact_host_copy(head, need_kv)
+        else:
+            usable = copy is not None and len(copy.slots) >= need_kv
+        if not usable:
             self._prefetch_declined = (head.rid, head.paused_at)  # no copy to fetch from until an input
             return
         keep = (self.reserve_per_running + self.prefetch_margin) * self._running_soon()
@@ -645,7 +655,7 @@ class DecodeScheduler:
         # one try per pause, taken or not: a match walks thousands of positions of the tree, too dear for every
         # step (on an H200 it tripled the scheduler's time)
         self._prefetched[head.rid] = head.paused_at
-        self.kv.match(head, need_kv)
+        self.kv.match(head, need_kv, kv_only=self.state is not None)  # (no live page: the K/V alone is fetched)
         room = self._available() - keep
         n = min(need_kv - len(head.slots), room)
         own = self._alloc(n) if n >= min(self.prefetch_min, need_kv - len(head.slots)) and n > 0 else None
@@ -668,6 +678,16 @@ class DecodeScheduler:
         req.running_since = self.clock()
 
     # ---- host tier -----------------------------------------------------------------------------------------
+    def _exact_host_copy(self, req: InferReq, need_kv: int) -> bool:
+        """Hybrid models: the request's host copy has every position and its page the state at need_kv, and the
+        host path is the cheaper for any number of missing positions, so its recovery takes the K/V of its prefix
+        from the cache without a state checkpoint (prefetched positions have none) and the state from the copy."""
+        copy = self.host.get(req.rid) if self.state is not None else None
+        if copy is None or len(copy.slots) != need_kv or copy.page == ZERO:
+            return False
+        c = self.costs
+        return c.host(0) <= c.prefill(0) and c.host(need_kv) <= c.prefill(need_kv)  # both lines: in between too
+
     def _host_source(self, req: InferReq, need_kv: int, missing: int) -> HostCopy | None:
         """The host copy to swap in from, when it has every position (hybrid models: and the state at exactly
         need_kv) and is the cheaper path."""
@@ -790,7 +810,7 @@ class DecodeScheduler:
             self._turn_retry = (head.rid, head.paused_at, math.inf)
             return
         need_kv = head.num_tokens - 1
-        self.kv.match(head, need_kv)
+        self.kv.match(head, need_kv, kv_only=self._exact_host_copy(head, need_kv))
         deficit = need_kv - len(head.slots) + 1 - (self._available() - self._reserve())
         self.kv.release(head, keep_in_cache=False)
         if deficit <= 0:  # it fits: _recover_paused resumes it in this plan

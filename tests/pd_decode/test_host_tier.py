@@ -381,6 +381,31 @@ def test_prefetch_moves_most_of_a_turns_swap_in_ahead_of_it():
     assert used == 0 and free + cached == 100
 
 
+def test_hybrid_prefetch_moves_a_turns_kv_ahead_and_takes_the_state_from_the_host_copy():
+    """A hybrid model's next paused request gets its K/V back ahead of its turn too (into the cache, without a
+    state checkpoint); at its turn it takes that K/V prefix and the state from its host copy's page with the rest.
+    The simulation checks every position's K/V and every page's state at each step: answers stay exact, the
+    gap bounded, and decode waits for fewer tokens at a turn."""
+    ref = reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
+    hybrid_kw = dict(quantum=0.05, host=400, state_pages=40, host_pages=16)
+    without = seed_like(prefetch_margin=None, **hybrid_kw)
+    ahead = seed_like(prefetch_margin=4, prefetch_min=8, **hybrid_kw)
+    assert without.done == ref and ahead.done == ref
+    assert without.s.num_prefetches == 0 and ahead.s.num_prefetches >= 10
+    jobs = [j for p in ahead.plans for j in p.swap_ins]
+    assert all(j.host_page == ZERO for j in jobs if j.prefetch)  # the K/V alone ahead of the turn
+    assert all(j.host_page != ZERO and j.state_page != ZERO for j in jobs if not j.prefetch)  # the state at it
+    assert waited_swap_in_tokens(ahead) < 0.7 * waited_swap_in_tokens(without), (
+        waited_swap_in_tokens(ahead),
+        waited_swap_in_tokens(without),
+    )
+    assert ahead.s.num_pauses == without.s.num_pauses
+    assert max(ahead.max_gap(r) for r in ref) <= 3 * 0.05 + 0.015
+    assert ahead.s.host_accounting() == (400, 0) and ahead.s.host_pages.num_free == 16
+    free, live, ckpts = ahead.s.state_accounting()
+    assert live == 0 and free + ckpts == 40
+
+
 @pytest.mark.no_quiet_probe  # counts the cache's matches: the probe's copy would add to them
 def test_prefetch_tries_once_per_pause():
     """A prefetch matches the request's tokens in the tree (thousands of positions on a real pool): one try per
@@ -391,9 +416,9 @@ def test_prefetch_tries_once_per_pause():
         calls = [0]
         match = sim.s.kv.match
 
-        def counted(req, limit, match=match, calls=calls):
+        def counted(req, limit, kv_only=False, match=match, calls=calls):
             calls[0] += 1
-            match(req, limit)
+            match(req, limit, kv_only)
 
         sim.s.kv.match = counted
         for i in range(3):

@@ -184,9 +184,9 @@ class DecodeConfig(RoleConfig):
     )
     rotation_prefetch: str = opt(
         "on",
-        "rotating with a host tier (dense models): the next paused request's KV is copied back ahead of its turn "
-        "into free or evictable slots, so that at its turn decode waits only for the rest; off: copied back at "
-        "its turn",
+        "rotating with a host tier: the next paused request's KV is copied back ahead of its turn into free or "
+        "evictable slots, so that at its turn decode waits only for the rest (hybrid models: the K/V ahead, the "
+        "state with the rest); off: copied back at its turn",
         choices=("on", "off"),
     )
     decode_overlap: str = opt(
