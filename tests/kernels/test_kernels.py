@@ -461,3 +461,25 @@ def test_tune_returns_a_setting_that_runs_and_is_right(rows):
     x = torch.randn(rows, 1024, generator=gen).to(DEVICE, BF16)
     close(linear.linear(x, ws[0], choice), torch.nn.functional.linear(x, ws[0]))
     assert linear.tune([w.float() for w in ws], rows) == (None, {})  # float32 stays on cuBLAS (no TF32)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
+def test_tune_drops_a_fast_setting_that_gives_a_wrong_result(monkeypatch):
+    """A skinny setting that runs but computes something else (a kernel path never run on this GPU) is not
+    picked: tune checks its pick against cuBLAS's result and falls back to cuBLAS, saying why."""
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(5)
+    ws = [(torch.randn(512, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
+    skinny = linear._skinny
+    monkeypatch.setattr(linear, "_skinny", lambda x, w, s, conv=None, **f: skinny(x, w, s, conv, **f).mul_(1.5))
+    calls = []  # cuBLAS is timed first: every skinny setting "runs" twice as fast
+
+    def timed(fn, reps=20):
+        calls.append(fn)
+        return 1.0 if len(calls) == 1 else 0.5
+
+    monkeypatch.setattr(linear, "graph_time", timed)
+    choice, times = linear.tune(ws, 4)
+    assert choice is None
+    assert any(isinstance(t, str) and t.startswith("wrong result") for t in times.values()), times
