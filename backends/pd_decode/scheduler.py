@@ -580,10 +580,13 @@ class DecodeScheduler:
                 if self.quantum > 0:
                     return
                 continue
+            # exact: the state comes from the host copy's page, so any cached K/V prefix will do; its live page is
+            # taken before the match locks anything (no free page raises, as the checkpointed match's does)
             exact = self._exact_host_copy(req, need_kv)
+            page = self.kv.alloc_state() if exact else ZERO
             self.kv.match(req, need_kv, kv_only=exact)
-            if exact:  # the state comes from the host copy's page: any cached K/V prefix will do
-                req.state_page = self.kv.alloc_state()
+            if exact:
+                req.state_page = page
             missing = need_kv - len(req.slots)
             # the missing positions, plus the next token's slot, must fit beside the running requests' reserve
             own = self._alloc(missing) if missing + 1 <= self._available() - self._reserve() else None
