@@ -29,3 +29,16 @@ def test_a_turn_cost_is_paid_at_every_rotation_and_each_wait_gets_its_rows(capsy
     assert main(["--policies", "plain", "smallest", "--wait", "0.3", "0.4", "--turn-cost", "0.01"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 x")]
     assert [r.split(" | ")[2] for r in rows] == ["-", "0.3", "0.4"], rows
+
+
+def test_the_hybrid_shape_prefetches_kv_ahead_of_its_turns():
+    """--shape qwen3.5-9b: state pages on the device and in the host tier; prefetch brings K/V back ahead of a
+    hybrid turn as for a dense model, so decode waits for fewer tokens at its turns, gaps stay bounded."""
+    from perf.rotation_sim import SHAPES
+
+    shape = SHAPES["qwen3.5-9b"]
+    late = simulate([5300] * 3, **shape, **POLICIES["smallest"])
+    ahead = simulate([5300] * 3, **shape, **POLICIES["smallest+prefetch"])
+    for r in (late, ahead):
+        assert r["rotations"] > 0 and r["largest_gap"] <= 0.5, r
+    assert late["waited"] == late["swapped_in"] and ahead["waited"] < 0.8 * late["waited"], (late, ahead)
