@@ -518,7 +518,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         # the pick must give what cuBLAS gives, within bf16 rounding: a setting that runs fast and wrong (a kernel
         # path no test has run on this GPU) is dropped for cuBLAS, its time kept with the reason
         want = reference(weights[0]).float()
-        got = _skinny(x, weights[0], dict(best), **extra).float()
+        got = _skinny(x, weights[0], best, **extra).float()
         err, scale = (got - want).abs().max().item(), want.abs().max().item()
         if not err <= 0.02 * scale + 1e-3:
             times[str(best)] = f"wrong result: max error {err:.3g} of {scale:.3g}"

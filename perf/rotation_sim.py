@@ -64,7 +64,8 @@ class Clock:
 
 
 def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 65536, quantum: float = 0.1,
-             wait: float = 0.3, step: float = 0.0045, swap_per_token: float = 11.5e-3 / 5000,
+             wait: float = 0.3, step: float = SHAPES["llama3.1-8b"]["step"],
+             swap_per_token: float = SHAPES["llama3.1-8b"]["swap_per_token"],
              limit_s: float = 3600.0, turn_cost: float = 0.0, page_s: float = 0.0, **kw) -> dict:  # fmt: skip
     """One stream per entry of `outs` (its output tokens), all arriving at once; returns the run's figures.
     turn_cost: seconds decode stands still at each rotation turn, beyond waiting for its copies (the handover's

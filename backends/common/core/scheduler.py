@@ -59,16 +59,12 @@ class KVAccounting:
         """Adopt the longest cached prefix of the request's tokens (at most `limit`); with state, the longest that
         ends at a checkpoint, whose state is queued to be copied into the request's new live page. kv_only: the
         K/V alone and no live page (the caller brings the state from elsewhere: a host copy's page)."""
-        if kv_only:
-            slots, node = self.radix.match_prefix(req.all_ids[:limit], kv_only=True)
-            self.radix.lock(node)
-            req.slots, req.cached_len, req.last_node = slots, len(slots), node
-            return
-        page = self.alloc_state() if self.state is not None else ZERO  # first: it may drop a checkpoint
-        slots, node = self.radix.match_prefix(req.all_ids[:limit])
+        live = self.state is not None and not kv_only
+        page = self.alloc_state() if live else ZERO  # first: it may drop a checkpoint
+        slots, node = self.radix.match_prefix(req.all_ids[:limit], kv_only=kv_only)
         self.radix.lock(node)
         req.slots, req.cached_len, req.last_node = slots, len(slots), node
-        if self.state is not None:
+        if live:
             self.state.copy(page, self.radix.checkpoint_of(node))
             req.state_page = page
 
