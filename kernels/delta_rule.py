@@ -421,6 +421,26 @@ def conv_channels(x, offs, mask, W, S, Page, OutPage, s_page, KM1: tl.constexpr)
     return acc / (1.0 + tl.exp(-acc))
 
 
+@triton.jit
+def conv_channels_rows(x, offs_m, mask_m, offs_n, mask, W, S, Pages, OutPages, s_page, KM1: tl.constexpr):
+    """`conv_channels` for rows offs_m (where mask_m) of new inputs x [BLOCK_M, BLOCK_N] (float32) over channels
+    offs_n (where mask), row m on its own pages Pages[m] / OutPages[m]. Every load comes before any store."""
+    page = tl.load(Pages + offs_m, mask=mask_m, other=0).to(tl.int64)
+    out_page = tl.load(OutPages + offs_m, mask=mask_m, other=0).to(tl.int64)
+    taps = tl.arange(0, KM1 + 1)[None, None, :]
+    m3 = (mask_m[:, None] & mask[None, :])[:, :, None]
+    col = offs_n[None, :, None] * KM1 + taps
+    sp = S + page[:, None, None] * s_page + col
+    prev = tl.load(sp, mask=m3 & (taps < KM1), other=0.0)  # [BLOCK_M, BLOCK_N, KM1 + 1]
+    nxt = tl.load(sp + 1, mask=m3 & (taps < KM1 - 1), other=0.0)
+    x3 = x[:, :, None]
+    nxt = tl.where(taps == KM1 - 1, x3, nxt)
+    w = tl.load(W + offs_n[None, :, None] * (KM1 + 1) + taps, mask=mask[None, :, None], other=0.0).to(tl.float32)
+    acc = tl.sum(tl.where(taps == KM1, x3, prev) * w, 2)
+    tl.store(S + out_page[:, None, None] * s_page + col, nxt, mask=m3 & (taps < KM1))
+    return acc / (1.0 + tl.exp(-acc))
+
+
 def conv_step(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, pages: torch.Tensor, out=None, out_pages=None
 ):

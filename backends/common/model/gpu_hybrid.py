@@ -41,7 +41,7 @@ def supports(cfg) -> bool:
 
 class _Norm:
     """rmsnorm(a + res) * (1 + w) on the residual stream, not computed yet, so that the projection reading it can
-    compute it as it loads (kernels.linear.normed_linear: one launch instead of two at one row). res None: a plain
+    compute it as it loads (kernels.linear.normed_linear: one launch instead of two). res None: a plain
     norm of a. h: the residual stream after the add, set by whoever computes it (`GpuHybrid._normed` or the
     projection)."""
 
@@ -224,7 +224,7 @@ class GpuHybrid(DecodeGraphs):
         parts = [slice(0, n)] if halves is None else [slice(0, halves), slice(halves, n)]
         writes = [None] * len(parts) if halves is None else [inp[6, p] for p in parts]
         mixed = torch.empty(n, cfg.conv_dim, dtype=torch.float32, device=self.device)
-        if halves is None:  # the conv step in the projection's launch where the choice says conv (one row)
+        if halves is None:  # the conv step in the projection's launch where the choice says conv
             proj = lin(x, L, "in_proj", conv=(L["conv"], conv, inp[5], inp[5], mixed))  # [n, conv_dim | z | b | a]
         else:
             proj = lin(x, L, "in_proj")
