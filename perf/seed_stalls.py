@@ -13,7 +13,7 @@
 
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
         [--kv-tokens 8192] [--host-kv-tokens N] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"]
-        [--phase-limit 300] [--phases 4x4000 3x5500] [--warmup-tokens 4200]
+        [--phase-limit 300] [--time-limit 3600] [--phases 4x4000 3x5500] [--warmup-tokens 4200]
 
 Each server first answers an unmeasured warm-up phase (2 streams that overfill the pool: `--warmup-tokens`), so
 that the first server of a run does not pay for what later servers find compiled (the same settings measured 5%
@@ -30,6 +30,9 @@ whichever path recovered them; `--sampling seeded` repeats it with seeded sampli
 both, one after the other on each policy's server, phases named 'NAME SAMPLING'), `--require-identical` makes any
 difference exit 1. Every phase has a wall-clock limit: streams still open then are cancelled and counted as
 unfinished, and the results written so far stay on disk (summary.json, report.md; rewritten after every phase).
+The whole run has one too (--time-limit; each phase's limit is cut to what is left of it): past it, what was
+measured so far is written with a TIME LIMIT note, the server stopped and the run exits 124. Progress lines carry
+the seconds since the start.
 `--scale 0.1 --model smollm2` (the default model, random:llama3.1-8b, does not fit a small CPU machine) runs the
 same shape in a few minutes on a laptop-class CPU.
 """
@@ -49,6 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.replay import scrape  # noqa: E402
+from perf.limits import wall_clock_limit  # noqa: E402
 
 POLICIES = {
     "plain": ["--rotation-quantum", "0", "--host-kv-tokens", "0"],
@@ -342,7 +346,8 @@ def report(summary: dict) -> str:
         cells = [fn(runs[p]["close_all"]) if "close_all" in runs[p] else "-" for p in pols]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     errors = [f"- {p}: {runs[p]['error']}" for p in pols if "error" in runs[p]]
-    return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
+    note = [f"**{summary['note']}**"] if summary.get("note") else []
+    return "\n".join(lines + ([""] + errors if errors else []) + ([""] + note if note else [])) + "\n"
 
 
 def main(argv=None) -> int:
@@ -370,6 +375,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-serve-args", default="", help="split: options of the prefill server only")
     ap.add_argument("--decode-serve-args", default="", help="split: options of the decode server only")
     ap.add_argument("--phase-limit", type=float, default=300.0, help="seconds per phase before streams are cancelled")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=3600.0,
+        help="seconds for the whole run: each phase's limit is cut to what is left, and past it what was measured "
+        "so far is written (summary.json, report.md with a TIME LIMIT note), the server stopped and the run exits 124",
+    )
     ap.add_argument("--phases", nargs="+", default=[p[0] for p in PHASES], choices=[p[0] for p in PHASES],
                     help="which phases to run (close-all always runs)")  # fmt: skip
     ap.add_argument("--sampling", choices=["greedy", "seeded"], nargs="+", default=["greedy"],
@@ -424,9 +436,25 @@ def main(argv=None) -> int:
         "policies": {},
     }
     answers: dict = {}  # policy -> phase -> every stream's output ids
+    t_start = time.monotonic()
+    servers: list = []  # the server now running, for the time limit to stop
+
+    def say(text: str) -> None:
+        print(f"[seed +{time.monotonic() - t_start:.0f} s] {text}", flush=True)
+
+    def write(note: str = "") -> None:
+        if note:
+            summary["note"] = note
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "report.md").write_text(report(summary))
+
+    def limit() -> float:  # a phase's limit: --phase-limit, or what is left of --time-limit less time to stop
+        return max(1.0, min(a.phase_limit, a.time_limit - (time.monotonic() - t_start) - 20.0))
+
+    timer = wall_clock_limit(a.time_limit, write, servers)
     for pol in a.policies:
         res = summary["policies"][pol] = {}
-        print(f"[seed] {pol}: starting a server", flush=True)
+        say(f"{pol}: starting a server")
         host = (
             ["--host-kv-tokens", str(a.host_kv_tokens)]
             if a.host_kv_tokens is not None and pol.startswith(("host", "rotate"))
@@ -441,17 +469,19 @@ def main(argv=None) -> int:
         except ServerError as e:
             res["error"] = str(e)
             continue
+        servers.append(server)
         url, metrics = server.grpc_url, server.metrics_url
         try:
             if a.warmup_tokens > 0:
-                print(f"[seed] {pol}: warm-up (2 x {prompt}+{sc(a.warmup_tokens)}, not measured)", flush=True)
-                w = run_phase(url, metrics, 2, prompt, sc(a.warmup_tokens), a.phase_limit, seed=99)
+                say(f"{pol}: warm-up (2 x {prompt}+{sc(a.warmup_tokens)}, not measured)")
+                w = run_phase(url, metrics, 2, prompt, sc(a.warmup_tokens), limit(), seed=99)
                 res["warmup"] = {k: w[k] for k in ("completed", "wall_s", "pauses", "rec_host", "rec_prefill")}
+                say(f"{pol}: warm-up: {json.dumps(res['warmup'])}")
             runs = [(name, n, sc(n_out), how) for name, n, n_out in PHASES if name in a.phases for how in a.sampling]
             for name, n, n_out, how in runs:
                 phase = name if len(a.sampling) == 1 else f"{name} {how}"
-                print(f"[seed] {pol}: {phase} ({n} x {prompt}+{n_out})", flush=True)
-                res[phase] = run_phase(url, metrics, n, prompt, n_out, a.phase_limit, seed=len(name),
+                say(f"{pol}: {phase} ({n} x {prompt}+{n_out})")
+                res[phase] = run_phase(url, metrics, n, prompt, n_out, limit(), seed=len(name),
                                        sampled=how == "seeded")  # fmt: skip
                 answers.setdefault(pol, {})[phase] = res[phase].pop("ids")
                 summary["same_answers"] = compare_answers(answers, a.reference)
@@ -459,18 +489,19 @@ def main(argv=None) -> int:
                 brief = {
                     k: res[phase][k] for k in ("completed", "largest_gap_s", "wall_s", "output_tok_s", "epoch_max")
                 }
-                print(f"[seed] {pol}: {phase}: {json.dumps(brief)}", flush=True)
+                say(f"{pol}: {phase}: {json.dumps(brief)}")
                 (out / "summary.json").write_text(json.dumps(summary, indent=1))
-            print(f"[seed] {pol}: close all while paused", flush=True)
+            say(f"{pol}: close all while paused")
             # roomy never pauses: a short wait for a pause that cannot come
-            wait = 5.0 if pol == "roomy" else min(a.phase_limit, 120)
+            wait = 5.0 if pol == "roomy" else min(limit(), 120)
             res["close_all"] = close_all(url, metrics, prompt, sc(3800), wait)
         except Exception as e:
             res["error"] = repr(e)
         finally:
             server.stop()
-            (out / "summary.json").write_text(json.dumps(summary, indent=1))
-            (out / "report.md").write_text(report(summary))
+            servers.remove(server)
+            write()
+    timer.cancel()
     text = report(summary)
     print(text)
     (out / "report.md").write_text(text)

@@ -38,3 +38,16 @@ def test_report_lists_the_warm_up_apart_from_the_measured_phases():
     text = seed_stalls.report(summary)
     assert "Warm-up on each server before the measured phases (not measured): plain 2 of 2" in text
     assert "## 4x4000" in text and "## warmup" not in text
+
+
+def test_report_of_a_run_stopped_by_its_time_limit_says_so():
+    """A run stopped by --time-limit (perf.limits.wall_clock_limit writes the summary with a note): the report keeps
+    every measured table and ends with the note; a run that finished has none."""
+    import json
+    from pathlib import Path
+
+    summary = json.loads((Path(__file__).parent / "data" / "seed_summary_warmup.json").read_text())
+    assert "TIME LIMIT" not in seed_stalls.report(summary)
+    summary["note"] = "TIME LIMIT: stopped after 300 s"
+    text = seed_stalls.report(summary)
+    assert "## 4x4000" in text and text.rstrip().endswith("**TIME LIMIT: stopped after 300 s**")
