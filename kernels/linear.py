@@ -156,7 +156,7 @@ def _skinny_kernel(
     GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, s_mix, CC, cs_page,
     KM1: tl.constexpr,
-    UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -171,15 +171,25 @@ def _skinny_kernel(
     CPages[m], written at COutPages[m], weights CW), done by the program that finishes a column block, stored
     float32 to Mixed (rows s_mix apart). UNROLL (one row): the loop over K unrolled
     (K_SPLIT = k_split), so every tile's load can be in flight at once. K_FIRST is the first step of either loop
-    (BLOCK_K after a preload)."""
+    (BLOCK_K after a preload). GLU (DOT): W is [gate | up] of 2 NC rows and output column c of Y is
+    silu(gate c) * up c, each product rounded as stored first (an MLP's gate_up with kernels.act.silu_mul fused
+    after it)."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
     offs_k = k_lo + tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
+    if GLU:  # output column c: silu(x . w row c) * (x . w row NC + c)
+        NC = N // 2
+    else:
+        NC = N
+    mask_n = offs_n < NC
     w_ptr = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if GLU:
+        u_ptr = w_ptr + NC.to(tl.int64) * stride_wn
     if PRELOAD:
         w0 = tl.load(w_ptr, mask=mask_n[:, None], other=0.0)
+        if GLU:
+            u0 = tl.load(u_ptr, mask=mask_n[:, None], other=0.0)
     enter(PDL)
     rstd = 0.0
     if NORM:
@@ -214,15 +224,21 @@ def _skinny_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GLU: the up half's
         if PRELOAD:
             x = _prologue(X, G, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
                           W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
             acc += tl.dot(x, tl.trans(w0))
+            if GLU:
+                acc_u += tl.dot(x, tl.trans(u0))
         for k0 in range(K_FIRST, k_split, BLOCK_K):
             x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
                           W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
             w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
             acc += tl.dot(x, tl.trans(w))
+            if GLU:
+                u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
+                acc_u += tl.dot(x, tl.trans(u))
         offs_y = offs_m[:, None] * stride_ym + offs_n[None, :]
         offs_p = offs_m[:, None] * N + offs_n[None, :]
         mask_y = mask_m[:, None] & mask_n[None, :]
@@ -242,29 +258,49 @@ def _skinny_kernel(
                 acc2 = _row_step(acc2, w, X, G, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED, SIGMOID,
                                  NORM, HAS_RES)  # fmt: skip
         acc = tl.sum(acc2, 1)
+        acc_u = acc  # GLU is tensor cores only
         offs_y = offs_n
         offs_p = offs_n
         mask_y = mask_n
         offs_m = None
         mask_m = None
     if SPLITS == 1:
-        tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
+        if GLU:
+            tl.store(Y + offs_y, _silu_mul(acc, acc_u, Y.dtype.element_ty), mask=mask_y)
+        else:
+            tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
         if CONV:
             _conv_epilogue(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, CS, CW, CPages, COutPages,
                            Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
     else:
-        part = M * N  # P is [SPLITS, M, N] with rows of N
+        part = M * N  # P is [SPLITS, M, N] with rows of N (GLU: the up half's partials at NC + c)
         tl.store(P + ps * part + offs_p, acc, mask=mask_y)
+        if GLU:
+            tl.store(P + ps * part + offs_p + NC, acc_u, mask=mask_y)
         done = tl.atomic_add(C + pid, 1, sem="acq_rel")  # releases this program's partials, acquires the others'
         if done == SPLITS - 1:
             total = tl.load(P + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLITS):
                 total += tl.load(P + s * part + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
-            tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
+            if GLU:
+                total_u = tl.load(P + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLITS):
+                    total_u += tl.load(P + s * part + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
+                tl.store(Y + offs_y, _silu_mul(total, total_u, Y.dtype.element_ty), mask=mask_y)
+            else:
+                tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
             if CONV:
                 _conv_epilogue(total.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, CS, CW, CPages,
                                COutPages, Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
             tl.atomic_xchg(C + pid, 0)
+
+
+@triton.jit
+def _silu_mul(g, u, dtype):
+    """silu(g) * u of float32 products g, u rounded to dtype as stored, with kernels.act.silu_mul's roundings."""
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    return ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u).to(dtype)
 
 
 @triton.jit
@@ -317,6 +353,7 @@ def skinny_linear(
     preload: bool = False,
     conv: tuple | None = None,
     unroll: bool = False,
+    glu: bool = False,
 ) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -331,19 +368,23 @@ def skinny_linear(
     launch). conv = (weight [C, KM1 + 1], state [pages, C, KM1] float32 (unit stride in a page), pages [M],
     out_pages [M], mixed [M, C] float32 with unit stride along C): the first C outputs of row m also go through
     kernels.delta_rule.conv_step (its state read at pages[m], written at out_pages[m]) into mixed[m]. unroll
-    (one row): the loop over K unrolled (a compile per K)."""
+    (one row): the loop over K unrolled (a compile per K). glu (tensor cores): w is [gate | up] ([2C, K]) and the
+    result [M, C] is silu(x @ gate.T) * (x @ up.T), kernels.act.silu_mul fused after the product."""
     M, K = x.shape
     if gated:
         K //= 2
     N = w.shape[0]
     assert M <= MAX_ROWS and K % (block_k * splits) == 0 and x.stride(1) == 1 and w.stride(1) == 1, (x.shape, w.shape)
     assert w.shape[1] == K, (x.shape, w.shape, gated)
-    if out is None:
-        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     dot = M > 1 if dot is None else dot
+    if glu:
+        assert dot and N % 2 == 0 and conv is None, "glu: tensor cores, [gate | up] weights, no conv"
+    cols = N // 2 if glu else N
+    if out is None:
+        out = torch.empty(M, cols, device=x.device, dtype=x.dtype)
     if not dot:
         assert M == 1
-    grid = (triton.cdiv(N, block_n), splits)
+    grid = (triton.cdiv(cols, block_n), splits)
     if splits > 1:
         assert grid[0] <= MAX_COLUMN_BLOCKS and out.stride(1) == 1
         part, counters = torch.empty(splits, M, N, device=x.device, dtype=torch.float32), _counters(x.device)
@@ -380,7 +421,7 @@ def skinny_linear(
         s_mix=0 if conv is None else mixed.stride(0),
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
         KM1=3 if conv is None else cw.shape[1] - 1, UNROLL=unroll, K_FIRST=block_k if preload else 0,
-        K_SPLIT=K // splits if unroll else 0, num_warps=num_warps, num_stages=num_stages, **launch(x),
+        K_SPLIT=K // splits if unroll else 0, GLU=glu, num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 
@@ -414,6 +455,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, settings: dict | None, conv: tuple 
     if settings is None:
         return _conv_after(F.linear(x, w), conv)
     return _skinny(x, w, settings, conv)
+
+
+def glu_after(y: torch.Tensor, settings: dict | None) -> torch.Tensor:
+    """What a [gate | up] projection's caller takes next: y itself where `settings` say glu (the launch gave
+    silu(gate) * up), else kernels.act.silu_mul(y)."""
+    if settings is not None and settings.get("glu"):
+        return y
+    from kernels.act import silu_mul
+
+    return silu_mul(y)
 
 
 def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
@@ -477,8 +528,8 @@ def graph_time(fn, reps: int = 20) -> float:
     return a.elapsed_time(b) / reps / 1e3
 
 
-def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, conv_channels: int = 0
-         ) -> tuple[dict | None, dict]:  # fmt: skip
+def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, conv_channels: int = 0,
+         epilogue: str | None = None) -> tuple[dict | None, dict]:  # fmt: skip
     """The fastest way to multiply `rows` rows by each of `weights` (one projection of every layer, all the same
     shape): None for cuBLAS, or skinny_linear's settings. Each candidate is timed as a CUDA graph running all the
     weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. prologue: what the
@@ -486,20 +537,23 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
     (`sigmoid_gated_linear`), "norm" (`normed_linear`, after kernels.norm's launch for cuBLAS). conv_channels: the
     first that many outputs of each row go through a conv step after, on a state page of its own (timed as its own
-    launch after cuBLAS, fused into skinny_linear: flag conv). At one row the candidates include whole-range tiles
-    (`whole_range_candidates`, outputs of up to WHOLE_RANGE_MAX_N columns), and the three fastest candidates with
-    a loop over K are timed again with the loop unrolled, then the fastest with its first weight tile loaded
-    before the wait for the launch before (preload); at more rows the fastest candidate is timed again with
-    preload, whether or not it beat cuBLAS. The pick is checked against the unfused launches' result (and the
-    conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
-    {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit weights
-    only: the kernel's float32 products would round through TF32."""
+    launch after cuBLAS, fused into skinny_linear: flag conv). epilogue "glu" (more than one row; weights
+    [gate | up]): the result is silu(gate) * up, kernels.act.silu_mul after cuBLAS, fused into skinny_linear (flag
+    glu: the launch gives the [rows, N / 2] product, see `glu_after`). At one row the candidates include
+    whole-range tiles (`whole_range_candidates`, outputs of up to WHOLE_RANGE_MAX_N columns), and the three
+    fastest candidates with a loop over K are timed again with the loop unrolled, then the fastest with its first
+    weight tile loaded before the wait for the launch before (preload); at more rows the fastest candidate is
+    timed again with preload, whether or not it beat cuBLAS. The pick is checked against the unfused launches'
+    result (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns
+    (choice, {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit
+    weights only: the kernel's float32 products would round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
     dev, dt = weights[0].device, weights[0].dtype
+    glu = epilogue == "glu" and rows > 1
     x = torch.randn(rows, 2 * K if prologue == "silu" else K, device=dev, dtype=dt)
-    out = torch.empty(rows, N, device=dev, dtype=dt)
+    out = torch.empty(rows, N // 2 if glu else N, device=dev, dtype=dt)
     gate = torch.randn(rows, K, device=dev, dtype=dt)
     res, res_out, nw = torch.randn_like(x), torch.empty_like(x), torch.randn(K, device=dev, dtype=dt) * 0.1
     conv = None
@@ -511,12 +565,14 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
 
     def apply(w, settings, res=res, conv=conv):
         if prologue == "silu":
-            return gated_linear(x, w, settings)
-        if prologue == "sigmoid":
-            return sigmoid_gated_linear(x, gate, w, settings)
-        if prologue == "norm":
-            return normed_linear(x, res, nw, 1e-6, w, settings, conv)[0]  # res grows by x per unfused call
-        return linear(x, w, settings, conv)
+            y = gated_linear(x, w, settings)
+        elif prologue == "sigmoid":
+            y = sigmoid_gated_linear(x, gate, w, settings)
+        elif prologue == "norm":
+            y = normed_linear(x, res, nw, 1e-6, w, settings, conv)[0]  # res grows by x per unfused call
+        else:
+            y = linear(x, w, settings, conv)
+        return glu_after(y, settings) if glu else y
 
     def reference(w):
         return apply(w, None)
@@ -525,6 +581,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     flag = {"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True)}.get(prologue, {})
     if conv is not None:
         flag = dict(flag, conv=True)
+    if glu:
+        flag = dict(flag, glu=True)
     # K split only where the column blocks are few (each candidate is a compile at capture time)
     base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
     base += whole_range_candidates(K) if rows == 1 and N <= WHOLE_RANGE_MAX_N else []

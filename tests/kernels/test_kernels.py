@@ -379,6 +379,36 @@ def test_skinny_linear_norm_prologue(rows, with_res, splits):
 
 
 @pytest.mark.parametrize(
+    "rows,splits,preload,norm", [(3, 1, False, False), (20, 2, True, False), (40, 1, True, True), (100, 2, False, True)]
+)
+def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
+    """An MLP's gate_up with silu(gate) * up fused after the product (tensor cores): the [rows, C] result is
+    kernels.act.silu_mul of the [rows, 2C] product, near the unfused launches; with the norm fused in too; the same
+    bits again on a second launch (split counters left at 0); `glu_after` passes a glu launch's result through."""
+    from kernels import act, linear
+
+    K, C = 512, 80
+    gen = torch.Generator().manual_seed(rows + splits)
+    x, res = (torch.randn(rows, K, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    nw = (torch.randn(K, generator=gen) * 0.1).to(DEVICE, BF16)
+    w = torch.randn(2 * C, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    settings = dict(block_n=32, block_k=64 if rows > 64 else 128, num_stages=3, dot=True, splits=splits,
+                    preload=preload, glu=True, norm=norm)  # fmt: skip
+    if norm:
+        got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings)
+        again, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings)
+        want = linear.glu_after(linear.normed_linear(x, res.clone(), nw, 1e-6, w, None)[0], None)
+    else:
+        got, again = linear.linear(x, w, settings), linear.linear(x, w, settings)
+        want = act.silu_mul((x.float() @ w.float().T).to(BF16))
+    assert got.shape == (rows, C)
+    close(got, want)
+    assert torch.equal(got, again)
+    assert all(int(c.count_nonzero()) == 0 for c in linear._COUNTERS.values())
+    assert linear.glu_after(got, settings) is got
+
+
+@pytest.mark.parametrize(
     "rows,splits,preload,unroll,block_k",
     [
         (1, 1, False, False, 128),
@@ -467,6 +497,27 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
         close(linear.sigmoid_gated_linear(x, g, ws[0], choice), linear.sigmoid_gated_linear(x, g, ws[0], None))
     else:
         close(linear.gated_linear(x, ws[0], choice), linear.gated_linear(x, ws[0], None))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
+    """tune of an MLP's normed gate_up with the glu epilogue: whatever it picks, normed_linear then glu_after give
+    silu(gate) * up of the unfused launches; glu only at more than one row."""
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(rows + 7)
+    ws = [(torch.randn(1024, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
+    choice, times = linear.tune(ws, rows, "norm", epilogue="glu")
+    assert isinstance(times["cublas"], float) and len(times) > 1
+    assert not (choice or {}).get("glu") or rows > 1
+    assert not any(isinstance(t, str) and "wrong" in t for t in times.values()), times
+    x, res = (torch.randn(rows, 1024, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    nw = (torch.randn(1024, generator=gen) * 0.1).to(DEVICE, BF16)
+    got = linear.glu_after(linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], choice)[0], choice)
+    want = linear.glu_after(linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], None)[0], None)
+    assert got.shape == (rows, 512)
+    close(got, want)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")

@@ -40,6 +40,9 @@ class DecodeGraphs:
     # (kernels.linear.tune's prologues): the down projection's silu(gate) * up
     PROLOGUES = {"down": "silu"}
     CONV_CHANNELS: dict[str, int] = {}  # projection -> its outputs that a conv step reads after (hybrid in_proj)
+    # projection -> what a skinny_linear launch can compute after it (kernels.linear.tune's epilogues): "glu", an
+    # MLP's silu(gate) * up after gate_up, where the down projection then reads a plain input (tuned after gate_up)
+    EPILOGUES: dict[str, str] = {}
 
     def _init_graphs(self, max_batch: int, max_ctx: int, scratch_slot: int, linear_choice) -> None:
         self.table = SlotTable(2 * max_batch + 1, max_ctx, scratch_slot, self.device)
@@ -246,11 +249,14 @@ class DecodeGraphs:
         groups = self._tune_groups()
         for bs in sizes:
             for name, ws in groups.items():
+                prologue = self.PROLOGUES.get(name)
+                if name == "down" and (self.linear_choice.get(("gate_up", bs)) or {}).get("glu"):
+                    prologue = None  # gate_up's launch gives silu(gate) * up (`EPILOGUES`): down reads it plain
                 if self.deterministic:  # tiles of kernels.invariant: any choice, the same bits
                     choice, self.linear_times[(name, bs)] = self.k_inv.tune(ws, bs)
                 else:  # an input computed as a skinny launch reads it (`PROLOGUES`) is timed that way
                     choice, self.linear_times[(name, bs)] = self.k_lin.tune(
-                        ws, bs, self.PROLOGUES.get(name), self.CONV_CHANNELS.get(name, 0)
+                        ws, bs, prologue, self.CONV_CHANNELS.get(name, 0), self.EPILOGUES.get(name)
                     )
                 self.linear_choice[(name, bs)] = choice
         self.linear_choice = {k: v for k, v in self.linear_choice.items() if v is not None}

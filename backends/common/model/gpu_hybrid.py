@@ -59,6 +59,7 @@ class GpuHybrid(DecodeGraphs):
     # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
     # norms before in_proj / qkv / gate_up, the attention output's sigmoid gate, the MLP's silu(gate) * up
     PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu"}
+    EPILOGUES = {"gate_up": "glu"}  # or silu(gate) * up after gate_up, at more than one row
 
     def __init__(
         self,
@@ -165,7 +166,8 @@ class GpuHybrid(DecodeGraphs):
 
     def _lin(self, rows: int):
         """The projection function of a graph with `rows` query rows (skinny_linear where tuning chose it, with its
-        input computed as it loads where the choice says so)."""
+        input computed as it loads where the choice says so). Its attribute glu: gate_up's choice fuses silu(gate) *
+        up after the product, so down takes that as its input."""
         names = ("in_proj", "out", "qkv", "o", "gate_up", "down", "router")
         choice = {n: self.linear_choice.get((n, rows)) for n in names}
         eps = self.cfg.rms_norm_eps
@@ -181,6 +183,7 @@ class GpuHybrid(DecodeGraphs):
                 return self.k_lin.sigmoid_gated_linear(x, gate, L[name], c)
             return self.k_lin.linear(x, L[name], c, conv)
 
+        lin.glu = bool((choice["gate_up"] or {}).get("glu"))  # gate_up's launch gives silu(gate) * up
         return lin
 
     def _normed(self, x):
@@ -211,6 +214,8 @@ class GpuHybrid(DecodeGraphs):
         x = _Norm(a, h, L["ln2"])
         if L["moe"]:
             m = self.eager.mlp(self._normed(x), L["mlp"], key, router=lambda xn, w: lin(xn, L, "router"))
+        elif lin.glu:  # gate_up's launch gave silu(gate) * up (its choice says glu; down was tuned for that)
+            m = lin(lin(x, L, "gate_up"), L, "down")
         else:
             m = lin(lin(x, L, "gate_up"), L, "down", gated=True)
         return _Norm(m, x.h, nxt)
