@@ -321,35 +321,42 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
         assert exact < 2e-2 and default <= 2.5 * exact + 1e-3, errs
 
 
-def fused_prologues(sizes=(1, 2, 4)):
+def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False):
     """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
     into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the
     conv step into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate into o
-    and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and 128)."""
+    and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and 128). rows_fused: at more
+    than one row too, the norms and the conv step (each row on its own state page) fused, and gate_up giving
+    silu(gate) * up itself (glu) with down reading it plain."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
     choice = {}
     for bs in sizes:
         base = one if bs == 1 else dict(one, dot=True)
         for name in ("in_proj", "qkv", "gate_up"):
-            choice[(name, bs)] = dict(base, norm=True, preload=True) if bs == 1 else base
-        if bs == 1:  # the conv step in in_proj's launch, K split: the last program of a block runs it
+            choice[(name, bs)] = dict(base, norm=True, preload=True) if bs == 1 or rows_fused else base
+        if bs == 1 or rows_fused:  # the conv step in in_proj's launch, K split: the last program of a block runs it
             choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, splits=2)
         choice[("out", bs)] = dict(base, splits=2, unroll=True) if bs == 1 else dict(base, splits=2)
         choice[("o", bs)] = dict(base, sigmoid=True)
         choice[("down", bs)] = dict(base, gated=True)
+        if bs > 1 and rows_fused:
+            choice[("gate_up", bs)] = dict(choice[("gate_up", bs)], glu=True)
+            choice[("down", bs)] = base
         # an MoE layer's router: at one row its whole K (64) as one tile read before the PDL wait
         choice[("router", bs)] = dict(one, block_k=64, preload=True) if bs == 1 else base
     return choice
 
 
 @WHOLE_MODEL
-@pytest.mark.parametrize("cfg", [DENSE_TINY, MOE_FOLDED], ids=["dense", "moe"])
-def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg):
+@pytest.mark.parametrize(
+    "cfg,rows_fused", [(DENSE_TINY, False), (MOE_FOLDED, False), (DENSE_TINY, True)], ids=["dense", "moe", "rows"]
+)
+def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
-    sigmoid gate and silu fused) with every projection on skinny_linear (an MoE layer's router too): logits and
-    state pages equal the PyTorch model's, and the residual stream the fused norms write comes out as the unfused
-    path's."""
-    r, gpu = build(cfg, linear_choice=fused_prologues())
+    sigmoid gate and silu fused; with rows_fused the norms, the conv step and gate_up's glu too) with every
+    projection on skinny_linear (an MoE layer's router too): logits and state pages equal the PyTorch model's, and
+    the residual stream the fused norms write comes out as the unfused path's."""
+    r, gpu = build(cfg, linear_choice=fused_prologues(rows_fused=rows_fused))
     seqs = Seqs(cfg, [17, 6, 31], [2, 5, 8], gen(9))
     pages = seqs.pages
     spans = seqs.prefill()
