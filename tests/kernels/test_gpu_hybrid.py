@@ -305,7 +305,8 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
     near-tied logits moved, so the element-wise tests above keep TF32x3."""
     name, cfg = shapes()[-1]
     errs = {}
-    for lp in (False, None):
+    # float32 (the CPU): the default is the exact scan, so the two builds would run the same computation
+    for lp in (False, None) if DTYPE != torch.float32 else (None,):
         r, gpu = build(cfg, low_precision_scan=lp)
         assert gpu.eager.low_precision_scan == (lp is None and DTYPE != torch.float32)
         seqs = Seqs(cfg, [300, 77], [2, 5], gen(13))
@@ -317,7 +318,7 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
         assert gpu.stats["graph_steps"] == 2
         e.append(rel_err(gpu.state.buffer[seqs.pages], r[2].buffer[seqs.pages]))
         errs[lp] = e
-    for exact, default in zip(errs[False], errs[None]):
+    for exact, default in zip(errs.get(False, errs[None]), errs[None]):
         assert exact < 2e-2 and default <= 2.5 * exact + 1e-3, errs
 
 
