@@ -413,6 +413,8 @@ def main(argv=None) -> int:
     for pol in a.policies:
         if pol not in policies:
             ap.error(f"--policies: unknown policy {pol!r} (choose from {', '.join(policies)})")
+    if not a.time_limit > 0 or not a.phase_limit > 0:
+        ap.error(f"--time-limit and --phase-limit: seconds above 0, got {a.time_limit:g} and {a.phase_limit:g}")
     from backends.common.model import loader
 
     VOCAB[0] = loader.load_config(loader.resolve(a.model)).vocab_size
