@@ -446,12 +446,16 @@ def main(argv=None) -> int:
 
     def write(note: str = "") -> None:
         if note:
-            summary["note"] = note
+            summary["note"] = f"{note}; {summary['note']}" if summary.get("note") else note
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         (out / "report.md").write_text(report(summary))
 
-    def limit() -> float:  # a phase's limit: --phase-limit, or what is left of --time-limit less time to stop
-        return max(1.0, min(a.phase_limit, a.time_limit - (time.monotonic() - t_start) - 20.0))
+    def limit(what: str) -> float:  # a phase's limit: --phase-limit, or what is left of --time-limit less time to stop
+        left = a.time_limit - (time.monotonic() - t_start) - 20.0
+        if left < a.phase_limit:  # said in the report: its streams may be cut short
+            cut = f"{what} limited to {max(1.0, left):.0f} s by --time-limit"
+            summary["note"] = f"{summary['note']}; {cut}" if summary.get("note") else cut
+        return max(1.0, min(a.phase_limit, left))
 
     timer = wall_clock_limit(a.time_limit, write, servers)
     for pol in a.policies:
@@ -476,14 +480,14 @@ def main(argv=None) -> int:
         try:
             if a.warmup_tokens > 0:
                 say(f"{pol}: warm-up (2 x {prompt}+{sc(a.warmup_tokens)}, not measured)")
-                w = run_phase(url, metrics, 2, prompt, sc(a.warmup_tokens), limit(), seed=99)
+                w = run_phase(url, metrics, 2, prompt, sc(a.warmup_tokens), limit(f"{pol} warm-up"), seed=99)
                 res["warmup"] = {k: w[k] for k in ("completed", "wall_s", "pauses", "rec_host", "rec_prefill")}
                 say(f"{pol}: warm-up: {json.dumps(res['warmup'])}")
             runs = [(name, n, sc(n_out), how) for name, n, n_out in PHASES if name in a.phases for how in a.sampling]
             for name, n, n_out, how in runs:
                 phase = name if len(a.sampling) == 1 else f"{name} {how}"
                 say(f"{pol}: {phase} ({n} x {prompt}+{n_out})")
-                res[phase] = run_phase(url, metrics, n, prompt, n_out, limit(), seed=len(name),
+                res[phase] = run_phase(url, metrics, n, prompt, n_out, limit(f"{pol} {phase}"), seed=len(name),
                                        sampled=how == "seeded")  # fmt: skip
                 answers.setdefault(pol, {})[phase] = res[phase].pop("ids")
                 summary["same_answers"] = compare_answers(answers, a.reference)
@@ -495,7 +499,7 @@ def main(argv=None) -> int:
                 (out / "summary.json").write_text(json.dumps(summary, indent=1))
             say(f"{pol}: close all while paused")
             # roomy never pauses: a short wait for a pause that cannot come
-            wait = 5.0 if pol == "roomy" else min(limit(), 120)
+            wait = 5.0 if pol == "roomy" else min(limit(f"{pol} close-all"), 120)
             res["close_all"] = close_all(url, metrics, prompt, sc(3800), wait)
         except Exception as e:
             res["error"] = repr(e)
@@ -507,6 +511,8 @@ def main(argv=None) -> int:
     text = report(summary)
     print(text)
     (out / "report.md").write_text(text)
+    if "TIME LIMIT" in summary.get("note", ""):  # the limit came as the last policy ended
+        return 124
     if a.require_identical:
         compared = [t for by_pol in summary.get("same_answers", {}).values() for t in by_pol.values()]
         if not compared or any("differences" in t for t in compared):
