@@ -49,7 +49,14 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", type=int, nargs="+", default=[1], help="K split in this many parts (1: none)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--top", type=int, default=3, help="print this many fastest settings per matrix and row count")
+    ap.add_argument("--time-limit", type=float, default=540.0,
+                    help="seconds: past this nothing more is timed; what was measured is written")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.time_limit <= 0 or a.top < 1:
+        ap.error("--time-limit must be above 0 and --top at least 1")
+    start = time.perf_counter()
+    cut = []
     from kernels import linear
     from kernels.linear import graph_time
 
@@ -66,17 +73,24 @@ def main(argv=None) -> int:
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.01 for _ in range(LAYERS)]
         nbytes = N * K * 2
         for M in a.rows:
+            if time.perf_counter() - start > a.time_limit:
+                cut.append(f"{name} at {M} rows")
+                continue
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             t0 = time.perf_counter()
             t_cublas = graph_time(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]) / LAYERS
             ref = F.linear(x.float(), ws[0].float())
             best = None
+            timed = []
             modes = [False, True] if M == 1 else [True]
             grid = itertools.product(modes, a.block_n, a.block_k, a.warps, a.stages, a.splits)
             for dot, bn, bk, nw, ns, sp in grid:
                 if K % (bk * sp):
                     continue
+                if time.perf_counter() - start > a.time_limit:
+                    cut.append(f"part of {name}'s settings at {M} rows")
+                    break
                 s = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=dot)
                 if sp > 1:
                     s["splits"] = sp
@@ -90,18 +104,27 @@ def main(argv=None) -> int:
                 if err > 0.05 * ref.abs().max().item():
                     print(f"{name} M={M} {s}: WRONG, max error {err:.3g}", flush=True)
                     continue
+                timed.append((t, s))
                 if best is None or t < best[0]:
                     best = (t, s)
+            if best is None:
+                print(f"{name} M={M}: no skinny setting ran", flush=True)
+                continue
             fc = nbytes / t_cublas / bw
             fs = nbytes / best[0] / bw
             print(f"{name} M={M}: cuBLAS {t_cublas * 1e6:.1f} us ({fc:.2f}), skinny {best[0] * 1e6:.1f} us ({fs:.2f}) "
                   f"{best[1]} [{time.perf_counter() - t0:.0f} s]", flush=True)  # fmt: skip
+            for t, s in sorted(timed, key=lambda ts: ts[0])[1 : a.top]:
+                print(f"    then {t * 1e6:.1f} us {s}", flush=True)
             res["results"].append({"matrix": name, "N": N, "K": K, "rows": M, "cublas_us": t_cublas * 1e6,
-                                   "skinny_us": best[0] * 1e6, "settings": best[1]})  # fmt: skip
+                                   "skinny_us": best[0] * 1e6, "settings": best[1],
+                                   "all": [{"us": t * 1e6, "settings": s} for t, s in timed]})  # fmt: skip
             lines.append(f"| {name} | {N}×{K} | {M} | {t_cublas * 1e6:.1f} ({fc:.2f}) | {best[0] * 1e6:.1f} ({fs:.2f}) "
                          f"| {best[1]} |")  # fmt: skip
         ws = None
         torch.cuda.empty_cache()
+    if cut:
+        lines += ["", f"TIME LIMIT ({a.time_limit:.0f} s): not measured: {', '.join(cut)}"]
     text = "\n".join(lines) + "\n"
     print(text)
     write_report(text, res, a.out, a.json)
