@@ -38,6 +38,7 @@ CANDIDATES = {
         dict(block_n=32, block_k=128, num_warps=4, num_stages=5, dot=True),
         dict(block_n=128, block_k=64, num_warps=4, num_stages=4, dot=True),
         dict(block_n=16, block_k=256, num_warps=4, num_stages=4, dot=True),
+        dict(block_n=32, block_k=128, num_warps=4, num_stages=3, dot=True),
     ],
     "most rows": [  # 65..128 rows: tiles of 128 rows
         dict(block_n=64, block_k=64, num_warps=4, num_stages=4, dot=True),
@@ -543,10 +544,12 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     whole-range tiles (`whole_range_candidates`, outputs of up to WHOLE_RANGE_MAX_N columns), and the three
     fastest candidates with a loop over K are timed again with the loop unrolled, then the fastest with its first
     weight tile loaded before the wait for the launch before (preload); at more rows the fastest candidate is
-    timed again with preload, whether or not it beat cuBLAS. The pick is checked against the unfused launches'
-    result (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns
-    (choice, {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit
-    weights only: the kernel's float32 products would round through TF32."""
+    timed again with preload, whether or not it beat cuBLAS, and with a prologue each candidate is also timed
+    without it fused (the prologue's own launch first, and the conv's after where there is one; a pick without
+    the flag runs so). The pick is checked against the unfused launches' result (and the conv's outputs), and
+    dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice, {description: seconds per
+    weight, or the error of a setting that did not run or was wrong}). 16-bit weights only: the kernel's float32
+    products would round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
@@ -583,12 +586,23 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     # K split only where the column blocks are few (each candidate is a compile at capture time)
     base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
     base += whole_range_candidates(K) if rows == 1 and N <= WHOLE_RANGE_MAX_N else []
-    settings = [dict(s, **flag) for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
+    base = [s for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
+    settings = [dict(s, **flag) for s in base]
+    # more rows: the prologue also as its own launch before skinny_linear (the flag left out), since at 16 rows and
+    # more a prologue computed in the product's loop can cost more than its launch (x passes through registers on
+    # its way to the tensor cores, which stalls the loop's pipelined loads)
+    pflag = {"silu": "gated", "sigmoid": "sigmoid", "norm": "norm"}.get(prologue)
+    if pflag and rows > 1:
+        settings += [dict(s, **{k: v for k, v in flag.items() if k != pflag}) for s in base]
+        if conv is not None:  # and the conv step as its own launch after (no flag of either)
+            settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in base]
     extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
     if conv is not None:
         extra = dict(extra, conv=conv)
 
     def run(s):
+        if pflag and not s.get(pflag):
+            return [apply(w, dict(s, out=out)) for w in weights]
         return [_skinny(x, w, dict(s, out=out), **extra) for w in weights]
 
     best, times = fastest(settings, run, len(weights), None, times["cublas"], times)

@@ -459,13 +459,17 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k):
 @pytest.mark.parametrize("rows,prologue", [(1, "norm"), (4, "norm"), (32, "norm"), (1, "sigmoid"), (4, "silu")])
 def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     """tune with what the input is computed from (the norm and the conv step at any number of rows): whatever it
-    picks gives the unfused result."""
+    picks gives the unfused result; at more than one row it also timed skinny_linear after the prologue's own
+    launch (settings without the prologue's flag)."""
     from kernels import linear
 
     gen = torch.Generator().manual_seed(rows)
     ws = [(torch.randn(512, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
     choice, times = linear.tune(ws, rows, prologue, conv_channels=256 if prologue == "norm" else 0)
     assert isinstance(times["cublas"], float) and len(times) > 1
+    flag = {"norm": "norm", "sigmoid": "sigmoid", "silu": "gated"}[prologue]
+    unfused = [k for k in times if k != "cublas" and f"'{flag}': True" not in k]
+    assert bool(unfused) == (rows > 1), list(times)
     assert not any(isinstance(t, str) and "capture" in t for t in times.values()), times  # counted launches ran
     x = torch.randn(rows, 2048 if prologue == "silu" else 1024, generator=gen).to(DEVICE, BF16)
     if prologue == "norm":
