@@ -103,42 +103,78 @@ def _kind(rows: int) -> str:
 
 
 @triton.jit
-def _prologue(X, G, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_gm, stride_rm, K, rstd, dtype,
-              GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """The input columns offs_k + k of rows offs_m ([BLOCK_M, BLOCK_K], or [BLOCK_K] for offs_m None), computed as
-    it is read: silu(gate) * up (GATED), x * sigmoid(g) (SIGMOID), or rmsnorm(x + r) * (1 + w) with the row's rstd
-    (NORM), each rounded step by step as its unfused launches round it."""
+def _before(k, end):
+    """k < end as a one-element tensor: a load mask (a bare comparison of integers is none in the interpreter)."""
+    return (tl.zeros([1], dtype=tl.int32) + k) < end
+
+
+@triton.jit
+def _prologue_raw(X, G, R, offs_m, offs_k, k, mask_m, ok, stride_xm, stride_gm, stride_rm, K,
+                  GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """What the input columns offs_k + k of rows offs_m are computed from (`_prologue_math`), as loaded: x's tile
+    and up's (GATED), the gate's (SIGMOID) or the residual's (NORM with HAS_RES), else x's again. ok (rows): a
+    scalar that masks every load off (a prefetch past the end of the loop)."""
     if offs_m is None:
         ptr = X + k + offs_k
         x = tl.load(ptr)
+        a = x
+        if GATED:
+            a = tl.load(ptr + K)
+        if SIGMOID:
+            a = tl.load(G + k + offs_k)
+        if NORM:
+            if HAS_RES:
+                a = tl.load(R + k + offs_k)
     else:
-        ptr = X + offs_m[:, None] * stride_xm + (k + offs_k)[None, :]
-        x = tl.load(ptr, mask=mask_m[:, None], other=0.0)
+        mask = mask_m[:, None] & ok
+        cols = (k + offs_k)[None, :]
+        ptr = X + offs_m[:, None] * stride_xm + cols
+        x = tl.load(ptr, mask=mask, other=0.0)
+        a = x
+        if GATED:
+            a = tl.load(ptr + K, mask=mask, other=0.0)
+        if SIGMOID:
+            a = tl.load(G + offs_m[:, None] * stride_gm + cols, mask=mask, other=0.0)
+        if NORM:
+            if HAS_RES:
+                a = tl.load(R + offs_m[:, None] * stride_rm + cols, mask=mask, other=0.0)
+    return x, a
+
+
+@triton.jit
+def _prologue_math(x, a, NW, offs_k, k, rstd, dtype, ROWS: tl.constexpr, GATED: tl.constexpr,
+                   SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The input from `_prologue_raw`'s tiles x, a: silu(gate) * up (GATED), x * sigmoid(g) (SIGMOID), or
+    rmsnorm(x + r) * (1 + w) with the row's rstd (NORM; ROWS: each row's), each rounded step by step as its
+    unfused launches round it."""
     if GATED:
-        if offs_m is None:
-            u = tl.load(ptr + K)
-        else:
-            u = tl.load(ptr + K, mask=mask_m[:, None], other=0.0)
         g = x.to(tl.float32)
-        x = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u.to(tl.float32)).to(dtype)
+        x = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * a.to(tl.float32)).to(dtype)
     if SIGMOID:  # kernels' order: sigmoid(g) rounded, then the product rounded (torch.sigmoid, then *)
-        if offs_m is None:
-            g = tl.load(G + k + offs_k).to(tl.float32)
-        else:
-            g = tl.load(G + offs_m[:, None] * stride_gm + (k + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-            g = g.to(tl.float32)
+        g = a.to(tl.float32)
         x = (x.to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)).to(dtype)
-    if NORM:  # kernels.norm.add_rms_norm's rounding, offset weights; rstd: the row's (one row) or each row's
+    if NORM:  # kernels.norm.add_rms_norm's rounding, offset weights
         w = tl.load(NW + k + offs_k).to(tl.float32)
-        if offs_m is None:
-            if HAS_RES:
-                x = (x.to(tl.float32) + tl.load(R + k + offs_k).to(tl.float32)).to(dtype)
-            x = (x.to(tl.float32) * rstd * (1.0 + w)).to(dtype)
-        else:
-            if HAS_RES:
-                r = tl.load(R + offs_m[:, None] * stride_rm + (k + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        if HAS_RES:
+            x = (x.to(tl.float32) + a.to(tl.float32)).to(dtype)
+        if ROWS:
             x = (x.to(tl.float32) * rstd[:, None] * (1.0 + w)[None, :]).to(dtype)
+        else:
+            x = (x.to(tl.float32) * rstd * (1.0 + w)).to(dtype)
+    return x
+
+
+@triton.jit
+def _prologue(X, G, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_gm, stride_rm, K, rstd, dtype,
+              GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The input columns offs_k + k of rows offs_m ([BLOCK_M, BLOCK_K], or [BLOCK_K] for offs_m None), computed as
+    it is read (`_prologue_raw`, then `_prologue_math`)."""
+    x, a = _prologue_raw(X, G, R, offs_m, offs_k, k, mask_m, True, stride_xm, stride_gm, stride_rm, K, GATED,
+                         SIGMOID, NORM, HAS_RES)  # fmt: skip
+    if offs_m is None:
+        x = _prologue_math(x, a, NW, offs_k, k, rstd, dtype, False, GATED, SIGMOID, NORM, HAS_RES)
+    else:
+        x = _prologue_math(x, a, NW, offs_k, k, rstd, dtype, True, GATED, SIGMOID, NORM, HAS_RES)
     return x
 
 
@@ -158,6 +194,7 @@ def _skinny_kernel(
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, s_mix, CC, cs_page,
     KM1: tl.constexpr,
     UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -174,7 +211,11 @@ def _skinny_kernel(
     (K_SPLIT = k_split), so every tile's load can be in flight at once. K_FIRST is the first step of either loop
     (BLOCK_K after a preload). GLU (DOT): W is [gate | up] of 2 NC rows and output column c of Y is
     silu(gate c) * up c, each product rounded as stored first (an MLP's gate_up with kernels.act.silu_mul fused
-    after it)."""
+    after it). PREFETCH (DOT with a prologue): the input tiles of the next step of K (and of the sum of squares'
+    next step, in tiles of NORM_TILE columns) are loaded before this step's are computed with, so their loads are
+    in flight during the product;
+    without it each step waits for its own input's loads, since an input computed in registers is not among the
+    loads the compiler pipelines."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -199,16 +240,32 @@ def _skinny_kernel(
             mask_r = offs_r < M
             ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
             first = (pid == 0) & (ps == 0)
-            for k0 in range(0, K, BLOCK_K):
-                at = offs_r[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :]
-                v = tl.load(X + at, mask=mask_r[:, None], other=0.0)
-                if HAS_RES:
-                    r = tl.load(R + at, mask=mask_r[:, None], other=0.0)
-                    v = (v.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-                    if first:
-                        tl.store(RO + at, v, mask=mask_r[:, None])
-                vf = v.to(tl.float32)
-                ssq += tl.sum(vf * vf, 1)
+            if PREFETCH:  # in tiles of NORM_TILE columns, each loaded a step ahead
+                offs_c = tl.arange(0, NORM_TILE)
+                v, r = _prologue_raw(X, G, R, offs_r, offs_c, 0, mask_r, True, stride_xm, stride_gm, stride_xm, K,
+                                     False, False, NORM, HAS_RES)  # fmt: skip
+                for k0 in range(0, K, NORM_TILE):
+                    vn, rn = _prologue_raw(X, G, R, offs_r, offs_c, k0 + NORM_TILE, mask_r, _before(k0 + NORM_TILE, K),
+                                           stride_xm, stride_gm, stride_xm, K, False, False, NORM, HAS_RES)  # fmt: skip
+                    if HAS_RES:
+                        v = (v.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                        if first:
+                            tl.store(RO + offs_r[:, None] * stride_xm + (k0 + offs_c)[None, :], v,
+                                     mask=mask_r[:, None])  # fmt: skip
+                    vf = v.to(tl.float32)
+                    ssq += tl.sum(vf * vf, 1)
+                    v, r = vn, rn
+            else:
+                for k0 in range(0, K, BLOCK_K):
+                    at = offs_r[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :]
+                    v = tl.load(X + at, mask=mask_r[:, None], other=0.0)
+                    if HAS_RES:
+                        r = tl.load(R + at, mask=mask_r[:, None], other=0.0)
+                        v = (v.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                        if first:
+                            tl.store(RO + at, v, mask=mask_r[:, None])
+                    vf = v.to(tl.float32)
+                    ssq += tl.sum(vf * vf, 1)
             rstd = tl.rsqrt(ssq / K + eps)
         else:  # one row: the whole row at once (BLOCK_H)
             offs_h = tl.arange(0, BLOCK_H)
@@ -233,14 +290,30 @@ def _skinny_kernel(
             acc += tl.dot(x, tl.trans(w0))
             if GLU:
                 acc_u += tl.dot(x, tl.trans(u0))
-        for k0 in range(K_FIRST, k_split, BLOCK_K):
-            x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
-                          W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
-            w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-            if GLU:
-                u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
-                acc_u += tl.dot(x, tl.trans(u))
+        if PREFETCH:
+            xr, ar = _prologue_raw(X, G, R, offs_m, offs_k, K_FIRST, mask_m, _before(K_FIRST, k_split), stride_xm,
+                                   stride_gm, stride_xm, K, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+            for k0 in range(K_FIRST, k_split, BLOCK_K):
+                w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+                if GLU:
+                    u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
+                xn, an = _prologue_raw(X, G, R, offs_m, offs_k, k0 + BLOCK_K, mask_m, _before(k0 + BLOCK_K, k_split),
+                                       stride_xm, stride_gm, stride_xm, K, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+                x = _prologue_math(xr, ar, NW, offs_k, k0, rstd, W.dtype.element_ty, True, GATED, SIGMOID, NORM,
+                                   HAS_RES)  # fmt: skip
+                acc += tl.dot(x, tl.trans(w))
+                if GLU:
+                    acc_u += tl.dot(x, tl.trans(u))
+                xr, ar = xn, an
+        else:
+            for k0 in range(K_FIRST, k_split, BLOCK_K):
+                x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
+                              W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+                w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+                acc += tl.dot(x, tl.trans(w))
+                if GLU:
+                    u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
+                    acc_u += tl.dot(x, tl.trans(u))
         offs_y = offs_m[:, None] * stride_ym + offs_n[None, :]
         offs_p = offs_m[:, None] * N + offs_n[None, :]
         mask_y = mask_m[:, None] & mask_n[None, :]
@@ -355,6 +428,8 @@ def skinny_linear(
     conv: tuple | None = None,
     unroll: bool = False,
     glu: bool = False,
+    prefetch: bool = False,
+    norm_tile: int = 0,
 ) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -370,7 +445,9 @@ def skinny_linear(
     out_pages [M], mixed [M, C] float32 with unit stride along C): the first C outputs of row m also go through
     kernels.delta_rule.conv_step (its state read at pages[m], written at out_pages[m]) into mixed[m]. unroll
     (one row): the loop over K unrolled (a compile per K). glu (tensor cores): w is [gate | up] ([2C, K]) and the
-    result [M, C] is silu(x @ gate.T) * (x @ up.T), kernels.act.silu_mul fused after the product."""
+    result [M, C] is silu(x @ gate.T) * (x @ up.T), kernels.act.silu_mul fused after the product. prefetch
+    (tensor cores with gated, sigmoid_gate or norm): each step's input tiles loaded a step ahead, the norm's sum
+    of squares read in tiles of norm_tile columns (a power of 2 dividing K; 0: block_k)."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -407,6 +484,10 @@ def skinny_linear(
             res = residual
     if unroll:
         assert not dot, "unroll: one row"
+    if prefetch:
+        assert dot and (gated or sigmoid_gate is not None or norm is not None), "prefetch: tensor cores, a prologue"
+    norm_tile = norm_tile or block_k
+    assert K % norm_tile == 0 and norm_tile & (norm_tile - 1) == 0, ("norm_tile", norm_tile, K)
     cw, cs, cpages, cout_pages, mixed = (x, x, x, x, x) if conv is None else conv
     if conv is not None:
         assert cs.stride(2) == 1 and cs.stride(1) == cw.shape[1] - 1 and mixed.stride(1) == 1
@@ -422,7 +503,8 @@ def skinny_linear(
         s_mix=0 if conv is None else mixed.stride(0),
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
         KM1=3 if conv is None else cw.shape[1] - 1, UNROLL=unroll, K_FIRST=block_k if preload else 0,
-        K_SPLIT=K // splits if unroll else 0, GLU=glu, num_warps=num_warps, num_stages=num_stages, **launch(x),
+        K_SPLIT=K // splits if unroll else 0, GLU=glu, PREFETCH=prefetch, NORM_TILE=norm_tile, num_warps=num_warps,
+        num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return out
 
@@ -546,10 +628,11 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     weight tile loaded before the wait for the launch before (preload); at more rows the fastest candidate is
     timed again with preload, whether or not it beat cuBLAS, and with a prologue each candidate is also timed
     without it fused (the prologue's own launch first, and the conv's after where there is one; a pick without
-    the flag runs so). The pick is checked against the unfused launches' result (and the conv's outputs), and
-    dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice, {description: seconds per
-    weight, or the error of a setting that did not run or was wrong}). 16-bit weights only: the kernel's float32
-    products would round through TF32."""
+    the flag runs so), and the two fastest with it fused are timed again with prefetch (the norm's fastest also
+    with its sum of squares in tiles of 256 columns). The pick is checked
+    against the unfused launches' result (and the conv's outputs), and dropped for cuBLAS if it differs by more
+    than bf16 rounding. Returns (choice, {description: seconds per weight, or the error of a setting that did not
+    run or was wrong}). 16-bit weights only: the kernel's float32 products would round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
@@ -606,6 +689,17 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         return [_skinny(x, w, dict(s, out=out), **extra) for w in weights]
 
     best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
+    if pflag and rows > 1:
+        # the two fastest with the prologue fused, again with their input tiles loaded a step ahead (prefetch)
+        fused = sorted(
+            (t, i) for i, s in enumerate(settings) if s.get(pflag) and isinstance(t := times.get(str(s)), float)
+        )
+        ahead = [dict(settings[i], prefetch=True) for _, i in fused[:2]]
+        if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
+            ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
+        best_t = times[str(best)] if best is not None else times["cublas"]
+        best, times = fastest(ahead, run, len(weights), best, best_t, times)
+        settings += ahead
     if best is not None and rows == 1:
         # then the three fastest with a loop over K with the loop unrolled, and the best with its first weight tile
         # loaded before the PDL wait (each a compile: not crossed with every candidate)

@@ -294,10 +294,12 @@ def main(argv=None) -> int:
             if bs in a.batches and isinstance(t.get("cublas"), float):
                 sk = min((v for k, v in t.items() if k != "cublas" and isinstance(v, float)), default=None)
                 pre = min((v for k, v in t.items() if "'preload': True" in k and isinstance(v, float)), default=None)
+                ahead = min((v for k, v in t.items() if "'prefetch': True" in k and isinstance(v, float)), default=None)
                 print(f"{name}, graph of {bs}, {n}: cuBLAS {t['cublas'] * 1e6:.1f} us, skinny best "
                       + (f"{sk * 1e6:.1f} us" if sk is not None else "-")
-                      + (f" (preloading {pre * 1e6:.1f} us)" if pre is not None else ""), flush=True)  # fmt: skip
-        flags = ("splits", "gated", "sigmoid", "norm", "conv", "unroll", "preload")
+                      + (f" (preloading {pre * 1e6:.1f} us)" if pre is not None else "")
+                      + (f" (prefetching {ahead * 1e6:.1f} us)" if ahead is not None else ""), flush=True)  # fmt: skip
+        flags = ("splits", "gated", "sigmoid", "norm", "conv", "glu", "unroll", "preload", "prefetch")
         for bs in sorted({bs for _, bs in choice} & set(a.batches)):
             fused = {n: "+".join(k for k in flags if c.get(k)) for (n, b), c in sorted(choice.items()) if b == bs}
             print(f"{name}, graph of {bs}: skinny_linear for " + ", ".join(f"{n} ({f or 'plain'})" for n, f in

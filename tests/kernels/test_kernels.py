@@ -331,6 +331,59 @@ def test_skinny_linear_preload_on_tensor_cores(M, splits, prologue):
     close(pre, (xin.float() @ w.float().T).to(BF16))
 
 
+@pytest.mark.parametrize(
+    "M,splits,prologue,extra",
+    [
+        (3, 1, "gated", {}),
+        (40, 2, "gated", dict(preload=True)),
+        (20, 2, "sigmoid", {}),
+        (32, 4, "sigmoid", dict(preload=True)),
+        (20, 1, "norm", {}),
+        (40, 2, "norm+res", dict(glu=True, norm_tile=256)),
+        (100, 2, "norm+res", dict(preload=True, norm_tile=512)),
+    ],
+)  # fmt: skip
+def test_skinny_linear_prefetch_gives_the_same_bits(M, splits, prologue, extra):
+    """Tensor cores with a prologue: the input tiles loaded a step ahead (prefetch) give the same bits as the same
+    settings without it (the same products in the same order), with the norm's residual stream too, and stay near
+    the unfused launches; with the norm's sum of squares in tiles of norm_tile columns, near them."""
+    from kernels import linear
+
+    K, N = 512, 96
+    gen = torch.Generator().manual_seed(M + 3 * splits)
+    x = torch.randn(M, 2 * K if prologue == "gated" else K, generator=gen).to(DEVICE, BF16)
+    gate, res = (torch.randn(M, K, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    x[0] *= 4  # rows of different scales: a row normed with another's sum of squares is wrong
+    nw = (torch.randn(K, generator=gen) * 0.1).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    settings = dict(block_n=32, block_k=64 if M > 64 else 128, num_stages=3, dot=True, splits=splits, **extra)
+
+    def launch(prefetch, settings=settings):
+        if prologue == "gated":
+            return linear.skinny_linear(x, w, gated=True, prefetch=prefetch, **settings), None
+        if prologue == "sigmoid":
+            return linear.skinny_linear(x, w, sigmoid_gate=gate, prefetch=prefetch, **settings), None
+        r = res if prologue == "norm+res" else None
+        r_out = torch.empty_like(x) if r is not None else x
+        return linear.skinny_linear(x, w, norm=(r, nw, 1e-6, r_out), prefetch=prefetch, **settings), r_out
+
+    (got, got_res), (plain, plain_res) = launch(True), launch(False)
+    if "norm_tile" in extra:  # the sum of squares added in another order: near, not the same bits
+        close(got, plain)
+    else:
+        assert torch.equal(got, plain)
+    assert got_res is None or torch.equal(got_res, plain_res)
+    if prologue == "gated":
+        want = linear.gated_linear(x, w, None)
+    elif prologue == "sigmoid":
+        want = linear.sigmoid_gated_linear(x, gate, w, None)
+    else:
+        want = linear.normed_linear(x, res.clone() if prologue == "norm+res" else None, nw, 1e-6, w, None)[0]
+    close(got, linear.glu_after(want, None) if extra.get("glu") else want)
+    with pytest.raises(AssertionError, match="prefetch"):
+        linear.skinny_linear(x[:, :K].contiguous(), w, prefetch=True, block_n=32, block_k=128)
+
+
 @pytest.mark.parametrize("M,splits", [(1, 1), (1, 2), (3, 1), (20, 2)])
 def test_skinny_linear_sigmoid_gate(M, splits):
     """x * sigmoid(gate) computed as it is read, the gate a strided view (a gated attention output's gate columns
@@ -460,7 +513,7 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k):
 def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     """tune with what the input is computed from (the norm and the conv step at any number of rows): whatever it
     picks gives the unfused result; at more than one row it also timed skinny_linear after the prologue's own
-    launch (settings without the prologue's flag)."""
+    launch (settings without the prologue's flag) and the fused prologue with its input loaded a step ahead."""
     from kernels import linear
 
     gen = torch.Generator().manual_seed(rows)
@@ -470,6 +523,7 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     flag = {"norm": "norm", "sigmoid": "sigmoid", "silu": "gated"}[prologue]
     unfused = [k for k in times if k != "cublas" and f"'{flag}': True" not in k]
     assert bool(unfused) == (rows > 1), list(times)
+    assert any("'prefetch': True" in k for k in times) == (rows > 1), list(times)
     assert not any(isinstance(t, str) and "capture" in t for t in times.values()), times  # counted launches ran
     x = torch.randn(rows, 2048 if prologue == "silu" else 1024, generator=gen).to(DEVICE, BF16)
     if prologue == "norm":
