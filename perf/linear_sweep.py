@@ -2,9 +2,12 @@
 over a grid of launch settings (K split in parts too: --splits), for the Llama-3.1-8B shapes or
 random:qwen3-next-layout's (--shapes next_in next_out ...), each timed in a CUDA graph of 32 launches over 32
 distinct weights (as the 32 layers run, so L2 holds none of them), against the weight bytes at the copy bandwidth
-measured in the same run.
+measured in the same run. --prologue silu|sigmoid|norm: the input is computed first (an MLP's silu(gate) * up, a
+gated attention output, add + RMSNorm); cuBLAS is timed after the prologue's own launch, and each skinny setting
+both after that launch and with the prologue fused (--prefetch 0 1: without and with its input loaded a step
+ahead; --norm-tile: the fused norm's sum of squares in tiles of that many columns, 0 for block_k).
 
-    python perf/linear_sweep.py [--rows 1 2 4 8] [--out FILE.md] [--json FILE.json]
+    python perf/linear_sweep.py [--rows 1 2 4 8] [--prologue norm --prefetch 0 1] [--out FILE.md] [--json FILE.json]
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import argparse
 import itertools
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,11 +33,40 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 LAYERS = 32
 
 
-def run(x, ws, out, settings):
+def prologue_inputs(kind: str, M: int, K: int):
+    """(x, the launch that computes the input from x, skinny_linear's fused keyword arguments, a reset) for a
+    prologue kind; the unfused norm updates a residual of its own in place (the fused one reads `res` and leaves it
+    as it was), which the reset puts back before a result is checked."""
+    from kernels.act import silu_mul
+    from kernels.norm import add_rms_norm
+
+    dt = torch.bfloat16
+    x = torch.randn(M, 2 * K if kind == "silu" else K, device="cuda", dtype=dt)
+    if kind == "none":
+        return x, lambda: x, {}, lambda: None
+    if kind == "silu":
+        return x, lambda: silu_mul(x), dict(gated=True), lambda: None
+    g = torch.randn(M, K, device="cuda", dtype=dt)
+    if kind == "sigmoid":
+        return x, lambda: x * torch.sigmoid(g), dict(sigmoid_gate=g), lambda: None
+    res, nw = torch.randn(M, K, device="cuda", dtype=dt), torch.randn(K, device="cuda", dtype=dt) * 0.1
+    scratch = res.clone()
+    fused = dict(norm=(res, nw, 1e-6, torch.empty_like(x)))
+    return x, lambda: add_rms_norm(x, scratch, nw, 1e-6, offset=True), fused, lambda: scratch.copy_(res)
+
+
+def reference(kind: str, x: torch.Tensor, fused: dict, w: torch.Tensor) -> torch.Tensor:
+    """The product of w with the prologue's input, from fresh copies (float32)."""
     from kernels import linear
 
-    for w in ws:
-        linear.skinny_linear(x, w, out=out, **settings)
+    if kind == "norm":
+        res, nw, eps, _ = fused["norm"]
+        return linear.normed_linear(x, res.clone(), nw, eps, w, None)[0].float()
+    if kind == "silu":
+        return linear.gated_linear(x, w, None).float()
+    if kind == "sigmoid":
+        return linear.sigmoid_gated_linear(x, fused["sigmoid_gate"], w, None).float()
+    return F.linear(x.float(), w.float())
 
 
 def main(argv=None) -> int:
@@ -50,6 +81,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--top", type=int, default=3, help="print this many fastest settings per matrix and row count")
+    ap.add_argument("--prologue", choices=("none", "silu", "sigmoid", "norm"), default="none",
+                    help="what the input is computed from (see above)")  # fmt: skip
+    ap.add_argument("--prefetch", type=int, nargs="+", choices=(0, 1), default=[0, 1],
+                    help="a prologue fused on tensor cores: its input loaded a step ahead (1) or not (0)")  # fmt: skip
+    ap.add_argument("--norm-tile", type=int, nargs="+", default=[0],
+                    help="the fused norm's sum-of-squares tile widths to try (0: block_k)")  # fmt: skip
     ap.add_argument("--time-limit", type=float, default=540.0,
                     help="seconds: past this nothing more is timed; what was measured is written")  # fmt: skip
     a = ap.parse_args(argv)
@@ -61,10 +98,13 @@ def main(argv=None) -> int:
     from kernels.linear import graph_time
 
     bw = measure_bandwidth()
+    pro = a.prologue
     lines = [f"# Small-batch projections: cuBLAS against skinny_linear ({torch.cuda.get_device_name()})", "",
              f"Command: `python perf/linear_sweep.py {' '.join(sys.argv[1:])}`  ",
              f"Copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s. µs per launch (a graph of {LAYERS} "
-             "launches over distinct weights, divided by 32); fraction = weight bytes / time / copy bandwidth.", "",
+             "launches over distinct weights, divided by 32); fraction = weight bytes / time / copy bandwidth."
+             + ("" if pro == "none" else f" Prologue {pro}: cuBLAS timed after its own launch; a setting "
+                "with the prologue's flag has it fused, one without runs after that launch."), "",
              "| matrix | N×K | rows | cuBLAS µs (fraction) | skinny best µs (fraction) | settings |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     res = {"bandwidth_TBps": bw / 1e12, "results": []}
@@ -76,17 +116,20 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > a.time_limit:
                 cut.append(f"{name} at {M} rows")
                 continue
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            x, pre, fused, reset = prologue_inputs(pro, M, K)
             out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             t0 = time.perf_counter()
-            t_cublas = graph_time(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]) / LAYERS
-            ref = F.linear(x.float(), ws[0].float())
+            t_cublas = graph_time(lambda pre=pre, ws=ws: [F.linear(pre(), w) for w in ws]) / LAYERS
+            ref = reference(pro, x, fused, ws[0])
             best = None
             timed = []
             modes = [False, True] if M == 1 else [True]
             grid = itertools.product(modes, a.block_n, a.block_k, a.warps, a.stages, a.splits)
-            for dot, bn, bk, nw, ns, sp in grid:
-                if K % (bk * sp):
+            variants = [(False, 0, 0)]  # (fused, prefetch, norm_tile)
+            if pro != "none":
+                variants += [(True, p, t) for p in a.prefetch for t in (a.norm_tile if p and pro == "norm" else [0])]
+            for (dot, bn, bk, nw, ns, sp), (fuse, ahead, tile) in itertools.product(grid, variants):
+                if K % (bk * sp) or (tile and K % tile) or (ahead and not dot):
                     continue
                 if time.perf_counter() - start > a.time_limit:
                     cut.append(f"part of {name}'s settings at {M} rows")
@@ -94,10 +137,21 @@ def main(argv=None) -> int:
                 s = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, dot=dot)
                 if sp > 1:
                     s["splits"] = sp
+                if fuse:
+                    s.update({"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True)}[pro])
+                    s.update(dict(prefetch=True) if ahead else {}, **(dict(norm_tile=tile) if tile else {}))
+                kw = {k: v for k, v in s.items() if k not in ("sigmoid", "norm")}
+                if fuse:
+                    kw.update({k: v for k, v in fused.items() if k != "gated"})
+
+                def launch(w, kw=kw, src=(lambda x=x: x) if fuse else pre, out=out):
+                    return linear.skinny_linear(src(), w, out=out, **kw)
+
                 try:
-                    linear.skinny_linear(x, ws[0], out=out, **s)
+                    reset()
+                    launch(ws[0])
                     err = (out.float() - ref).abs().max().item()
-                    t = graph_time(partial(run, x, ws, out, s)) / LAYERS
+                    t = graph_time(lambda launch=launch, ws=ws: [launch(w) for w in ws]) / LAYERS
                 except Exception as e:  # e.g. out of shared memory: reported, not fatal
                     print(f"{name} M={M} {s}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
