@@ -63,7 +63,8 @@ POLICIES = {
     "rotate-fair": ["--rotation-victims", "longest-running"],  # round robin
 }
 POLICIES["roomy"] = POLICIES["plain"]  # on a pool that holds every stream of a phase
-LOOP_PARTS = ("wait", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
+LOOP_PARTS = ("wait", "read", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
+READ_FIRST = ("not_quiet", "room", "no_graph", "max_len", "sampling")  # pd_decode_read_first_steps_total's reasons
 PHASES = (("4x4000", 4, 3800), ("3x5500", 3, 5300))  # name, streams, output tokens (of unscaled length)
 COUNTERS = {
     "pauses": "pd_pauses_total",
@@ -86,6 +87,7 @@ COUNTERS = {
     "handover_n": "pd_rotation_handover_seconds_count",
     "turn_host_s": "pd_rotation_turn_host_seconds_total",
     **{f"loop_{k}": f'pd_decode_loop_seconds_total{{part="{k}"' for k in LOOP_PARTS},
+    **{f"read_{k}": f'pd_decode_read_first_steps_total{{reason="{k}"' for k in READ_FIRST},
 }
 CLOSE_ALL = {
     "running": "pd_decode_running_requests",
@@ -287,8 +289,12 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
             ),
         ),
         (
-            "decode loop s: wait / schedule / copies / step",
+            "decode loop s: wait / read / schedule / copies / step",
             lambda r: " / ".join(f"{r.get('loop_' + k, 0):.1f}" for k in LOOP_PARTS),
+        ),
+        (
+            "steps read before the next plan: not quiet / room / no graph / max_len / sampling",
+            lambda r: " / ".join(f"{r.get('read_' + k, 0):,.0f}" for k in READ_FIRST),
         ),
     ]
     lines = [f"## {phase}", "", "| | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]

@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # python3 perf/soak.py: the project root on the p
 from tests.server.client import StreamClient  # noqa: E402
 from tests.server.conftest import Server  # noqa: E402
 
-LOOP_PARTS = ("wait", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
+LOOP_PARTS = ("wait", "read", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
 COUNTERS = {
     "pauses": ("pd_pauses_total", {}),
     "rotations": ("pd_rotations_total", {}),
@@ -164,7 +164,7 @@ def write(out: Path, a, windows: list[dict], checks: dict, command: str) -> None
     procs = sorted({k for w in windows for k in w["rss"]})
     head = ["t (s)", "tokens/s", "finished", "cancelled", "errors", "pauses", "rotations", "rec host/prefill/local",
             "swapped in", "running/queued/paused", "KV used", "host used",
-            "decode loop s wait/schedule/copies/step", "prefill tokens computed/cached"]  # fmt: skip
+            "decode loop s wait/read/schedule/copies/step", "prefill tokens computed/cached"]  # fmt: skip
     head += [f"RSS {p} (MB)" for p in procs]
     head.append("GPU mem (MB)")
     lines = [f"# Soak: {a.users} users, {a.duration:.0f} s in windows of {a.window:.0f} s", "", f"`{command}`", "",

@@ -199,14 +199,24 @@ class DecodeLoop:
         self.c_idle_swapping = m.counter(
             "pd_decode_idle_swapping_seconds_total", "Seconds decode had nothing to run while a swap-in was in flight"
         )
-        # where the scheduler loop's wall time goes: waiting (for events, a swap-in, the last step's tokens),
-        # scheduling, starting copies and transfers, launching steps and handing out their tokens
-        self.loop_time = dict.fromkeys(("wait", "schedule", "copies", "step"), 0.0)
+        # where the scheduler loop's wall time goes: waiting (for events, a swap-in), reading an unread step's
+        # tokens before a plan that may not run over it, scheduling, starting copies and transfers, launching
+        # steps and handing out their tokens
+        self.loop_time = dict.fromkeys(("wait", "read", "schedule", "copies", "step"), 0.0)
         self.c_loop = {
             k: m.counter("pd_decode_loop_seconds_total", "Decode loop wall time by part", part=k)
             for k in self.loop_time
         }
         self._reported["loop"] = dict(self.loop_time)
+        # steps read before the next plan (the GPU idles until that plan's step is launched), by the rule of
+        # DecodeSteps.read_first that did not hold
+        self.read_first = dict.fromkeys(DecodeSteps.READ_FIRST, 0)
+        self.c_read_first = {
+            k: m.counter("pd_decode_read_first_steps_total", "Decode steps read before the next plan, by why",
+                         reason=k)
+            for k in self.read_first
+        }  # fmt: skip
+        self._reported["read_first"] = dict(self.read_first)
         self.g["stalled"] = g("pd_decode_stalled_seconds", "Seconds without progress while requests wait")
         self.c_stalls = m.counter("pd_decode_stalls_total", "Times decode made no progress for stall_seconds with work")
         self.c_violations = m.counter("pd_decode_invariant_violations_total", "Scheduler invariant checks that failed")
@@ -268,10 +278,13 @@ class DecodeLoop:
                 self._take_cancels(poll_senders=poll)
                 if poll:
                     last_cancel_poll = now
-                if self.steps.pending and not self.steps.may_keep(busy=swapping):
+                tr = self.clock()
+                lt["wait"] += tr - t0
+                if self.steps.pending and (why := self.steps.read_first(busy=swapping)) is not None:
                     self.steps.flush()  # this schedule may look at token histories or hand slots out
+                    self.read_first[why] += 1
                 t1 = self.clock()
-                lt["wait"] += t1 - t0
+                lt["read"] += t1 - tr
                 plan = self.sched.schedule(decode_only=self.steps.pending)  # pending: may_keep said so
                 for req in plan.ended:
                     self._emit(req, [], "length")
@@ -567,6 +580,7 @@ class DecodeLoop:
         self._count_deltas("skips", s.host_skips, self.c_host_skips)
         self._count_deltas("recovered", s.recovered_tokens, self.c_recovered)
         self._count_deltas("loop", self.loop_time, self.c_loop)
+        self._count_deltas("read_first", self.read_first, self.c_read_first)
         self._count_deltas("overlapped", {"steps": self.steps.num_overlapped}, self.c_overlapped)
         self._count_deltas("steps", {"steps": self.steps.num_steps}, self.c_steps)
         spec = {"drafts": self.steps.num_drafts, "accepted": self.steps.num_accepted}

@@ -60,20 +60,34 @@ class DecodeSteps:
     def pending(self) -> bool:
         return self._launched is not None
 
+    # why the next schedule() reads the unread step first (`read_first`): a metric label each
+    READ_FIRST = ("not_quiet", "room", "no_graph", "max_len", "sampling")
+
     def may_keep(self, busy: bool = False) -> bool:
         """Whether the next schedule() may run over the unread step (see the module's rules); `busy`: the caller
         has work of its own in flight that hands out slots (host copies)."""
+        return self.read_first(busy) is None
+
+    def read_first(self, busy: bool = False) -> str | None:
+        """None where the next schedule() may run over the unread step (`may_keep`), else the first rule that
+        does not hold, as one of READ_FIRST: not_quiet (requests that do not run, work in flight, or `busy`, and
+        the scheduler not quiet), room (no free or evictable slot for every running request), no_graph (no
+        captured graph for the batch), max_len (a request within a token of it), sampling (not greedy, or a banned
+        token)."""
         s = self.sched
         others = {r.state for r in s.reqs.values()} - {ReqState.RUNNING}
         if (others or busy or s.inflight or s.orphans) and not s.quiet():
-            return False  # beside requests that do not run, only while none of them can change
+            return "not_quiet"  # beside requests that do not run, only while none of them can change
         running = [r for r in s.reqs.values() if r.state is ReqState.RUNNING]
-        return (
-            s.pool.num_free + s.radix.evictable_size >= len(running)
-            and self.runner.graph_batch(len(running))
-            and all(r.num_tokens + 1 < s.max_len for r in running)
-            and greedy_unbanned(running, self.eos)
-        )
+        if s.pool.num_free + s.radix.evictable_size < len(running):
+            return "room"
+        if not self.runner.graph_batch(len(running)):
+            return "no_graph"
+        if not all(r.num_tokens + 1 < s.max_len for r in running):
+            return "max_len"
+        if not greedy_unbanned(running, self.eos):
+            return "sampling"
+        return None
 
     def step(self, reqs: list[InferReq]) -> None:
         """One decode token for each of reqs (each holds a reserved slot for it); speculating, a second one for

@@ -202,21 +202,32 @@ def test_may_keep_refuses_every_unsafe_schedule(engine, runner):
     assert a.state is ReqState.RUNNING and loop.steps.pending and loop.steps.may_keep()
     assert a.output_ids[-1] == PENDING
     assert loop.steps.may_keep(busy=True)  # quiet: copies in flight write only requests that do not run
+    assert loop.steps.read_first() is None
     waiting = InferReq("w", [1, 2, 3], greedy(2))
     loop.sched.add(waiting)
     assert not loop.steps.may_keep()  # an admission hands slots to prefill
     assert not loop.steps.may_keep(busy=True)
+    assert loop.steps.read_first() == "not_quiet"
     loop.sched.cancel("w")
     assert loop.steps.may_keep()
     loop.sched.max_len = a.num_tokens + 1
     assert not loop.steps.may_keep()  # the plan would end it at capacity
+    assert loop.steps.read_first() == "max_len"
     loop.sched.max_len = runner.cfg.max_position_embeddings
     taken = loop.sched.pool.alloc(loop.sched.pool.num_free)
     assert not loop.steps.may_keep()  # the reservation would evict or pause
+    assert loop.steps.read_first() == "room"
     loop.sched.pool.free(taken)
     a.params.temperature = 0.5
     assert not loop.steps.may_keep()  # sampling reads logits: no graph argmax
+    assert loop.steps.read_first() == "sampling"
     a.params.temperature = 0.0
+    loop.steps.runner.graph_batch = lambda n: False  # an instance attribute over the launcher's method
+    try:
+        assert loop.steps.read_first() == "no_graph"  # no captured graph for the batch
+    finally:
+        del loop.steps.runner.graph_batch
+    assert set(DecodeSteps.READ_FIRST) == {"not_quiet", "room", "no_graph", "max_len", "sampling"}
     loop.steps.flush()
     assert PENDING not in a.output_ids and not loop.steps.pending
 
