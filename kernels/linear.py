@@ -213,9 +213,8 @@ def _skinny_kernel(
     silu(gate c) * up c, each product rounded as stored first (an MLP's gate_up with kernels.act.silu_mul fused
     after it). PREFETCH (DOT with a prologue): the input tiles of the next step of K (and of the sum of squares'
     next step, in tiles of NORM_TILE columns) are loaded before this step's are computed with, so their loads are
-    in flight during the product;
-    without it each step waits for its own input's loads, since an input computed in registers is not among the
-    loads the compiler pipelines."""
+    in flight during the product; without it each step waits for its own input's loads, since an input computed
+    in registers is not among the loads the compiler pipelines."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -629,10 +628,10 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     timed again with preload, whether or not it beat cuBLAS, and with a prologue each candidate is also timed
     without it fused (the prologue's own launch first, and the conv's after where there is one; a pick without
     the flag runs so), and the two fastest with it fused are timed again with prefetch (the norm's fastest also
-    with its sum of squares in tiles of 256 columns). The pick is checked
-    against the unfused launches' result (and the conv's outputs), and dropped for cuBLAS if it differs by more
-    than bf16 rounding. Returns (choice, {description: seconds per weight, or the error of a setting that did not
-    run or was wrong}). 16-bit weights only: the kernel's float32 products would round through TF32."""
+    with its sum of squares in tiles of 256 columns). The pick is checked against the unfused launches' result
+    (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
+    {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit weights
+    only: the kernel's float32 products would round through TF32."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
