@@ -87,6 +87,7 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
     tokens = steps = batch1 = waited = 0
     copy_free_at = 0.0
     host = {"turn_s": 0.0, "other_s": 0.0, "others": 0, "copies": 0, "runs": 0, "read_first": 0}
+    reasons: dict[str, int] = {}  # steps read first, by DecodeSteps.read_first's reason
     while not s.idle():
         if clock.t > limit_s:
             raise RuntimeError(f"not done after {limit_s} simulated seconds: {s.counts()}")
@@ -96,7 +97,8 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
             c = s.on_transfer_done(job.rid, job.epoch, True, first_token=7 if job.sample else 0)
             if c.first_token is not None:
                 times[job.rid].append(clock.t)
-        keep = stepped and rule.may_keep()
+        why = rule.read_first() if stepped else "after an idle plan"
+        keep = why is None
         t0 = time.perf_counter()
         plan = s.schedule(decode_only=keep)
         dt = time.perf_counter() - t0
@@ -126,6 +128,8 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
             clock.t += step
             steps += 1
             host["read_first"] += not keep
+            if not keep:
+                reasons[why] = reasons.get(why, 0) + 1
             batch1 += len(plan.decode) == 1
             for req in list(plan.decode):
                 s.after_decode(req, 7)
@@ -142,7 +146,8 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
             "largest_gap": gap, "rotations": s.num_rotations, "swapped_in": s.swapped_tokens["in"], "waited": waited,
             "turn_ms": 1e3 * host["turn_s"] / max(s.num_rotations, 1),
             "plan_ms": 1e3 * host["other_s"] / max(host["others"], 1),
-            "runs_per_copy": host["runs"] / max(host["copies"], 1), "read_first": host["read_first"]}  # fmt: skip
+            "runs_per_copy": host["runs"] / max(host["copies"], 1), "read_first": host["read_first"],
+            "read_first_by": reasons}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     means = {(p, w): [] for p in a.policies for w in (a.wait if p != "plain" else a.wait[:1])}
     print("| scenario | policy | wait | s | tokens/s | vs plain | steps | at batch 1 | largest gap | rotations | "
           "swapped in | waited for at a turn | steps read first | turn's plan ms | other plans ms | "
-          "runs per copy |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "runs per copy | read first by |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, outs in scenarios.items():
         base = None
         for p, w in means:
@@ -181,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {p} | {'-' if p == 'plain' else w} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
                   f"{loss} | {r['steps']} | {r['batch1_steps']} | {r['largest_gap']:.3f} | {r['rotations']} | "
                   f"{r['swapped_in']:,} | {r['waited']:,} | {r['read_first']} | {r['turn_ms']:.2f} | "
-                  f"{r['plan_ms']:.3f} | {r['runs_per_copy']:.1f} |", flush=True)  # fmt: skip
+                  f"{r['plan_ms']:.3f} | {r['runs_per_copy']:.1f} | "
+                  f"{', '.join(f'{k} {n}' for k, n in sorted(r['read_first_by'].items())) or '-'} |",
+                  flush=True)  # fmt: skip
     if a.random:
         for (p, w), v in means.items():
             rnd = v[2:]
