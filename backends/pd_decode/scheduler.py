@@ -252,7 +252,8 @@ class DecodeScheduler:
         self.max_epoch = 0
         self.num_unfittable = 0  # requests ended by the liveness guard
         # until when (clock) a full schedule() is known to plan one more decode token for every running request and
-        # nothing else (`quiet`); any input (arrival, answer, finish, cancel) ends it
+        # nothing else (`quiet`); any input (arrival, finish, cancel, a failed, stale or prefetch answer) ends it,
+        # except an answer that makes its request run (`on_transfer_done`)
         self._quiet_until = -math.inf
         # what the last full plan's rotation and prefetch declined for the paused head, though due, keyed by the
         # head's (rid, paused_at): its turn waits until this time (a running request reaches its quantum; inf: only
@@ -346,10 +347,10 @@ class DecodeScheduler:
     def on_transfer_done(
         self, rid: str, epoch: int, ok: bool, first_token: int | None = None, error: str | None = None
     ) -> Completion:
-        self._quiet_until = -math.inf
         job = self.inflight.pop((rid, epoch), None)
         orphan = self.orphans.pop((rid, epoch), None)
         if orphan is not None:  # cancelled meanwhile: the transfer has answered, so its slots are safe to reuse
+            self._quiet_until = -math.inf
             self.kv.release(orphan, keep_in_cache=False)
             return Completion(None, stale=False)
         req = self.reqs.get(rid)
@@ -360,7 +361,10 @@ class DecodeScheduler:
             or req.state not in ((ReqState.PAUSED,) if job.prefetch else (ReqState.WAITING_KV, ReqState.RECOVERING))
         ):
             self.num_stale += 1  # a message from another round: it changes nothing
+            self._quiet_until = -math.inf
             return Completion(req, stale=True)
+        if job.prefetch or not ok:
+            self._quiet_until = -math.inf
         if job.prefetch:  # still paused: the copied positions become its cached KV (a failed copy: given back)
             self.kv.release(req, keep_in_cache=ok, priority=PAUSED_PRIORITY)
             return Completion(req)
@@ -375,10 +379,24 @@ class DecodeScheduler:
         if req.state is ReqState.WAITING_KV:
             self._move(req, ReqState.RUNNING)
             req.output_ids.append(int(first_token))
+            self._quiet_while_running(req)
             return Completion(req, first_token=int(first_token))
         self._move(req, ReqState.RUNNING)  # RECOVERING -> RUNNING
+        self._quiet_while_running(req)
         self.num_recoveries[job.source] += 1
         return Completion(req, recovered=True, path=job.source)
+
+    def _quiet_while_running(self, req: InferReq) -> None:
+        """An answer that made req run leaves the scheduler quiet: req held its slots (and state page) while it
+        waited, so no room appeared, and the next decode-only plan takes it up as it does every running request.
+        Two things a full plan might do for it end or shorten the quiet state: ending it at max_len (now, when its
+        next token would not fit), and pausing it for a paused request's turn that the last plan declined for
+        want of requests that had run a quantum (that turn's retry then comes by req's quantum at the latest). A
+        turn not yet due stays so: req running can only put it later."""
+        if req.num_tokens + 1 >= self.max_len:
+            self._quiet_until = -math.inf
+        elif self._turn_retry is not None:
+            self._quiet_until = min(self._quiet_until, req.running_since + self.quantum)
 
     def _inflight_of(self, req: InferReq) -> TransferJob | None:
         """The transfer writing the request's slots now: its prompt's, its recovery's, or (paused) a prefetch."""
@@ -419,7 +437,8 @@ class DecodeScheduler:
         prefetch) falls due yet. Requests may be paused or waiting meanwhile: none of them fits (room only shrinks
         while the running requests grow, until an input frees some), so until one of those happens their
         schedules would change nothing for them. Transfers and host copies may be in flight: what they write
-        belongs to requests that are not running, and their answers end the quiet state."""
+        belongs to requests that are not running. An answer that makes its request run keeps the quiet state (the
+        next decode-only plan takes it up); other answers end it."""
         return self.clock() < self._quiet_until
 
     def _quiet_after(self, plan: Plan) -> float:

@@ -8,7 +8,8 @@ plan is certain to be one more decode token for every running request (`may_keep
 
 - every request runs and nothing is in flight, or else the scheduler is `quiet` (no input came since its last full
   plan, which took every action then due, and no turn of rotation is due: what waits still cannot fit, and what
-  recovers or waits for its prompt changes only when its transfer or host copy answers, which ends it), and then
+  recovers or waits for its prompt changes only when its transfer or host copy answers; an answer that makes its
+  request run keeps the quiet state, the request joining the batch with its own last token), and then
   the plan is made with `schedule(decode_only=True)`: no admission, no rotation, no recovery, so no slot goes to
   prefill (another process) or to the host tier's copy stream while the GPU may still write it. A transfer or
   copy in flight writes only its own request's slots and state page, which the step does not touch;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -316,14 +317,20 @@ def test_paused_kv_outlives_finished_kv_in_cache():
 
 def test_quiet_until_an_input_or_a_due_turn_and_decode_only_plans_nothing_else():
     """`quiet` (decode's overlapped steps plan over an unread step only then): after a full plan, the pausing one
-    included (it took every action then due), while a paused request cannot fit; not after any input (arrival,
-    answer, finish, cancel), nor once a rotation turn falls due. schedule(decode_only=True) reserves the decode slots
-    and does nothing for the others. (tests/pd_decode/conftest.py checks each quiet full plan's successor.)"""
+    included (it took every action then due), while a paused request cannot fit; not after other inputs (arrival,
+    finish, cancel), nor once a rotation turn falls due. An answer that makes its request run keeps it: the next
+    decode-only plan takes that request up, and with paused requests the quiet spell ends when it has run a quantum
+    (it may then give its place to one). schedule(decode_only=True) reserves the decode slots and does nothing for
+    the others. (tests/pd_decode/conftest.py checks each quiet full plan's successor.)"""
     now = [0.0]
     s = DecodeScheduler(KVPool(24), quantum=0.1, turn_wait=0.3, clock=lambda: now[0])
     a, b = mk(s, "a", 8), mk(s, "b", 8, base=100)
     admit_and_run(s, [a, b])
-    assert not s.quiet()  # answers came in
+    assert s.quiet()  # the prompts' answers made a and b run: nothing else is due
+    plan = s.schedule(decode_only=True)
+    assert plan.decode == [a, b]
+    for r in plan.decode:
+        s.after_decode(r, 5)
     while b.state is not ReqState.PAUSED:
         step(s)
     assert a.state is ReqState.RUNNING and s.quiet()  # that plan paused b, and nothing else is due
@@ -339,7 +346,35 @@ def test_quiet_until_an_input_or_a_due_turn_and_decode_only_plans_nothing_else()
     assert c.state is ReqState.WAITING and s.quiet()  # paused requests go first: c waits, nothing else to plan
     now[0] = b.paused_at + 0.3  # b's turn is due (a has run a quantum since it last resumed)
     assert not s.quiet()
-    step(s)
-    assert b.state is not ReqState.PAUSED and a.state is ReqState.PAUSED and s.num_rotations == 1
+    plan = step(s)
+    assert b.state is ReqState.RECOVERING and a.state is ReqState.PAUSED and s.num_rotations == 1
+    assert s.quiet()  # b's recovery is in flight, a's turn is not due yet
+    now[0] += 0.01
+    (job,) = plan.transfers
+    s.on_transfer_done(job.rid, job.epoch, True)
+    assert b.state is ReqState.RUNNING and s.quiet()  # its answer keeps the scheduler quiet until a's turn
+    assert s._quiet_until == a.paused_at + s.turn_wait
+    assert s.schedule(decode_only=True).decode == [b]
     s.cancel("c")
+    assert not s.quiet()
+
+
+def test_an_answer_that_makes_a_request_run_brings_a_declined_turn_forward():
+    """A turn the last plan declined for want of requests that had run a quantum waits for one to have (or for an
+    input): a request that an answer makes run is one more, so the quiet spell ends by its quantum at the latest;
+    and one whose next token would not fit max_len ends it at once (a full plan ends that request)."""
+    now = [0.0]
+    s = DecodeScheduler(KVPool(64), quantum=0.1, turn_wait=0.3, clock=lambda: now[0])
+    mk(s, "a", 8)
+    b = mk(s, "b", 8, base=100)
+    plan = s.schedule()
+    assert {j.rid for j in plan.transfers} == {"a", "b"} and s.quiet()
+    s._turn_retry = ("p", 0.0, math.inf)  # as `_rotate` leaves it when no running request frees enough
+    s._quiet_until = math.inf
+    now[0] = 0.05
+    ja, jb = plan.transfers
+    s.on_transfer_done(ja.rid, ja.epoch, True, first_token=7)
+    assert s.quiet() and s._quiet_until == 0.05 + s.quantum
+    s.max_len = b.num_tokens + 2  # b's first token takes it within a token of max_len
+    s.on_transfer_done(jb.rid, jb.epoch, True, first_token=7)
     assert not s.quiet()
