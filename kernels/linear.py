@@ -581,6 +581,27 @@ def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     return y, (x if residual is None else residual)
 
 
+# `tune`'s prologues -> the flag of a skinny_linear setting that computes that input as it reads it
+PROLOGUE_FLAGS = {"silu": "gated", "sigmoid": "sigmoid", "norm": "norm"}
+
+
+def prologue_linear(prologue: str | None, x: torch.Tensor, w: torch.Tensor, settings: dict | None,
+                    gate: torch.Tensor | None = None, norm: tuple | None = None,
+                    conv: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """w times the input that `prologue` (one of PROLOGUE_FLAGS, or None: x itself) computes from x, fused or not
+    as `settings` say: "silu" (`gated_linear`), "sigmoid" with gate (`sigmoid_gated_linear`), "norm" with norm =
+    (residual, weight, eps) (`normed_linear`'s product; an unfused norm updates the residual in place). conv: as
+    for `linear` (with no prologue or the norm)."""
+    if prologue == "silu":
+        return gated_linear(x, w, settings)
+    if prologue == "sigmoid":
+        return sigmoid_gated_linear(x, gate, w, settings)
+    if prologue == "norm":
+        residual, weight, eps = norm
+        return normed_linear(x, residual, weight, eps, w, settings, conv)[0]
+    return linear(x, w, settings, conv)
+
+
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
     """fn() captured as a CUDA graph, after one run on the capture's own stream (which compiles, and makes the
     arrival counters that counted launches on that stream find at capture)."""
@@ -648,19 +669,13 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         pages = torch.arange(rows, dtype=torch.int32, device=dev)
         conv = (torch.randn(C, 4, device=dev, dtype=dt), state, pages, pages, torch.empty(rows, C, device=dev))
 
-    def apply(w, settings, res=res, conv=conv):
-        if prologue == "silu":
-            y = gated_linear(x, w, settings)
-        elif prologue == "sigmoid":
-            y = sigmoid_gated_linear(x, gate, w, settings)
-        elif prologue == "norm":
-            y = normed_linear(x, res, nw, 1e-6, w, settings, conv)[0]  # res grows by x per unfused call
-        else:
-            y = linear(x, w, settings, conv)
+    def apply(w, settings, res=res, conv=conv):  # res grows by x per unfused norm
+        y = prologue_linear(prologue, x, w, settings, gate, (res, nw, 1e-6), conv)
         return glu_after(y, settings) if glu else y
 
     times = {"cublas": graph_time(lambda: [apply(w, None) for w in weights], 10) / len(weights)}
-    flag = {"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True)}.get(prologue, {})
+    pflag = PROLOGUE_FLAGS.get(prologue)
+    flag = {pflag: True} if pflag else {}
     if conv is not None:
         flag = dict(flag, conv=True)
     if glu:
@@ -673,7 +688,6 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     # more rows: the prologue also as its own launch before skinny_linear (the flag left out), since at 16 rows and
     # more a prologue computed in the product's loop can cost more than its launch (x passes through registers on
     # its way to the tensor cores, which stalls the loop's pipelined loads)
-    pflag = {"silu": "gated", "sigmoid": "sigmoid", "norm": "norm"}.get(prologue)
     if pflag and rows > 1:
         settings += [dict(s, **{k: v for k, v in flag.items() if k != pflag}) for s in base]
         if conv is not None:  # and the conv step as its own launch after (no flag of either)

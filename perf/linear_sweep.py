@@ -34,7 +34,7 @@ LAYERS = 32
 
 
 def prologue_inputs(kind: str, M: int, K: int):
-    """(x, the launch that computes the input from x, skinny_linear's fused keyword arguments, a reset) for a
+    """(x, the launch that computes the input from x, skinny_linear's inputs for the prologue fused, a reset) for a
     prologue kind; the unfused norm updates a residual of its own in place (the fused one reads `res` and leaves it
     as it was), which the reset puts back before a result is checked."""
     from kernels.act import silu_mul
@@ -45,7 +45,7 @@ def prologue_inputs(kind: str, M: int, K: int):
     if kind == "none":
         return x, lambda: x, {}, lambda: None
     if kind == "silu":
-        return x, lambda: silu_mul(x), dict(gated=True), lambda: None
+        return x, lambda: silu_mul(x), {}, lambda: None
     g = torch.randn(M, K, device="cuda", dtype=dt)
     if kind == "sigmoid":
         return x, lambda: x * torch.sigmoid(g), dict(sigmoid_gate=g), lambda: None
@@ -59,14 +59,10 @@ def reference(kind: str, x: torch.Tensor, fused: dict, w: torch.Tensor) -> torch
     """The product of w with the prologue's input, from fresh copies (float32)."""
     from kernels import linear
 
-    if kind == "norm":
-        res, nw, eps, _ = fused["norm"]
-        return linear.normed_linear(x, res.clone(), nw, eps, w, None)[0].float()
-    if kind == "silu":
-        return linear.gated_linear(x, w, None).float()
-    if kind == "sigmoid":
-        return linear.sigmoid_gated_linear(x, fused["sigmoid_gate"], w, None).float()
-    return F.linear(x.float(), w.float())
+    if kind == "none":
+        return F.linear(x.float(), w.float())
+    norm = None if "norm" not in fused else (fused["norm"][0].clone(), *fused["norm"][1:3])
+    return linear.prologue_linear(kind, x, w, None, fused.get("sigmoid_gate"), norm).float()
 
 
 def main(argv=None) -> int:
@@ -138,14 +134,13 @@ def main(argv=None) -> int:
                 if sp > 1:
                     s["splits"] = sp
                 if fuse:
-                    s.update({"silu": dict(gated=True), "sigmoid": dict(sigmoid=True), "norm": dict(norm=True)}[pro])
+                    s[linear.PROLOGUE_FLAGS[pro]] = True
                     s.update(dict(prefetch=True) if ahead else {}, **(dict(norm_tile=tile) if tile else {}))
-                kw = {k: v for k, v in s.items() if k not in ("sigmoid", "norm")}
-                if fuse:
-                    kw.update({k: v for k, v in fused.items() if k != "gated"})
 
-                def launch(w, kw=kw, src=(lambda x=x: x) if fuse else pre, out=out):
-                    return linear.skinny_linear(src(), w, out=out, **kw)
+                kw, inputs, src = dict(s, out=out), (fused if fuse else {}), ((lambda x=x: x) if fuse else pre)
+
+                def launch(w, kw=kw, inputs=inputs, src=src):  # fused: x as it is; else the prologue's launch first
+                    return linear._skinny(src(), w, kw, **inputs)
 
                 try:
                     reset()
