@@ -51,3 +51,10 @@ def test_report_of_a_run_stopped_by_its_time_limit_says_so():
     summary["note"] = "TIME LIMIT: stopped after 300 s"
     text = seed_stalls.report(summary)
     assert "## 4x4000" in text and text.rstrip().endswith("**TIME LIMIT: stopped after 300 s**")
+
+
+def test_the_report_names_every_read_first_reason_the_decode_loop_counts():
+    """seed_stalls keeps its own copy of the reasons (it runs without torch): it must match the loop's labels."""
+    from backends.pd_decode.steps import DecodeSteps
+
+    assert seed_stalls.READ_FIRST == DecodeSteps.READ_FIRST
