@@ -5,11 +5,19 @@ sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows u
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl as pdl_module
 from kernels.delta_rule import conv_channels as _conv_channels
 from kernels.delta_rule import conv_channels_rows as _conv_channels_rows
 from kernels.pdl import enter, launch
@@ -631,6 +639,110 @@ def graph_time(fn, reps: int = 20) -> float:
     return a.elapsed_time(b) / reps / 1e3
 
 
+class TuneCache:
+    """`tune`'s picks kept in a JSON file, keyed by everything a pick depends on: the GPU's name, torch's and
+    triton's versions, the source of this module and kernels.pdl (any edit of a kernel or of the candidates starts
+    afresh), the weights' dtype, shape and count, the rows, the prologue, the conv channels and the epilogue. The
+    file is `TRITON_PD_TUNE_CACHE` ("off": no cache), by default linear-tune.json in triton-pd's cache folder
+    (`TRITON_PD_CACHE`, else ~/.cache/triton-pd). Processes that share it merge their entries under a lock and
+    replace the file whole, so a reader never sees half of one. A file that cannot be read or written leaves
+    tuning as it is without a cache (one warning)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, dict] | None = None
+        self.warned = False
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def default_path() -> Path | None:
+        where = os.environ.get("TRITON_PD_TUNE_CACHE")
+        if where == "off":
+            return None
+        if where:
+            return Path(where)
+        return Path(os.environ.get("TRITON_PD_CACHE", Path.home() / ".cache" / "triton-pd")) / "linear-tune.json"
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            self._warn(f"not read ({e!r}): tuning afresh")
+            return {}
+        entries = data.get("entries") if isinstance(data, dict) else None
+        return entries if isinstance(entries, dict) else {}
+
+    def _warn(self, message: str) -> None:
+        if not self.warned:
+            self.warned = True
+            print(f"[triton-pd] tuning cache {self.path}: {message}", file=sys.stderr, flush=True)
+
+    def get(self, key: str) -> dict | None:
+        if self.path is None:
+            return None
+        if self.entries is None:
+            self.entries = self._read()
+        hit = self.entries.get(key)
+        ok = isinstance(hit, dict) and isinstance(hit.get("times"), dict) and isinstance(hit.get("choice"), dict | None)
+        self.hits += ok
+        self.misses += not ok
+        return hit if ok else None
+
+    def put(self, key: str, choice: dict | None, times: dict) -> None:
+        if self.path is None:
+            return
+        entry = {"choice": choice, "times": times}
+        self.entries = dict(self.entries or {}, **{key: entry})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                merged = dict(self._read(), **{key: entry})
+                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"entries": merged}, indent=1, sort_keys=True))
+                os.replace(tmp, self.path)
+            self.entries = dict(merged, **self.entries)
+        except OSError as e:
+            self._warn(f"not written ({e!r}): this process keeps its picks in memory")
+
+
+_TUNE_CACHE: TuneCache | None = None
+
+
+def tune_cache() -> TuneCache:
+    """The process's tuning cache, at `TuneCache.default_path()` as it reads when first used."""
+    global _TUNE_CACHE
+    if _TUNE_CACHE is None:
+        _TUNE_CACHE = TuneCache(TuneCache.default_path())
+    return _TUNE_CACHE
+
+
+def _tune_key(weights: list[torch.Tensor], rows: int, prologue, conv_channels: int, epilogue) -> str:
+    """What a `tune` pick depends on, as the tuning cache's key."""
+    w = weights[0]
+    code = hashlib.sha256()
+    for module in (__file__, pdl_module.__file__):
+        code.update(Path(module).read_bytes())
+    gpu = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else w.device.type
+    return json.dumps(
+        [
+            gpu,
+            torch.__version__,
+            triton.__version__,
+            code.hexdigest()[:16],
+            str(w.dtype),
+            list(w.shape),
+            len(weights),
+            rows,
+            prologue,
+            conv_channels,
+            epilogue,
+        ]  # fmt: skip
+    )
+
+
 def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, conv_channels: int = 0,
          epilogue: str | None = None) -> tuple[dict | None, dict]:  # fmt: skip
     """The fastest way to multiply `rows` rows by each of `weights` (one projection of every layer, all the same
@@ -652,7 +764,9 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     with its sum of squares in tiles of 256 columns). The pick is checked against the unfused launches' result
     (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
     {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit weights
-    only: the kernel's float32 products would round through TF32."""
+    only: the kernel's float32 products would round through TF32. The pick and its times are kept in the tuning
+    cache (`TuneCache`), so the next process on this GPU with the same code and shapes skips the timing (the pick is
+    still checked)."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
@@ -673,63 +787,69 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         y = prologue_linear(prologue, x, w, settings, gate, (res, nw, 1e-6), conv)
         return glu_after(y, settings) if glu else y
 
-    times = {"cublas": graph_time(lambda: [apply(w, None) for w in weights], 10) / len(weights)}
-    pflag = PROLOGUE_FLAGS.get(prologue)
-    flag = {pflag: True} if pflag else {}
-    if conv is not None:
-        flag = dict(flag, conv=True)
-    if glu:
-        flag = dict(flag, glu=True)
-    # K split only where the column blocks are few (each candidate is a compile at capture time)
-    base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
-    base += whole_range_candidates(K) if rows == 1 and N <= WHOLE_RANGE_MAX_N else []
-    base = [s for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
-    settings = [dict(s, **flag) for s in base]
-    # more rows: the prologue also as its own launch before skinny_linear (the flag left out), since at 16 rows and
-    # more a prologue computed in the product's loop can cost more than its launch (x passes through registers on
-    # its way to the tensor cores, which stalls the loop's pipelined loads)
-    if pflag and rows > 1:
-        settings += [dict(s, **{k: v for k, v in flag.items() if k != pflag}) for s in base]
-        if conv is not None:  # and the conv step as its own launch after (no flag of either)
-            settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in base]
-    extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
-    if conv is not None:
-        extra = dict(extra, conv=conv)
+    def search() -> tuple[dict | None, dict]:
+        times = {"cublas": graph_time(lambda: [apply(w, None) for w in weights], 10) / len(weights)}
+        pflag = PROLOGUE_FLAGS.get(prologue)
+        flag = {pflag: True} if pflag else {}
+        if conv is not None:
+            flag = dict(flag, conv=True)
+        if glu:
+            flag = dict(flag, glu=True)
+        # K split only where the column blocks are few (each candidate is a compile at capture time)
+        base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
+        base += whole_range_candidates(K) if rows == 1 and N <= WHOLE_RANGE_MAX_N else []
+        base = [s for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
+        settings = [dict(s, **flag) for s in base]
+        # more rows: the prologue also as its own launch before skinny_linear (the flag left out), since at 16 rows and
+        # more a prologue computed in the product's loop can cost more than its launch (x passes through registers
+        # on its way to the tensor cores, which stalls the loop's pipelined loads)
+        if pflag and rows > 1:
+            settings += [dict(s, **{k: v for k, v in flag.items() if k != pflag}) for s in base]
+            if conv is not None:  # and the conv step as its own launch after (no flag of either)
+                settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in base]
+        extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
+        if conv is not None:
+            extra = dict(extra, conv=conv)
 
-    def run(s):
-        if pflag and not s.get(pflag):
-            return [apply(w, dict(s, out=out)) for w in weights]
-        return [_skinny(x, w, dict(s, out=out), **extra) for w in weights]
+        def run(s):
+            if pflag and not s.get(pflag):
+                return [apply(w, dict(s, out=out)) for w in weights]
+            return [_skinny(x, w, dict(s, out=out), **extra) for w in weights]
 
-    best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
-    if pflag and rows > 1:
-        # the two fastest with the prologue fused, again with their input tiles loaded a step ahead (prefetch)
-        fused = sorted(
-            (t, i) for i, s in enumerate(settings) if s.get(pflag) and isinstance(t := times.get(str(s)), float)
-        )
-        ahead = [dict(settings[i], prefetch=True) for _, i in fused[:2]]
-        if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
-            ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
-        best_t = times[str(best)] if best is not None else times["cublas"]
-        best, times = fastest(ahead, run, len(weights), best, best_t, times)
-        settings += ahead
-    if best is not None and rows == 1:
-        # then the three fastest with a loop over K with the loop unrolled, and the best with its first weight tile
-        # loaded before the PDL wait (each a compile: not crossed with every candidate)
-        looped = [(i, s) for i, s in enumerate(settings) if not s.get("preload")]
-        top = sorted((t, i) for i, s in looped if isinstance(t := times.get(str(s)), float))[:3]
-        unrolled = [dict(settings[i], unroll=True) for _, i in top]
-        best, times = fastest(unrolled, run, len(weights), best, times[str(best)], times)
-        if best is not None and not best.get("preload"):
-            best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
-    elif rows > 1:
-        # the fastest candidate with its first weight tile loaded before the PDL wait, even where cuBLAS was the
-        # faster so far: cuBLAS's launches cannot start early, a preloading one overlaps the launch before it
-        timed = sorted((t, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float))
-        if timed:
+        best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
+        if pflag and rows > 1:
+            # the two fastest with the prologue fused, again with their input tiles loaded a step ahead (prefetch)
+            fused = sorted(
+                (t, i) for i, s in enumerate(settings) if s.get(pflag) and isinstance(t := times.get(str(s)), float)
+            )
+            ahead = [dict(settings[i], prefetch=True) for _, i in fused[:2]]
+            if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
+                ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
             best_t = times[str(best)] if best is not None else times["cublas"]
-            pre = dict(settings[timed[0][1]], preload=True)
-            best, times = fastest([pre], run, len(weights), best, best_t, times)
+            best, times = fastest(ahead, run, len(weights), best, best_t, times)
+            settings += ahead
+        if best is not None and rows == 1:
+            # then the three fastest with a loop over K with the loop unrolled, and the best with its first weight
+            # tile loaded before the PDL wait (each a compile: not crossed with every candidate)
+            looped = [(i, s) for i, s in enumerate(settings) if not s.get("preload")]
+            top = sorted((t, i) for i, s in looped if isinstance(t := times.get(str(s)), float))[:3]
+            unrolled = [dict(settings[i], unroll=True) for _, i in top]
+            best, times = fastest(unrolled, run, len(weights), best, times[str(best)], times)
+            if best is not None and not best.get("preload"):
+                best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
+        elif rows > 1:
+            # the fastest candidate with its first weight tile loaded before the PDL wait, even where cuBLAS was
+            # the faster so far: cuBLAS's launches cannot start early, a preloading one overlaps the launch before
+            timed = sorted((t, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float))
+            if timed:
+                best_t = times[str(best)] if best is not None else times["cublas"]
+                pre = dict(settings[timed[0][1]], preload=True)
+                best, times = fastest([pre], run, len(weights), best, best_t, times)
+        return best, times
+
+    key = _tune_key(weights, rows, prologue, conv_channels, epilogue)
+    cached = tune_cache().get(key)
+    best, times = (cached["choice"], dict(cached["times"])) if cached is not None else search()
 
     def results(settings) -> list[tuple[str, torch.Tensor]]:
         """The output (and the conv's), from fresh copies of what a call updates."""
@@ -747,6 +867,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
                 times[str(best)] = f"wrong result{what}: max error {err:.3g} of {scale:.3g}"
                 best = None
                 break
+    if cached is None or best != cached["choice"]:  # timed here, or the cached pick failed the check
+        tune_cache().put(key, best, times)
     return best, times
 
 

@@ -209,6 +209,7 @@ def main(argv=None) -> int:
         return 2
     from backends.common.engine.runner import ModelRunner
     from backends.common.model.batch import Span
+    from kernels import linear
 
     rows: list[dict] = []
     lines = [f"# Hybrid models on {torch.cuda.get_device_name()} (bfloat16, random weights)", ""]
@@ -304,6 +305,10 @@ def main(argv=None) -> int:
             fused = {n: "+".join(k for k in flags if c.get(k)) for (n, b), c in sorted(choice.items()) if b == bs}
             print(f"{name}, graph of {bs}: skinny_linear for " + ", ".join(f"{n} ({f or 'plain'})" for n, f in
                                                                             fused.items()), flush=True)  # fmt: skip
+        cache = linear.tune_cache()
+        if cache.path is not None:  # picks from an earlier process were timed there, not in this run
+            print(f"{name}: tuning cache {cache.path}: {cache.hits} picks taken from it, {cache.misses} timed here",
+                  flush=True)  # fmt: skip
         lines.append(
             f"| ({name}: weights read per step {w_bytes / 1e9:.2f} GB at batch {B}, "
             f"state page {state_page / 2**20:.1f} MiB, "

@@ -579,6 +579,34 @@ def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
+def test_tune_takes_its_cached_pick_in_the_next_process(tmp_path, monkeypatch):
+    """A second process (a new tuning cache on the same file) gets the first one's pick and times without timing
+    anything, and the pick still gives the unfused result."""
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(11)
+    ws = [(torch.randn(512, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
+    path = tmp_path / "shared.json"
+    monkeypatch.setattr(linear, "_TUNE_CACHE", linear.TuneCache(path))
+    choice, times = linear.tune(ws, 32, "norm")
+    assert linear.tune_cache().misses == 1 and path.exists()
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(linear, "graph_time", no_timing)
+    monkeypatch.setattr(linear, "_TUNE_CACHE", linear.TuneCache(path))
+    assert linear.tune(ws, 32, "norm") == (choice, times)
+    assert linear.tune_cache().hits == 1
+    x, res = (torch.randn(32, 1024, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    nw = (torch.randn(1024, generator=gen) * 0.1).to(DEVICE, BF16)
+    close(linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], choice)[0],
+          linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], None)[0])  # fmt: skip
+    with pytest.raises(AssertionError, match="timed again"):  # other rows: not in the cache
+        linear.tune(ws, 16, "norm")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
 @pytest.mark.parametrize("rows", [1, 4, 32, 128])
 def test_tune_returns_a_setting_that_runs_and_is_right(rows):
     """kernels.linear.tune times cuBLAS and each candidate; whatever it picks gives F.linear's result, and a setting

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import bisect
 import os
+import sys
+import time
 
 import numpy as np
 import torch
@@ -244,10 +246,14 @@ class DecodeGraphs:
     def _tune_linear(self, sizes: list[int]) -> None:
         """For each small graph batch size and projection, cuBLAS or skinny_linear, whichever runs the layers'
         weights faster here (kernels.linear.tune). The choice is timed in each process, so two processes can round
-        a projection differently where the two run about as fast; TRITON_PD_LINEAR_TUNE=0 skips the timing
-        (cuBLAS everywhere), for processes that must agree bit for bit."""
+        a projection differently where the two run about as fast (unless they share kernels.linear's tuning
+        cache, which keeps each pick for the next process); TRITON_PD_LINEAR_TUNE=0 skips the timing (cuBLAS
+        everywhere), for processes that must agree bit for bit. One progress line per size on stderr."""
         groups = self._tune_groups()
-        for bs in sizes:
+        cache = None if self.deterministic else self.k_lin.tune_cache()
+        t0 = time.perf_counter()
+        for i, bs in enumerate(sizes):
+            hits = cache.hits if cache is not None else 0
             for name, ws in groups.items():
                 prologue = self.PROLOGUES.get(name)
                 if name == "down" and (self.linear_choice.get(("gate_up", bs)) or {}).get("glu"):
@@ -259,4 +265,8 @@ class DecodeGraphs:
                         ws, bs, prologue, self.CONV_CHANNELS.get(name, 0), self.EPILOGUES.get(name)
                     )
                 self.linear_choice[(name, bs)] = choice
+            cached = f", {cache.hits - hits} of them from {cache.path}" if cache is not None and cache.path else ""
+            took = time.perf_counter() - t0
+            print(f"[triton-pd] decode graphs: {len(groups)} projections tuned for {bs} rows ({i + 1} of "
+                  f"{len(sizes)} sizes, {took:.0f} s{cached})", file=sys.stderr, flush=True)  # fmt: skip
         self.linear_choice = {k: v for k, v in self.linear_choice.items() if v is not None}
