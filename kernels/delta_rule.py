@@ -468,24 +468,31 @@ def _gated_delta_step_kernel(
     Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages,
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr, AHEAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
     all DV outputs (from registers with one block, else read back). PRELOAD: the first block's state is loaded
     before waiting for the launch before this one (the page was written by an earlier step, never by the launch
-    just before: the caller's promise)."""
+    just before: the caller's promise). AHEAD (NV > 1): the second block is loaded with the first, before the
+    first block's store (which the compiler cannot tell apart from the page read), so both reads are in flight at
+    once."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     rk = tl.arange(0, BK)
     mk = rk < DK
+    rv0 = tl.arange(0, BV)
     if PRELOAD:
         page = tl.load(Pages + b).to(tl.int64)  # the graph's inputs: copied in before any launch of the step
-        rv0 = tl.arange(0, BV)
-        m0 = mk[:, None] & (rv0 < DV)[None, :]
-        s0 = tl.load(S + page * s_page + h * s_head + rk[:, None] * s_k + rv0[None, :], mask=m0, other=0.0)
+        s0 = _state_block(S, page * s_page + h * s_head, rk, rv0, mk, s_k, DV)
+        if AHEAD:
+            s1 = _state_block(S, page * s_page + h * s_head, rk, BV + rv0, mk, s_k, DV)
     enter(PDL)
     if not PRELOAD:
         page = tl.load(Pages + b).to(tl.int64)
+        if AHEAD:
+            s0 = _state_block(S, page * s_page + h * s_head, rk, rv0, mk, s_k, DV)
+            s1 = _state_block(S, page * s_page + h * s_head, rk, BV + rv0, mk, s_k, DV)
     out_page = tl.load(OutPages + b).to(tl.int64)
     kh = h // R  # the key head this value head reads (q and k repeat_interleave'd by R)
     mrow = Mixed + b * stride_m
@@ -508,8 +515,10 @@ def _gated_delta_step_kernel(
         v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
         tile = h * s_head + rk[:, None] * s_k + rv[None, :]
         m2 = mk[:, None] & mv[None, :]
-        if PRELOAD and vb == 0:
+        if (PRELOAD or AHEAD) and vb == 0:
             s = s0 * decay
+        elif AHEAD and vb == 1:
+            s = s1 * decay
         else:
             s = tl.load(S + page * s_page + tile, mask=m2, other=0.0) * decay
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
@@ -530,6 +539,12 @@ def _gated_delta_step_kernel(
             mv = rv < DV
             o = tl.load(orow + rv, mask=mv, other=0.0)
             _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
+
+
+@triton.jit
+def _state_block(S, base, rk, rv, mk, s_k, DV):
+    """A [BK, BV] block of one head's float32 state: rows rk, value dims rv (masked past DK and DV)."""
+    return tl.load(S + base + rk[:, None] * s_k + rv[None, :], mask=mk[:, None] & (rv < DV)[None, :], other=0.0)
 
 
 @triton.jit
@@ -592,7 +607,7 @@ def step_settings(batch: int, preload: bool = False) -> dict:
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
-    out_pages: torch.Tensor | None = None, preload: bool = False,
+    out_pages: torch.Tensor | None = None, preload: bool = False, ahead: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -603,7 +618,9 @@ def gated_delta_step(
     projection, columns [z (HV * DV) | b (HV) | a (HV)] from z_off = mixed's width); state [pages, HV, DK, DV]
     float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers). preload:
     the state is read before waiting for the launch before (programmatic dependent launch); only where that launch
-    did not write the state pages read here. Returns [B, HV * DV] in proj's dtype."""
+    did not write the state pages read here. ahead: with more than one block, the second block's state is read
+    with the first (two reads in flight per program, twice the registers). Returns [B, HV * DV] in proj's
+    dtype."""
     B = mixed.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
@@ -619,6 +636,6 @@ def gated_delta_step(
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
         DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
-        PRELOAD=preload, num_warps=num_warps, **launch(mixed),
+        PRELOAD=preload, AHEAD=ahead and triton.cdiv(DV, bv) > 1, num_warps=num_warps, **launch(mixed),
     )  # fmt: skip
     return out

@@ -1,9 +1,9 @@
 """Launch settings of the hybrid decode step's kernels on a GPU, each timed as a CUDA graph over one call per layer
 (so launch gaps and L2 behave as in the decode graph), at Qwen3-Next's per-layer shapes:
 
-- `gated_delta_step`: value dims per state block (block_v), warps and the state read before the
-  programmatic-dependent-launch wait or after (preload), against the copy time of the state bytes it must read and
-  write;
+- `gated_delta_step`: value dims per state block (block_v), warps, the second block read with the first (ahead),
+  and the state read before the programmatic-dependent-launch wait or after (preload), against the copy time of
+  the state bytes it must read and write;
 - `conv_step`, for the record;
 - decode attention at head dim 256 (block_n, warps, stages, splits), against the copy time of its K/V bytes;
 - the projections of random:qwen3-next-layout: cuBLAS against skinny_linear's candidates (kernels.linear.tune).
@@ -71,14 +71,16 @@ def main(argv=None) -> int:
         norm_w, conv_w = torch.ones(DV, device=dev, dtype=torch.bfloat16), torch.randn(CONV, 4, device=dev)
         out = torch.empty(B, HV * DV, device=dev, dtype=torch.bfloat16)
         bound = 2 * B * HV * DK * DV * 4 / bw
-        # (block_v, warps), each with the state read before and after the PDL wait (every layer has a state of its
-        # own, so the launch before never wrote the one read)
-        delta = [(128, 4), (128, 8), (64, 4), (64, 8), (32, 4), (16, 4)]
-        for (bv, warps), pre in ((d, p) for d in delta for p in (False, True)) if "delta" in a.parts else ():
-            t = timed(lambda bv=bv, w=warps, pre=pre: [
+        # (block_v, warps, second block read with the first), each with the state read before and after the PDL
+        # wait (every layer has a state of its own, so the launch before never wrote the one read)
+        delta = [(128, 4, False), (128, 8, False), (64, 4, False), (64, 8, False), (32, 4, False), (16, 4, False),
+                 (64, 4, True), (64, 8, True), (32, 4, True), (32, 8, True)]  # fmt: skip
+        for (bv, warps, ahead), pre in ((d, p) for d in delta for p in (False, True)) if "delta" in a.parts else ():
+            t = timed(lambda bv=bv, w=warps, pre=pre, ahead=ahead: [
                 delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, s, pages, HK, 1e-6, out=out,
-                                            block_v=bv, num_warps=w, preload=pre) for s in states])  # fmt: skip
-            row("gated_delta_step", B, f"block_v={bv} warps={warps} preload={pre}", t, bound)
+                                            block_v=bv, num_warps=w, preload=pre, ahead=ahead)
+                for s in states])  # fmt: skip
+            row("gated_delta_step", B, f"block_v={bv} warps={warps} preload={pre} ahead={ahead}", t, bound)
         write()
         cout = torch.empty(B, CONV, device=dev)
         t = timed(lambda: [delta_rule.conv_step(proj, conv_w, c, pages, out=cout) for c in convs])

@@ -79,15 +79,19 @@ def test_conv_prefill_equals_reference(n, C):
 
 
 @pytest.mark.parametrize(
-    "HK,HV,DK,DV,block_v,preload",
-    [(2, 4, 16, 16, 64, False), (1, 2, 16, 64, 16, False), (2, 4, 16, 16, 64, True), (1, 2, 16, 64, 16, True)]
-    + ([(16, 32, 128, 128, 64, False), (16, 32, 128, 128, 128, False), (16, 32, 128, 128, 128, True)]
-       if DEVICE == "cuda" else []),
+    "HK,HV,DK,DV,block_v,preload,ahead",
+    [(2, 4, 16, 16, 64, False, False), (1, 2, 16, 64, 16, False, False), (2, 4, 16, 16, 64, True, False),
+     (1, 2, 16, 64, 16, True, False), (1, 2, 16, 64, 16, False, True), (1, 2, 16, 64, 16, True, True),
+     (1, 2, 16, 64, 32, False, True)]
+    + ([(16, 32, 128, 128, 64, False, False), (16, 32, 128, 128, 128, False, False),
+        (16, 32, 128, 128, 128, True, False), (16, 32, 128, 128, 64, False, True),
+        (16, 32, 128, 128, 64, True, True)] if DEVICE == "cuda" else []),
 )  # fmt: skip
-def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v, preload):
+def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v, preload, ahead):
     """Gates, L2 norms, the delta rule on state pages in place and the gated RMSNorm, against the PyTorch model's
     own steps (hybrid_model._qkv_gates, delta_rule.recurrent_step, gated_rms_norm); the head in one block (the norm
-    from registers) or in several (read back), its state read before the PDL wait or after."""
+    from registers) or in several (read back), its state read before the PDL wait or after, the second block read
+    with the first (ahead) or in turn."""
     g = gen(1)
     B, eps = 3, 1e-6
     kdim, vdim = HK * DK, HV * DV
@@ -111,7 +115,7 @@ def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v, preload):
     z = proj[:, z0 : z0 + vdim].view(B, HV, DV)
     ref = gated_rms_norm(o.to(DTYPE), z, norm_w, eps).reshape(B, -1)
     out = kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, block_v=block_v,
-                              preload=preload)  # fmt: skip
+                              preload=preload, ahead=ahead)  # fmt: skip
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
     torch.testing.assert_close(ssm[pages.long()], state, atol=1e-4, rtol=1e-4)
 
