@@ -640,16 +640,19 @@ def graph_time(fn, reps: int = 20) -> float:
 
 
 class TuneCache:
-    """`tune`'s picks kept in a JSON file, keyed by everything a pick depends on: the GPU's name, torch's and
-    triton's versions, the source of this module and kernels.pdl (any edit of a kernel or of the candidates starts
-    afresh), the weights' dtype, shape and count, the rows, the prologue, the conv channels and the epilogue. The
-    file is `TRITON_PD_TUNE_CACHE` ("off": no cache), by default linear-tune.json in triton-pd's cache folder
+    """`tune`'s picks kept in a JSON file, keyed by everything a pick depends on (`_tune_key`: the GPU's name,
+    torch's and triton's versions, the weights' dtype, shape and count, the rows, the prologue, the conv channels
+    and the epilogue), for one version of the kernels' code: the file names the hash of this module's and
+    kernels.pdl's source (`code_hash`), and a file of other code counts as empty and is replaced at the first
+    write, so any edit of a kernel or of the candidates tunes afresh and stale picks do not pile up. The file is
+    `TRITON_PD_TUNE_CACHE` ("off": no cache), by default linear-tune.json in triton-pd's cache folder
     (`TRITON_PD_CACHE`, else ~/.cache/triton-pd). Processes that share it merge their entries under a lock and
     replace the file whole, so a reader never sees half of one. A file that cannot be read or written leaves
     tuning as it is without a cache (one warning)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, code: str | None = None):
         self.path = path
+        self.code = code_hash() if code is None else code
         self.entries: dict[str, dict] | None = None
         self.warned = False
         self.hits = self.misses = 0
@@ -671,7 +674,9 @@ class TuneCache:
         except (OSError, ValueError) as e:
             self._warn(f"not read ({e!r}): tuning afresh")
             return {}
-        entries = data.get("entries") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or data.get("code") != self.code:
+            return {}  # another version of the kernels: its picks do not apply
+        entries = data.get("entries")
         return entries if isinstance(entries, dict) else {}
 
     def _warn(self, message: str) -> None:
@@ -701,7 +706,7 @@ class TuneCache:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
                 merged = dict(self._read(), **{key: entry})
                 tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"entries": merged}, indent=1, sort_keys=True))
+                tmp.write_text(json.dumps({"code": self.code, "entries": merged}, indent=1, sort_keys=True))
                 os.replace(tmp, self.path)
             self.entries = dict(merged, **self.entries)
         except OSError as e:
@@ -719,19 +724,23 @@ def tune_cache() -> TuneCache:
     return _TUNE_CACHE
 
 
-def _tune_key(weights: list[torch.Tensor], rows: int, prologue, conv_channels: int, epilogue) -> str:
-    """What a `tune` pick depends on, as the tuning cache's key."""
-    w = weights[0]
+def code_hash() -> str:
+    """The hash of the source of this module and kernels.pdl: the version of the kernels `tune` times."""
     code = hashlib.sha256()
     for module in (__file__, pdl_module.__file__):
         code.update(Path(module).read_bytes())
+    return code.hexdigest()[:16]
+
+
+def _tune_key(weights: list[torch.Tensor], rows: int, prologue, conv_channels: int, epilogue) -> str:
+    """What a `tune` pick depends on besides the kernels' code, as the tuning cache's key."""
+    w = weights[0]
     gpu = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else w.device.type
     return json.dumps(
         [
             gpu,
             torch.__version__,
             triton.__version__,
-            code.hexdigest()[:16],
             str(w.dtype),
             list(w.shape),
             len(weights),

@@ -75,6 +75,19 @@ def test_a_cache_that_cannot_be_written_keeps_picks_in_memory(tmp_path, capsys):
     assert capsys.readouterr().err.count("not written") == 1
 
 
+def test_picks_of_other_kernel_code_do_not_apply_and_are_replaced(tmp_path):
+    path = tmp_path / "tune.json"
+    TuneCache(path, code="old").put("k", PICK, TIMES)
+    TuneCache(path, code="old").put("j", PICK, TIMES)
+    new = TuneCache(path, code="new")
+    assert new.get("k") is None and new.misses == 1
+    new.put("i", None, TIMES)
+    data = json.loads(path.read_text())
+    assert data["code"] == "new" and sorted(data["entries"]) == ["i"]  # the old picks are gone, not piled up
+    assert TuneCache(path, code="old").get("i") is None
+    assert TuneCache(path).code == linear.code_hash() and len(linear.code_hash()) == 16
+
+
 def test_where_the_cache_lives(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_PD_TUNE_CACHE", raising=False)
     monkeypatch.setenv("TRITON_PD_CACHE", str(tmp_path))
