@@ -465,11 +465,11 @@ def conv_step(
 
 @triton.jit
 def _gated_delta_step_kernel(
-    Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages,
+    Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages, Part, Ctr,
     stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr, AHEAD: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
@@ -477,11 +477,14 @@ def _gated_delta_step_kernel(
     before waiting for the launch before this one (the page was written by an earlier step, never by the launch
     just before: the caller's promise). AHEAD (NV > 1): the second block is loaded with the first, before the
     first block's store (which the compiler cannot tell apart from the page read), so both reads are in flight at
-    once."""
+    once. SPLIT > 1: SPLIT programs per head (program_id 2), each with NV blocks of its own; each stores its raw
+    outputs and their sum of squares (Part), and the last of a head's programs to finish (counted in Ctr, which it
+    resets to 0 for the next launch) adds the sums in split order and applies the norm to the whole head."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c0 = tl.program_id(2) * (NV * BV)  # this program's first value dim
     rk = tl.arange(0, BK)
     mk = rk < DK
-    rv0 = tl.arange(0, BV)
+    rv0 = c0 + tl.arange(0, BV)
     if PRELOAD:
         page = tl.load(Pages + b).to(tl.int64)  # the graph's inputs: copied in before any launch of the step
         s0 = _state_block(S, page * s_page + h * s_head, rk, rv0, mk, s_k, DV)
@@ -510,7 +513,7 @@ def _gated_delta_step_kernel(
     zrow = prow + z_off + h * DV
     sumsq = 0.0
     for vb in tl.static_range(NV):
-        rv = vb * BV + tl.arange(0, BV)
+        rv = c0 + vb * BV + tl.arange(0, BV)
         mv = rv < DV
         v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
         tile = h * s_head + rk[:, None] * s_k + rv[None, :]
@@ -525,20 +528,37 @@ def _gated_delta_step_kernel(
         s = s + k[:, None] * delta[None, :]
         tl.store(S + out_page * s_page + tile, s, mask=m2)
         o = tl.sum(s * q[:, None], axis=0).to(dt)  # the core output, rounded as the PyTorch model rounds it
-        if NV > 1:  # read back by the norm below
+        if NV > 1 or SPLIT > 1:  # read back by the norm below
             tl.store(orow + rv, o, mask=mv)
         of = o.to(tl.float32)
         sumsq += tl.sum(tl.where(mv, of * of, 0.0), 0)
-    rstd = tl.rsqrt(sumsq / DV + eps)
-    if NV == 1:  # the whole head in this program's registers
-        _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
+    if SPLIT > 1:
+        head = b * HV + h
+        tl.store(Part + head * SPLIT + tl.program_id(2), sumsq)
+        tl.debug_barrier()  # every thread's raw outputs stored before the arrival releases them
+        done = tl.atomic_add(Ctr + head, 1, sem="acq_rel")  # releases this program's outputs, acquires the others'
+        if done == SPLIT - 1:
+            total = 0.0
+            for sp in tl.static_range(SPLIT):
+                total += tl.load(Part + head * SPLIT + sp, cache_modifier=".cg")
+            rstd = tl.rsqrt(total / DV + eps)
+            for vb in tl.static_range(NV * SPLIT):
+                rv = vb * BV + tl.arange(0, BV)
+                mv = rv < DV
+                o = tl.load(orow + rv, mask=mv, other=0.0, cache_modifier=".cg")
+                _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
+            tl.atomic_xchg(Ctr + head, 0)
     else:
-        tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
-        for vb in tl.static_range(NV):
-            rv = vb * BV + tl.arange(0, BV)
-            mv = rv < DV
-            o = tl.load(orow + rv, mask=mv, other=0.0)
+        rstd = tl.rsqrt(sumsq / DV + eps)
+        if NV == 1:  # the whole head in this program's registers
             _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
+        else:
+            tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
+            for vb in tl.static_range(NV):
+                rv = vb * BV + tl.arange(0, BV)
+                mv = rv < DV
+                o = tl.load(orow + rv, mask=mv, other=0.0)
+                _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
 
 
 @triton.jit
@@ -607,7 +627,8 @@ def step_settings(batch: int, preload: bool = False) -> dict:
 def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
-    out_pages: torch.Tensor | None = None, preload: bool = False, ahead: bool = False,
+    out_pages: torch.Tensor | None = None, preload: bool = False, ahead: bool = False, split: int = 1,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -619,8 +640,10 @@ def gated_delta_step(
     float32. block_v: value dims per block of the state tile (a [DK, block_v] float32 tile in registers). preload:
     the state is read before waiting for the launch before (programmatic dependent launch); only where that launch
     did not write the state pages read here. ahead: with more than one block, the second block's state is read
-    with the first (two reads in flight per program, twice the registers). Returns [B, HV * DV] in proj's
-    dtype."""
+    with the first (two reads in flight per program, twice the registers). split: programs per head, each with
+    an equal share of the blocks (more programs at a small batch; the last of a head's programs applies the norm,
+    which needs `counters`: at least B * HV int32 zeros, left at zero, that no other launch uses at the same time).
+    Returns [B, HV * DV] in proj's dtype."""
     B = mixed.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
@@ -632,10 +655,18 @@ def gated_delta_step(
     sp, sh, sk = _state_strides(state)
     bk = triton.next_power_of_2(DK)
     bv = min(triton.next_power_of_2(DV), block_v)
-    _gated_delta_step_kernel[(B, HV)](
-        mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages,
+    blocks = triton.cdiv(DV, bv)
+    if split > 1:
+        if blocks % split or counters is None or counters.numel() < B * HV:
+            raise ValueError(f"split {split}: needs {blocks} blocks of {bv} in equal shares and B * HV counters")
+        part = torch.empty(B * HV * split, dtype=torch.float32, device=state.device)
+    else:
+        part = counters = out  # not read
+    _gated_delta_step_kernel[(B, HV, split)](
+        mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages, part,
+        counters,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
-        DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=triton.cdiv(DV, bv),
-        PRELOAD=preload, AHEAD=ahead and triton.cdiv(DV, bv) > 1, num_warps=num_warps, **launch(mixed),
+        DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=blocks // split,
+        PRELOAD=preload, AHEAD=ahead and blocks // split > 1, SPLIT=split, num_warps=num_warps, **launch(mixed),
     )  # fmt: skip
     return out

@@ -2,8 +2,9 @@
 (so launch gaps and L2 behave as in the decode graph), at Qwen3-Next's per-layer shapes:
 
 - `gated_delta_step`: value dims per state block (block_v), warps, the second block read with the first (ahead),
-  and the state read before the programmatic-dependent-launch wait or after (preload), against the copy time of
-  the state bytes it must read and write;
+  a head's blocks shared among programs at a few sequences (split), and the state read before the
+  programmatic-dependent-launch wait or after (preload), against the copy time of the state bytes it must read
+  and write;
 - `conv_step`, for the record;
 - decode attention at head dim 256 (block_n, warps, stages, splits), against the copy time of its K/V bytes;
 - the projections of random:qwen3-next-layout: cuBLAS against skinny_linear's candidates (kernels.linear.tune).
@@ -71,16 +72,52 @@ def main(argv=None) -> int:
         norm_w, conv_w = torch.ones(DV, device=dev, dtype=torch.bfloat16), torch.randn(CONV, 4, device=dev)
         out = torch.empty(B, HV * DV, device=dev, dtype=torch.bfloat16)
         bound = 2 * B * HV * DK * DV * 4 / bw
-        # (block_v, warps, second block read with the first), each with the state read before and after the PDL
-        # wait (every layer has a state of its own, so the launch before never wrote the one read)
-        delta = [(128, 4, False), (128, 8, False), (64, 4, False), (64, 8, False), (32, 4, False), (16, 4, False),
-                 (64, 4, True), (64, 8, True), (32, 4, True), (32, 8, True)]  # fmt: skip
-        for (bv, warps, ahead), pre in ((d, p) for d in delta for p in (False, True)) if "delta" in a.parts else ():
-            t = timed(lambda bv=bv, w=warps, pre=pre, ahead=ahead: [
-                delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, s, pages, HK, 1e-6, out=out,
-                                            block_v=bv, num_warps=w, preload=pre, ahead=ahead)
-                for s in states])  # fmt: skip
-            row("gated_delta_step", B, f"block_v={bv} warps={warps} preload={pre} ahead={ahead}", t, bound)
+        # (block_v, warps, second block read with the first, programs per head), each with the state read before and
+        # after the PDL wait (every layer has a state of its own, so the launch before never wrote the one read);
+        # a head shared among programs only at a few sequences (fewer programs than SMs)
+        delta = [
+            (128, 4, False, 1),
+            (128, 8, False, 1),
+            (64, 4, False, 1),
+            (64, 8, False, 1),
+            (32, 4, False, 1),
+            (16, 4, False, 1),
+            (64, 4, True, 1),
+            (64, 8, True, 1),
+            (32, 4, True, 1),
+            (32, 8, True, 1),
+        ]
+        if B * HV < 4 * torch.cuda.get_device_properties(dev).multi_processor_count:
+            delta += [(64, 4, False, 2), (64, 8, False, 2), (32, 4, False, 4), (32, 4, True, 2), (16, 4, False, 8)]
+        counters = torch.zeros(B * HV, dtype=torch.int32, device=dev)
+        for (bv, warps, ahead, split), pre in (
+            ((d, p) for d in delta for p in (False, True)) if "delta" in a.parts else ()
+        ):
+            t = timed(
+                lambda bv=bv, w=warps, pre=pre, ahead=ahead, split=split: [
+                    delta_rule.gated_delta_step(
+                        mixed,
+                        proj,
+                        a_log,
+                        dt_bias,
+                        norm_w,
+                        s,
+                        pages,
+                        HK,
+                        1e-6,
+                        out=out,
+                        block_v=bv,
+                        num_warps=w,
+                        preload=pre,
+                        ahead=ahead,
+                        split=split,
+                        counters=counters,
+                    )
+                    for s in states
+                ]
+            )
+            row("gated_delta_step", B, f"block_v={bv} warps={warps} preload={pre} ahead={ahead} split={split}", t,
+                bound)  # fmt: skip
         write()
         cout = torch.empty(B, CONV, device=dev)
         t = timed(lambda: [delta_rule.conv_step(proj, conv_w, c, pages, out=cout) for c in convs])

@@ -79,19 +79,22 @@ def test_conv_prefill_equals_reference(n, C):
 
 
 @pytest.mark.parametrize(
-    "HK,HV,DK,DV,block_v,preload,ahead",
-    [(2, 4, 16, 16, 64, False, False), (1, 2, 16, 64, 16, False, False), (2, 4, 16, 16, 64, True, False),
-     (1, 2, 16, 64, 16, True, False), (1, 2, 16, 64, 16, False, True), (1, 2, 16, 64, 16, True, True),
-     (1, 2, 16, 64, 32, False, True)]
-    + ([(16, 32, 128, 128, 64, False, False), (16, 32, 128, 128, 128, False, False),
-        (16, 32, 128, 128, 128, True, False), (16, 32, 128, 128, 64, False, True),
-        (16, 32, 128, 128, 64, True, True)] if DEVICE == "cuda" else []),
+    "HK,HV,DK,DV,block_v,preload,ahead,split",
+    [(2, 4, 16, 16, 64, False, False, 1), (1, 2, 16, 64, 16, False, False, 1), (2, 4, 16, 16, 64, True, False, 1),
+     (1, 2, 16, 64, 16, True, False, 1), (1, 2, 16, 64, 16, False, True, 1), (1, 2, 16, 64, 16, True, True, 1),
+     (1, 2, 16, 64, 32, False, True, 1), (1, 2, 16, 64, 16, False, False, 2), (1, 2, 16, 64, 16, True, True, 2),
+     (1, 2, 16, 64, 16, True, False, 4), (1, 2, 16, 64, 32, False, False, 2)]
+    + ([(16, 32, 128, 128, 64, False, False, 1), (16, 32, 128, 128, 128, False, False, 1),
+        (16, 32, 128, 128, 128, True, False, 1), (16, 32, 128, 128, 64, False, True, 1),
+        (16, 32, 128, 128, 64, True, True, 1), (16, 32, 128, 128, 64, True, False, 2),
+        (16, 32, 128, 128, 32, True, False, 4), (16, 32, 128, 128, 32, False, True, 2)] if DEVICE == "cuda" else []),
 )  # fmt: skip
-def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v, preload, ahead):
+def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v, preload, ahead, split):
     """Gates, L2 norms, the delta rule on state pages in place and the gated RMSNorm, against the PyTorch model's
     own steps (hybrid_model._qkv_gates, delta_rule.recurrent_step, gated_rms_norm); the head in one block (the norm
     from registers) or in several (read back), its state read before the PDL wait or after, the second block read
-    with the first (ahead) or in turn."""
+    with the first (ahead) or in turn, a head's blocks in one program or shared among `split` programs (the last
+    to finish applies the norm and leaves the counters at zero, so a second launch on them gives the same)."""
     g = gen(1)
     B, eps = 3, 1e-6
     kdim, vdim = HK * DK, HV * DV
@@ -114,10 +117,26 @@ def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v, preload, ahe
     o = dr.recurrent_step(q, k, v, gg, beta, state)
     z = proj[:, z0 : z0 + vdim].view(B, HV, DV)
     ref = gated_rms_norm(o.to(DTYPE), z, norm_w, eps).reshape(B, -1)
-    out = kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, block_v=block_v,
-                              preload=preload, ahead=ahead)  # fmt: skip
+    counters = torch.zeros(B * HV, dtype=torch.int32, device=DEVICE)
+    before = ssm.clone()
+
+    def step():
+        return kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, block_v=block_v,
+                                   preload=preload, ahead=ahead, split=split, counters=counters)  # fmt: skip
+
+    out = step()
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
     torch.testing.assert_close(ssm[pages.long()], state, atol=1e-4, rtol=1e-4)
+    assert int(counters.count_nonzero()) == 0
+    if split > 1:  # again from the same state: the counters work a second time
+        ssm.copy_(before)
+        assert torch.equal(step(), out) and int(counters.count_nonzero()) == 0
+        with pytest.raises(ValueError, match="equal shares"):  # 3 does not divide the blocks; no counters
+            kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, block_v=block_v, split=3,
+                                counters=counters)  # fmt: skip
+        with pytest.raises(ValueError, match="counters"):
+            kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, block_v=block_v,
+                                split=split)  # fmt: skip
 
 
 @pytest.mark.parametrize("H,HKV,D,R", [(4, 2, 32, 8)] + ([(16, 2, 256, 64)] if DEVICE == "cuda" else []))

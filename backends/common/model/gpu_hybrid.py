@@ -120,6 +120,10 @@ class GpuHybrid(DecodeGraphs):
         self.cos, self.sin = rope.rope_cache(eager.inv_freq, self.max_ctx, self.device)
         # two query rows per sequence in a speculative verification graph
         self.attn_counters = torch.zeros(2 * max_batch * cfg.num_kv_heads, dtype=torch.int32, device=self.device)
+        # the delta step's arrival counters where a head's blocks are shared among programs (`step_settings`)
+        self.delta_counters = torch.zeros(
+            2 * max_batch * cfg.linear_num_value_heads, dtype=torch.int32, device=self.device
+        )
         self.verify_graphs: dict[int, object] = {}
         self.mtp_graphs: dict[int, object] = {}
         if self.has_mtp:
@@ -240,7 +244,8 @@ class GpuHybrid(DecodeGraphs):
         for i, (p, w) in enumerate(zip(parts, writes)):  # the drafts' rows read what the launch before wrote
             self.k_dr.gated_delta_step(
                 mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core[p], out_pages=w, **self.k_dr.step_settings(p.stop - p.start, preload=i == 0),
+                cfg.rms_norm_eps, out=core[p], out_pages=w, counters=self.delta_counters,
+                **self.k_dr.step_settings(p.stop - p.start, preload=i == 0),
             )  # fmt: skip
         return lin(core, L, "out")
 
