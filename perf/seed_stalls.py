@@ -14,6 +14,7 @@
     python perf/seed_stalls.py --out DIR [--policies plain rotate] [--model random:llama3.1-8b]
         [--kv-tokens 8192] [--host-kv-tokens N] [--scale 1.0] [--serve-args "--prefill-gpus 1 --decode-gpus 0"]
         [--phase-limit 300] [--time-limit 3600] [--phases 4x4000 3x5500] [--warmup-tokens 4200]
+    python perf/seed_stalls.py --out DIR --merge RUN_DIR [RUN_DIR ...]
 
 Each server first answers an unmeasured warm-up phase (2 streams that overfill the pool: `--warmup-tokens`), so
 that the first server of a run does not pay for what later servers find compiled (the same settings measured 5%
@@ -32,7 +33,9 @@ difference exit 1. Every phase has a wall-clock limit: streams still open then a
 unfinished, and the results written so far stay on disk (summary.json, report.md; rewritten after every phase).
 The whole run has one too (--time-limit; each phase's limit is cut to what is left of it): past it, what was
 measured so far is written with a TIME LIMIT note, the server stopped and the run exits 124. Progress lines carry
-the seconds since the start.
+the seconds since the start. Plain's throughput moves by about 10% between runs (how its paused streams come back
+through prefill depends on timing), so a rotation cost of a few percent needs several runs: `--merge` reports
+them together (mean and range per policy, the loss of the means and per run).
 `--scale 0.1 --model smollm2` (the default model, random:llama3.1-8b, does not fit a small CPU machine) runs the
 same shape in a few minutes on a laptop-class CPU.
 """
@@ -356,6 +359,47 @@ def report(summary: dict) -> str:
     return "\n".join(lines + ([""] + errors if errors else []) + ([""] + note if note else [])) + "\n"
 
 
+def merge(summaries: list[tuple[str, dict]], baseline: str = "plain") -> str:
+    """One report of several runs' summary.json of the same setup (e.g. one policy per device call, or the same
+    pair run again): per phase and policy the runs, output tokens/s as mean (min - max), the worst gap, and the
+    throughput loss against `baseline`, of the means and in each run that measured both (a single run's loss moves
+    with the baseline's own run-to-run spread)."""
+    setups = sorted({s["setup"] for _, s in summaries})
+    if len(setups) != 1:
+        raise ValueError("runs of different setups: " + " | ".join(setups))
+    by: dict[str, dict[str, list]] = {}  # phase -> policy -> [(source, result)]
+    for src, summary in summaries:
+        for pol, res in summary["policies"].items():
+            for phase, r in res.items():
+                if isinstance(r, dict) and "output_tok_s" in r:
+                    by.setdefault(phase, {}).setdefault(pol, []).append((src, r))
+    lines = [f"# Seed scenario over {len(summaries)} runs: {setups[0]}", "", "Runs:", ""]
+    lines += [f"- `{src}`: `{s['command']}`" for src, s in summaries] + [""]
+    for phase, pols in by.items():
+        base = pols.get(baseline, [])
+        base_mean = float(np.mean([r["output_tok_s"] for _, r in base])) if base else None
+        lines += [
+            f"## {phase}",
+            "",
+            f"| policy | runs | completed | output tokens/s: mean (min - max) | worst gap (s) | loss vs {baseline}: "
+            "of the means | in each run with both |",
+            "|---|---:|---|---|---:|---:|---|",
+        ]
+        for pol, rs in pols.items():
+            tok = [r["output_tok_s"] for _, r in rs]
+            done = ", ".join(f"{r['completed']}/{r['streams']}" for _, r in rs)
+            mean = float(np.mean(tok))
+            loss = f"{1 - mean / base_mean:+.1%}" if base_mean and pol != baseline else "-"
+            paired = [1 - r["output_tok_s"] / b["output_tok_s"] for src, r in rs for bsrc, b in base if bsrc == src]
+            each = ", ".join(f"{x:+.1%}" for x in paired) if paired and pol != baseline else "-"
+            lines.append(
+                f"| {pol} | {len(rs)} | {done} | {mean:.1f} ({min(tok):.1f} - {max(tok):.1f}) | "
+                f"{max(r['largest_gap_s'] for _, r in rs):.2f} | {loss} | {each} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -405,11 +449,28 @@ def main(argv=None) -> int:
         "anything is timed, on every server alike; 0: none",
     )
     ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="run nothing: merge these earlier runs' summary.json (same setup) into OUT/merged.md, each policy's "
+        "tokens/s as mean and range and its loss against plain of the means and per run",
+    )
+    ap.add_argument(
         "--require-identical",
         action="store_true",
         help="exit 1 unless every policy's answers equal the reference's (e.g. with --deterministic)",
     )
     a = ap.parse_args(argv)
+    if a.merge:
+        try:
+            summaries = [(d, json.loads((Path(d) / "summary.json").read_text())) for d in a.merge]
+            text = merge(summaries)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--merge: {e}")
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "merged.md").write_text(text)
+        print(text)
+        return 0
     policies = dict(POLICIES)
     for d in a.define:
         name, sep, args = d.partition("=")

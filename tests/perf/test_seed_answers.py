@@ -3,6 +3,8 @@ the others first differ (the served check of `--deterministic`, issue #29)."""
 
 from __future__ import annotations
 
+import pytest
+
 from perf import seed_stalls
 
 
@@ -58,3 +60,37 @@ def test_the_report_names_every_read_first_reason_the_decode_loop_counts():
     from backends.pd_decode.steps import DecodeSteps
 
     assert seed_stalls.READ_FIRST == DecodeSteps.READ_FIRST
+
+
+def _summary(setup: str, runs: dict) -> dict:
+    phase = lambda tok, gap: {"output_tok_s": tok, "largest_gap_s": gap, "completed": 3, "streams": 3}  # noqa: E731
+    return {"setup": setup, "command": "python perf/seed_stalls.py ...", "policies": {
+        pol: {"3x5500": phase(*r), "close_all": {}} for pol, r in runs.items()}}  # fmt: skip
+
+
+def test_merged_runs_give_each_policy_its_mean_range_and_loss(tmp_path):
+    """--merge: two runs that measured both policies and one of rotate alone; the loss is of the means over every
+    run of each policy, and per run only where that run measured plain too; runs of another setup are refused."""
+    import json
+
+    runs = {
+        "a": _summary("m, pool 8192", {"plain": (380.0, 7.2), "rotate": (342.0, 0.40)}),
+        "b": _summary("m, pool 8192", {"rotate": (361.0, 0.33), "plain": (380.0, 7.4)}),
+        "c": _summary("m, pool 8192", {"rotate": (368.0, 0.36)}),
+    }
+    for name, s in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+    out = tmp_path / "merged"
+    assert seed_stalls.main(["--out", str(out), "--merge", *(str(tmp_path / n) for n in "abc")]) == 0
+    text = (out / "merged.md").read_text()
+    assert "over 3 runs: m, pool 8192" in text
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["plain"].startswith("| plain | 2 | 3/3, 3/3 | 380.0 (380.0 - 380.0) | 7.40 | - | - |")
+    # rotate: mean 357.0 of (342, 361, 368) -> 6.1% below 380; per run with plain: 10.0%, 5.0%
+    assert "| rotate | 3 | 3/3, 3/3, 3/3 | 357.0 (342.0 - 368.0) | 0.40 | +6.1% | +10.0%, +5.0% |" in rows["rotate"]
+    other = tmp_path / "d"
+    other.mkdir()
+    (other / "summary.json").write_text(json.dumps(_summary("other model", {"plain": (1.0, 1.0)})))
+    with pytest.raises(SystemExit):
+        seed_stalls.main(["--out", str(out), "--merge", str(tmp_path / "a"), str(other)])
