@@ -21,7 +21,10 @@ each state page copied in or out 2 ms: 50 MiB at 25 GB/s); swap-outs then take t
 (the victim's page goes out before the next request's comes in), and waited swap-in tokens count only what decode
 waits for at a turn, not what a prefetch brought ahead of it.
 
-    .venv/bin/python perf/rotation_sim.py --shape qwen3.5-9b --policies plain smallest smallest+prefetch"""
+    .venv/bin/python perf/rotation_sim.py --shape qwen3.5-9b --policies plain smallest smallest+prefetch
+
+For a hybrid shape the policies keep a paused request's state page on the device (`--paused-state device`, the
+default) except "smallest+prefetch, state to host" (`--paused-state host`)."""
 
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ POLICIES = {  # name: DecodeScheduler keywords
     "round-robin": {"rotation_victims": "longest-running", "prefetch_margin": None},
     "smallest": {"rotation_victims": "smallest", "prefetch_margin": None},
     "smallest+prefetch": {"rotation_victims": "smallest", "prefetch_margin": 64},
+    # hybrid models: the paused state copied to host memory and back (`--paused-state host`; the others keep it on
+    # the device, the default)
+    "smallest+prefetch, state to host": {"rotation_victims": "smallest", "prefetch_margin": 64, "park_state": False},
 }
 
 

@@ -159,6 +159,11 @@ class DecodeLoop:
             d: m.counter("pd_host_swapped_tokens_total", "Tokens of KV copied to or from host memory", direction=d)
             for d in ("out", "in", "prefetch")
         }
+        self.c_parked = {
+            e: m.counter("pd_state_pages_parked_total", "Hybrid models: pauses that kept the state page on the device "
+                         "(parked) and parked pages copied out for another request (unparked)", event=e)
+            for e in self.sched.parked_pages
+        }  # fmt: skip
         self.c_host_skips = {
             r: m.counter("pd_host_swap_skipped_total", "Pauses or recoveries that did not use host memory", reason=r)
             for r in self.sched.host_skips
@@ -166,6 +171,7 @@ class DecodeLoop:
         self._reported = {
             "swapped": dict(self.sched.swapped_tokens),
             "skips": dict(self.sched.host_skips),
+            "parked": dict(self.sched.parked_pages),
             "recovered": dict(self.sched.recovered_tokens),
         }
         self.g["host_used"] = g("pd_host_kv_slots_used", "Host-memory KV slots holding copies of requests' KV")
@@ -578,6 +584,7 @@ class DecodeLoop:
             self.g["state_cached"].set(ckpts)
         self._count_deltas("swapped", s.swapped_tokens, self.c_swapped)
         self._count_deltas("skips", s.host_skips, self.c_host_skips)
+        self._count_deltas("parked", s.parked_pages, self.c_parked)
         self._count_deltas("recovered", s.recovered_tokens, self.c_recovered)
         self._count_deltas("loop", self.loop_time, self.c_loop)
         self._count_deltas("read_first", self.read_first, self.c_read_first)

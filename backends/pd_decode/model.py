@@ -84,6 +84,7 @@ class DecodeModel:
             turn_wait=cfg.rotation_wait,
             rotation_victims=cfg.rotation_victims,
             prefetch_margin=PREFETCH_MARGIN if cfg.rotation_prefetch == "on" else None,
+            park_state=cfg.paused_state == "device",
             costs=default_costs(
                 self.runner.cfg, self.runner.kv.bytes_per_slot, gpu, state.bytes_per_page if state is not None else 0
             ),  # fmt: skip

@@ -19,9 +19,12 @@ pause copies only the new positions; copies of requests that are not paused are 
 runs short. Recovery takes the cheapest path (`RecoveryCosts`): local radix hit, host swap-in, prefill recompute.
 A copy's host slots stay one run where the host pool allows (it grows in place; a new copy starts past the others'
 room to grow), so that a swap is one DMA per run rather than one per earlier pause.
-Hybrid models (`state` and `host_pages`): a host copy also owns a host state page, holding the state at the end of
-its positions; each swap-out copies the live page there with the new positions, and a host recovery brings back the
-missing K/V and the whole page, so the request resumes at exactly the paused position.
+Hybrid models (`state` and `host_pages`): a host copy also owns a host state page. With `park_state` (the default) a
+paused request keeps its live page on the device (parked), so a swap-out copies only the new K/V and a host
+recovery only the missing K/V; the page goes to the host copy's page only when another request needs a page and
+none is free (`_unpark`). Without it each swap-out copies the live page there with the new positions, and a host
+recovery brings back the missing K/V and the whole page. Either way the request resumes at exactly the paused
+position.
 
 Rotation (`quantum` > 0): when a request has been paused for `turn_wait` seconds (at least `quantum`) and does not
 fit, requests that have run for at least `quantum` since they last resumed are paused to make room for it (by
@@ -113,12 +116,15 @@ class SwapOut:
 @dataclass(slots=True)
 class HostCopy:
     """A request's KV in host memory: slots[i] is the host slot of position i; hybrid models: page, the host state
-    page holding the state at position len(slots)."""
+    page, holding the state at position page_at."""
 
     slots: list[int]
     used_at: float
     page: int = ZERO
     end: int = 0  # host slots [slots[0], end) are meant for its growth (other copies start past them)
+    # hybrid models: the position whose state `page` holds (-1: none yet); behind len(slots) while the request's
+    # own page waits on the device (`DecodeScheduler.park_state`), the page copied out only when it is taken
+    page_at: int = -1
 
 
 @dataclass(slots=True)
@@ -191,13 +197,16 @@ class DecodeScheduler:
         prefetch_margin: int | None = 64,
         prefetch_min: int = 64,
         rotation_victims: str = "smallest",
+        park_state: bool = True,
     ):
         """prefetch_margin: with rotation and a host tier, the next paused request's positions are copied back
         ahead of its turn into free slots, leaving this many free per running request for their growth until
         then (None: no prefetch); prefetch_min: a smaller prefetch (unless it is all that is missing) is not worth
         a copy's overhead. turn_wait: with rotation, how long the longest-paused request waits before it takes
         running requests' place (never less than `quantum`); rotation_victims: which running requests give way
-        (see `_rotate`)."""
+        (see `_rotate`). park_state (hybrid models with a host tier): a paused request keeps its live state page on
+        the device, so a pause copies only its new K/V out and its recovery only the missing K/V back; the page is
+        copied to its host copy only when another request needs a page and none is free (`_unpark`)."""
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if rotation_victims not in ("smallest", "longest-running"):
@@ -224,6 +233,11 @@ class DecodeScheduler:
         self.keep_paused_kv = True  # False: a paused request's KV goes straight back to the pool (tests)
         self.host_pool = host_pool if on_oom == "pause" else None
         self.host_pages = host_pages if self.host_pool is not None and state is not None else None
+        self.park_state = park_state and self.host_pages is not None
+        self.parked_pages = {"parked": 0, "unparked": 0}  # pauses that kept the page; pages taken back (`_unpark`)
+        self._parked: set[str] = set()  # paused requests whose req.state_page waits on the device
+        self._building: Plan | None = None  # the plan schedule() is making: where `_unpark` puts its copy
+        self.kv.reclaim = self._unpark
         self.host: dict[str, HostCopy] = {}
         self.quantum = quantum if on_oom == "pause" else 0.0
         self.turn_wait = max(self.quantum, turn_wait) if self.quantum > 0 else 0.0
@@ -265,6 +279,8 @@ class DecodeScheduler:
         """The one place a request changes state: a move the table does not allow is a bug, raised at once."""
         if to not in TRANSITIONS[req.state]:
             raise IllegalTransition(f"{req.rid}: {req.state.value} -> {to.value} is not a decode transition")
+        if req.state is ReqState.PAUSED:  # a parked page now is the live page of a recovery, or freed with it
+            self._parked.discard(req.rid)
         req.state = to
 
     # ---- queries -----------------------------------------------------------------------------------------
@@ -366,7 +382,7 @@ class DecodeScheduler:
         if job.prefetch or not ok:
             self._quiet_until = -math.inf
         if job.prefetch:  # still paused: the copied positions become its cached KV (a failed copy: given back)
-            self.kv.release(req, keep_in_cache=ok, priority=PAUSED_PRIORITY)
+            self._release_paused(req, keep_in_cache=ok, priority=PAUSED_PRIORITY)
             return Completion(req)
         if not ok:
             self.reqs.pop(rid)
@@ -418,15 +434,19 @@ class DecodeScheduler:
             return plan
         self._quiet_until = -math.inf
         self._turn_retry = self._prefetch_declined = None
-        self._end_at_capacity(plan)
-        self._checkpoint_running()
-        self._reserve_decode_slots(plan)
-        self._rotate(plan)
-        self._recover_paused(plan)
-        self._prefetch(plan)
-        if not self.by_state(ReqState.PAUSED):  # paused requests take precedence over new admissions
-            self._admit_waiting(plan)
-        self._ensure_progress(plan)
+        self._building = plan
+        try:
+            self._end_at_capacity(plan)
+            self._checkpoint_running()
+            self._reserve_decode_slots(plan)
+            self._rotate(plan)
+            self._recover_paused(plan)
+            self._prefetch(plan)
+            if not self.by_state(ReqState.PAUSED):  # paused requests take precedence over new admissions
+                self._admit_waiting(plan)
+            self._ensure_progress(plan)
+        finally:
+            self._building = None
         plan.decode = [r for r in self.by_state(ReqState.RUNNING) if len(r.slots) >= r.num_tokens]
         self._quiet_until = self._quiet_after(plan)
         return plan
@@ -557,11 +577,21 @@ class DecodeScheduler:
             self.finish(req, "restart")
             plan.restarted.append(req)
             return
+        park = self.park_state and self.keep_paused_kv
         if self.host_pool is not None and self.keep_paused_kv:
-            self._swap_out(req, plan)
-        # KV stays findable as unreferenced radix entries, evicted after finished requests' entries
-        self.kv.release(req, keep_in_cache=self.keep_paused_kv, priority=PAUSED_PRIORITY)
+            self._swap_out(req, plan, state=not park)
+        # KV stays findable as unreferenced radix entries, evicted after finished requests' entries; a parked page
+        # stays with the request (no checkpoint at the paused end: its K/V may be evicted, its page waits here)
+        if park:
+            page, req.state_page = req.state_page, ZERO
+            self.kv.release(req, keep_in_cache=True, priority=PAUSED_PRIORITY)
+            req.state_page = page
+        else:
+            self.kv.release(req, keep_in_cache=self.keep_paused_kv, priority=PAUSED_PRIORITY)
         self._move(req, ReqState.PAUSED)
+        if park:
+            self._parked.add(req.rid)
+            self.parked_pages["parked"] += 1
         req.paused_at = self.clock()
         req.num_pauses += 1
         self.num_pauses += 1
@@ -599,6 +629,14 @@ class DecodeScheduler:
                 if self.quantum > 0:
                     return
                 continue
+            if req.rid in self._parked:  # its page waited on the device: only K/V can be missing
+                done = self._recover_parked(req, need_kv, plan)
+                if done is None:  # does not fit yet
+                    if self.quantum > 0:
+                        return
+                    continue
+                if done:
+                    continue  # else its page was given up: the paths below, as for any paused request
             # exact: the state comes from the host copy's page, so any cached K/V prefix will do; its live page is
             # taken before the match locks anything (no free page raises, as the checkpointed match's does)
             exact = self._exact_host_copy(req, need_kv)
@@ -682,7 +720,7 @@ class DecodeScheduler:
         n = min(need_kv - len(head.slots), room)
         own = self._alloc(n) if n >= min(self.prefetch_min, need_kv - len(head.slots)) and n > 0 else None
         if own is None:
-            self.kv.release(head, keep_in_cache=False)
+            self._release_paused(head, keep_in_cache=False)
             return
         head.slots += own
         head.epoch += 1
@@ -699,6 +737,81 @@ class DecodeScheduler:
         self._move(req, ReqState.RUNNING)
         req.running_since = self.clock()
 
+    # ---- state pages kept on the device while paused (`park_state`) -------------------------------------------
+    def _release_paused(self, req: InferReq, keep_in_cache: bool, priority: int = 0) -> None:
+        """Give back a paused request's K/V (a match, a prefetch) as `KVAccounting.release` does, keeping its
+        parked state page, if it has one, with the request rather than handing it to the cache or the pool (a
+        page that a match gave it goes as release sends it)."""
+        if req.rid not in self._parked:
+            self.kv.release(req, keep_in_cache=keep_in_cache, priority=priority)
+            return
+        page, req.state_page = req.state_page, ZERO
+        self.kv.release(req, keep_in_cache=keep_in_cache, priority=priority)
+        req.state_page = page
+
+    def _recover_parked(self, req: InferReq, need_kv: int, plan: Plan) -> bool | None:
+        """A paused request whose state page waited on the device: its cached K/V prefix, and the rest from its
+        host copy (no state to copy either way). True: resumed or swapping in; None: the missing positions do
+        not fit beside the running requests' reserve yet (the page stays); False: the page was given up (no host
+        copy of the missing positions, or prefill is cheaper), for the paths that rebuild the state."""
+        copy = self.host.get(req.rid)
+        self.kv.match(req, need_kv, kv_only=True)
+        missing = need_kv - len(req.slots)
+        host = copy is not None and len(copy.slots) == need_kv
+        if missing and not (host and missing * self.costs.host_per_token <= self.costs.prefill(missing)):
+            self._release_paused(req, keep_in_cache=False)  # the match back (its slots stay cached)
+            self._parked.discard(req.rid)
+            self.state.free(req.state_page)
+            req.state_page = ZERO
+            self.host_skips["host_partial" if not host else "prefill_cheaper"] += 1
+            return False
+        own = self._alloc(missing) if missing + 1 <= self._available() - self._reserve() else None
+        if own is None:
+            self._release_paused(req, keep_in_cache=False)
+            return None
+        req.slots += own
+        self.recovered_tokens["cached"] += need_kv - missing
+        if missing == 0:
+            self._resume(req)
+            self.num_recoveries["local"] += 1
+            plan.resumed_local.append(req)
+            slot = self._alloc(1)
+            if slot is not None:
+                req.slots += slot
+            return True
+        req.epoch += 1
+        self.max_epoch = max(self.max_epoch, req.epoch)
+        self._move(req, ReqState.RECOVERING)
+        job = self._transfer(req, need_kv, sample=False, source="host")  # the K/V alone: job.host_page stays ZERO
+        job.host_slots = copy.slots[job.start : need_kv]
+        copy.used_at = self.clock()
+        self.swapped_tokens["in"] += len(job.host_slots)
+        self.recovered_tokens["host"] += missing
+        plan.swap_ins.append(job)
+        return True
+
+    def _unpark(self) -> int | None:
+        """`KVAccounting.reclaim`: no state page is free, so the parked page of the paused request whose turn is
+        furthest off goes to the caller, its state first copied to its host copy's page (a swap-out in the plan
+        being made, which runs before anything of that plan writes the page). Without a whole host copy the
+        state is dropped, and that request's recovery rebuilds it from a checkpoint. None outside schedule()."""
+        plan = self._building
+        if plan is None:
+            return None
+        parked = [r for r in self._paused_in_order() if r.rid in self._parked]
+        if not parked:
+            return None
+        req = parked[-1]
+        self._parked.discard(req.rid)
+        page, req.state_page = req.state_page, ZERO
+        copy = self.host.get(req.rid)
+        n = req.num_tokens - 1
+        if copy is not None and copy.page != ZERO and len(copy.slots) == n:
+            plan.swap_outs.append(SwapOut(req.rid, n, [], [], page, copy.page))
+            copy.page_at = n
+        self.parked_pages["unparked"] += 1
+        return page
+
     # ---- host tier -----------------------------------------------------------------------------------------
     def _exact_host_copy(self, req: InferReq, need_kv: int) -> bool:
         """Hybrid models: the request's host copy has every position and its page the state at need_kv, and the
@@ -707,6 +820,8 @@ class DecodeScheduler:
         copy = self.host.get(req.rid) if self.state is not None else None
         if copy is None or len(copy.slots) != need_kv or copy.page == ZERO:
             return False
+        if copy.page_at != need_kv and req.rid not in self._parked:
+            return False  # the host page is behind and the state is not on the device either
         c = self.costs
         return c.host(0) <= c.prefill(0) and c.host(need_kv) <= c.prefill(need_kv)  # both lines: in between too
 
@@ -716,7 +831,8 @@ class DecodeScheduler:
         copy = self.host.get(req.rid)
         if copy is None:
             return None
-        if len(copy.slots) < need_kv or (self.state is not None and len(copy.slots) != need_kv):
+        if len(copy.slots) < need_kv or (self.state is not None and (len(copy.slots) != need_kv or
+                                                                      copy.page_at != need_kv)):  # fmt: skip
             self.host_skips["host_partial"] += 1
             return None
         if self.costs.host(missing) > self.costs.prefill(missing):
@@ -725,9 +841,10 @@ class DecodeScheduler:
         copy.used_at = self.clock()
         return copy
 
-    def _swap_out(self, req: InferReq, plan: Plan) -> None:
-        """Copy the positions the request's host copy lacks (hybrid models: and the live page, the state at the
-        paused end); host memory full: keep none (counted)."""
+    def _swap_out(self, req: InferReq, plan: Plan, state: bool = True) -> None:
+        """Copy the positions the request's host copy lacks (hybrid models: and, with `state`, the live page, the
+        state at the paused end; without, the copy still gets a host page, for `_unpark`); host memory full: keep
+        none (counted)."""
         n = len(req.slots)  # positions [0, n) hold K/V (the reserved slot was dropped)
         copy = self.host.get(req.rid)
         have = len(copy.slots) if copy is not None else 0
@@ -748,7 +865,11 @@ class DecodeScheduler:
             want = min(len(req.prompt_ids) + req.params.max_tokens, self.max_len)
             copy = self.host[req.rid] = HostCopy([], self.clock(), end=slots[0] + max(want, len(slots)))
         copy.page = page
-        plan.swap_outs.append(SwapOut(req.rid, have, req.slots[have:n], slots, req.state_page, page))
+        if state and page != ZERO:
+            plan.swap_outs.append(SwapOut(req.rid, have, req.slots[have:n], slots, req.state_page, page))
+            copy.page_at = n
+        else:
+            plan.swap_outs.append(SwapOut(req.rid, have, req.slots[have:n], slots))
         copy.slots += slots
         copy.used_at = self.clock()
         self.swapped_tokens["out"] += len(slots)
@@ -832,9 +953,9 @@ class DecodeScheduler:
             self._turn_retry = (head.rid, head.paused_at, math.inf)
             return
         need_kv = head.num_tokens - 1
-        self.kv.match(head, need_kv, kv_only=self._exact_host_copy(head, need_kv))
+        self.kv.match(head, need_kv, kv_only=head.rid in self._parked or self._exact_host_copy(head, need_kv))
         deficit = need_kv - len(head.slots) + 1 - (self._available() - self._reserve())
-        self.kv.release(head, keep_in_cache=False)
+        self._release_paused(head, keep_in_cache=False)
         if deficit <= 0:  # it fits: _recover_paused resumes it in this plan
             return
         running = [r for r in self.reqs.values() if r.state is ReqState.RUNNING]
@@ -932,8 +1053,14 @@ class DecodeScheduler:
             sfree, live, ckpts = self.state_accounting()
             if sfree + live + ckpts != self.state.num_pages:
                 out.append(f"state accounting: free {sfree} + live {live} + cached {ckpts} != {self.state.num_pages}")
+            for rid in self._parked:
+                r = self.reqs.get(rid)
+                if r is None or r.state is not ReqState.PAUSED or r.state_page == ZERO:
+                    out.append(f"{rid}: parked, but {'ended' if r is None else r.state.value} or without a page")
             for r in self.reqs.values():
                 holds = r.state_page != ZERO
+                if r.state is ReqState.PAUSED and holds == (r.rid in self._parked):
+                    continue  # a paused request holds a page exactly while it is parked
                 if holds != (r.state in (ReqState.RUNNING, ReqState.WAITING_KV, ReqState.RECOVERING)):
                     out.append(f"{r.rid}: {r.state.value} {'with' if holds else 'without'} a state page")
         if self.host_pool is not None:

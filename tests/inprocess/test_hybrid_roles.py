@@ -106,12 +106,16 @@ def test_hybrid_prefill_recovery_carries_the_state(serve, hybrid_folder, expecte
     assert_released(s)
 
 
-def test_hybrid_host_recoveries_carry_the_state(serve, hybrid_folder, expected):  # noqa: F811
-    """With a host tier, paused requests' K/V and state go to host memory and come back from it; the answers equal
-    the offline engine's, and host slots and host state pages are all free once the streams end."""
-    s = serve(hybrid_folder, **TIGHT, host_kv_tokens=2048)
+@pytest.mark.parametrize("paused_state", ["device", "host"])
+def test_hybrid_host_recoveries_carry_the_state(serve, hybrid_folder, expected, paused_state):  # noqa: F811
+    """With a host tier, paused requests' K/V goes to host memory and comes back from it, and their state waits on
+    the device (`--paused-state device`, the default) or travels with the K/V (host); the answers equal the
+    offline engine's, and host slots and host state pages are all free once the streams end."""
+    s = serve(hybrid_folder, **TIGHT, host_kv_tokens=2048, paused_state=paused_state)
     assert_exact(run_streams(s), expected)
     assert s.metric("pd_recoveries_total", path="host") > 0
+    parked = s.metric("pd_state_pages_parked_total", event="parked")
+    assert (parked == s.metric("pd_pauses_total") > 0) if paused_state == "device" else parked == 0
     assert s.metric("pd_host_state_pages_total") > 0
     assert s.wait_metric("pd_host_state_pages_used", lambda v: v == 0) == 0
     assert s.wait_metric("pd_host_kv_slots_used", lambda v: v == 0) == 0

@@ -12,8 +12,9 @@ import pytest
 
 from backends.common.core.kv_pool import KVPool
 from backends.common.core.request import InferReq, ReqState, SamplingParams
+from backends.common.core.scheduler import StateError
 from backends.common.core.state_pages import ZERO, StatePages
-from backends.pd_decode.scheduler import DecodeScheduler, RecoveryCosts
+from backends.pd_decode.scheduler import DecodeScheduler, Plan, RecoveryCosts
 
 
 def kv_of(ids, i):
@@ -381,20 +382,28 @@ def test_prefetch_moves_most_of_a_turns_swap_in_ahead_of_it():
     assert used == 0 and free + cached == 100
 
 
-def test_hybrid_prefetch_moves_a_turns_kv_ahead_and_takes_the_state_from_the_host_copy():
+@pytest.mark.parametrize("park", [False, True])
+def test_hybrid_prefetch_moves_a_turns_kv_ahead_and_takes_the_state_from_the_host_copy(park):
     """A hybrid model's next paused request gets its K/V back ahead of its turn too (into the cache, without a
-    state checkpoint); at its turn it takes that K/V prefix and the state from its host copy's page with the rest.
-    The simulation checks every position's K/V and every page's state at each step: answers stay exact, the
-    gap bounded, and decode waits for fewer tokens at a turn."""
+    state checkpoint); at its turn it takes that K/V prefix and the rest, and the state from its host copy's page
+    (park_state off) or from its own page, which waited on the device (on: no state copy either way). The
+    simulation checks every position's K/V and every page's state at each step: answers stay exact, the gap
+    bounded, and decode waits for fewer tokens at a turn."""
     ref = reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
-    hybrid_kw = dict(quantum=0.05, host=400, state_pages=40, host_pages=16)
+    hybrid_kw = dict(quantum=0.05, host=400, state_pages=40, host_pages=16, park_state=park)
     without = seed_like(prefetch_margin=None, **hybrid_kw)
     ahead = seed_like(prefetch_margin=4, prefetch_min=8, **hybrid_kw)
     assert without.done == ref and ahead.done == ref
     assert without.s.num_prefetches == 0 and ahead.s.num_prefetches >= 10
     jobs = [j for p in ahead.plans for j in p.swap_ins]
     assert all(j.host_page == ZERO for j in jobs if j.prefetch)  # the K/V alone ahead of the turn
-    assert all(j.host_page != ZERO and j.state_page != ZERO for j in jobs if not j.prefetch)  # the state at it
+    at_turn = [j for j in jobs if not j.prefetch]
+    if park:  # its page waited on the device: the K/V alone at the turn too, and nothing of the state went out
+        assert at_turn and all(j.host_page == ZERO for j in at_turn)
+        assert all(o.host_page == ZERO for p in ahead.plans for o in p.swap_outs)
+        assert ahead.s.parked_pages["parked"] == ahead.s.num_pauses > 0 and ahead.s.parked_pages["unparked"] == 0
+    else:
+        assert all(j.host_page != ZERO and j.state_page != ZERO for j in at_turn)  # the state at it
     assert waited_swap_in_tokens(ahead) < 0.7 * waited_swap_in_tokens(without), (
         waited_swap_in_tokens(ahead),
         waited_swap_in_tokens(without),
@@ -505,7 +514,8 @@ def hybrid(pool=60, host=200, host_pages=4, state_pages=12, **kw):
 
 
 def test_hybrid_pause_swaps_out_kv_and_state_and_recovers_from_host():
-    sim = hybrid(max_tokens=40)
+    """park_state off: every pause copies the state out with the new K/V, every host recovery brings both back."""
+    sim = hybrid(max_tokens=40, park_state=False)
     for i in range(3):
         sim.add(f"r{i}", 10, base=100 * i)
     sim.run()
@@ -532,15 +542,75 @@ def test_hybrid_host_copy_without_a_state_page_is_not_kept():
     assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(4)])
 
 
-def test_hybrid_cancel_during_swap_frees_host_pages_at_once():
-    sim = hybrid(max_tokens=40)
+@pytest.mark.parametrize("park", [False, True])
+def test_hybrid_cancel_during_swap_frees_host_pages_at_once(park):
+    """A request cancelled while its swap-in is in flight gives its host page back at once; its device page (the
+    copy's target, or its parked page) stays held by the orphan until the copy answers."""
+    sim = hybrid(max_tokens=40, park_state=park)
     job = first_swap_in(sim)
     held = sim.s.host_pages.num_slots - sim.s.host_pages.num_free
     sim.s.cancel(job.rid)
     assert sim.s.host_pages.num_slots - sim.s.host_pages.num_free == held - 1  # its host page is free at once
-    assert (job.rid, job.epoch) in sim.s.orphans and not sim.s.state.pool.is_free(job.state_page)  # still written
+    page = sim.s.orphans[(job.rid, job.epoch)].state_page
+    assert page != ZERO and not sim.s.state.pool.is_free(page)  # still written (the K/V at least)
+    assert (job.state_page == page) != park  # parked: the state is on the device already, not in the copy
     sim.run()
+    free, live, ckpts = sim.s.state_accounting()
+    assert live == 0 and free + ckpts == sim.s.state.num_pages
     assert not sim.s.orphans and sim.s.host_pages.num_free == 4 and sim.s.host_accounting() == (200, 0)
+
+
+def test_hybrid_paused_state_waits_on_the_device_and_goes_out_only_when_a_page_is_needed():
+    """park_state (the default): a pause copies only new K/V out and keeps the request's state page on the device;
+    its host recovery copies only the missing K/V back. With fewer pages than requests, a page is taken from the
+    paused request whose turn is furthest off: its state first goes to its host copy's page (a state-only swap-out
+    in the same plan), and its recovery then brings that page back. The simulation checks every page's state."""
+    roomy = hybrid(pool=60, host=400, host_pages=8, state_pages=12, max_tokens=40, quantum=0.03)
+    for i in range(3):
+        roomy.add(f"r{i}", 10, base=100 * i)
+    roomy.run()
+    outs = [o for p in roomy.plans for o in p.swap_outs]
+    ins = [j for p in roomy.plans for j in p.swap_ins]
+    assert roomy.s.parked_pages["parked"] == roomy.s.num_pauses > 0 and roomy.s.parked_pages["unparked"] == 0
+    assert outs and all(o.host_page == ZERO for o in outs)
+    assert ins and all(j.host_page == ZERO for j in ins) and roomy.s.num_recoveries["host"] >= 1
+    assert roomy.done == reference([(f"r{i}", 10, 100 * i) for i in range(3)], max_tokens=40)
+    free, live, ckpts = roomy.s.state_accounting()
+    assert live == 0 and free + ckpts == roomy.s.state.num_pages and not roomy.s._parked
+    assert roomy.s.host_accounting() == (roomy.s.host_pool.num_slots, 0)
+
+
+def test_a_parked_page_is_taken_back_when_no_page_is_left():
+    """Every request got its page at admission and a parked one keeps it, so pages do not run short while
+    admissions wait for paused requests; should one be needed anyway, `KVAccounting.alloc_state` takes the parked
+    page of the paused request whose turn is furthest off: its state goes to its host copy's page first (a
+    state-only swap-out in the plan being made), it recovers from there, and every answer stays exact."""
+    sim = hybrid(pool=60, host=600, host_pages=8, state_pages=12, max_tokens=40, quantum=0.03)
+    for i in range(3):
+        sim.add(f"r{i}", 10, base=100 * i)
+    while len(sim.s._parked) < 1:
+        sim.step()
+    s = sim.s
+    held = []  # every free page and checkpoint taken, as a burst of admissions would
+    while (page := s.state.alloc()) is not None or s.radix.evict_state(1):
+        held += [page] if page is not None else []
+    with pytest.raises(StateError):  # outside schedule() nobody gives a page up
+        s.kv.alloc_state()
+    victim = s._paused_in_order()[-1]
+    page, n = victim.state_page, victim.num_tokens - 1
+    s._building = plan = Plan()
+    assert s.kv.alloc_state() == page
+    s._building = None
+    assert victim.rid not in s._parked and victim.state_page == ZERO and s.parked_pages["unparked"] == 1
+    (out,) = plan.swap_outs
+    assert (out.rid, out.state_page, out.device_slots, out.host_slots) == (victim.rid, page, [], [])
+    assert out.host_page == s.host[victim.rid].page != ZERO and s.host[victim.rid].page_at == n
+    sim.host_pages[out.host_page] = sim.pages[page]  # the executor's copy
+    for p in held + [page]:
+        s.state.free(p)
+    sim.run()
+    assert any(j.rid == victim.rid and j.host_page != ZERO for p in sim.plans for j in p.swap_ins)
+    assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(3)], max_tokens=40)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -548,7 +618,8 @@ def test_hybrid_random_load_with_host_tier_rotation_and_cancels(seed):
     rng = random.Random(seed)
     pages = rng.choice([5, 6, 16])  # few: checkpoints are dropped, and pages of paused requests reused at once
     sim = hybrid(pool=120, host=rng.choice([30, 150, 600]), host_pages=rng.choice([1, 3, 8]), state_pages=pages,
-                 quantum=rng.choice([0.0, 0.03]), max_tokens=30, max_running=4)  # fmt: skip
+                 quantum=rng.choice([0.0, 0.03]), max_tokens=30, max_running=4,
+                 park_state=seed % 4 != 3)  # fmt: skip
     random_load(sim, rng)
     assert sim.s.num_recoveries["host"] > 0
     assert sim.s.host_pages.num_free == sim.s.host_pages.num_slots

@@ -189,6 +189,14 @@ class DecodeConfig(RoleConfig):
         "state with the rest); off: copied back at its turn",
         choices=("on", "off"),
     )
+    paused_state: str = opt(
+        "device",
+        "hybrid models with a host tier: where a paused request's linear-attention state waits. device: its page "
+        "stays on the GPU, so a pause copies only new K/V to host memory and a host recovery only the missing K/V "
+        "back (the page is copied out only if another request needs one and none is free); host: copied to host "
+        "memory at every pause and back at every host recovery (the behaviour before 2026-12-05)",
+        choices=("device", "host"),
+    )
     decode_overlap: str = opt(
         "on",
         "decode launches step n+1 before reading step n's tokens whenever the next step is certain to be one more "

@@ -4,6 +4,7 @@ chunked prefill, prefix hits and recompute after preemption are one rule. Plain 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from backends.common.core.kv_pool import KVPool
@@ -36,12 +37,17 @@ class KVAccounting:
     def __init__(self, pool: KVPool, radix: RadixCache):
         self.pool, self.radix = pool, radix
         self.state: StatePages | None = radix.state
+        # a page taken back from whoever may give one up when neither a free page nor a checkpoint is left (decode:
+        # a paused request's page kept on the device, `DecodeScheduler._unpark`); None: nobody can
+        self.reclaim: Callable[[], int | None] | None = None
 
     def alloc_state(self) -> int:
-        """A free state page, dropping least recently used checkpoints when none is free."""
+        """A free state page, dropping least recently used checkpoints when none is free, then `reclaim`."""
         page = self.state.alloc()
         if page is None and self.radix.evict_state(1):
             page = self.state.alloc()
+        if page is None and self.reclaim is not None:
+            page = self.reclaim()
         if page is None:
             raise StateError(
                 f"all {self.state.num_pages} state pages are held by running requests (raise --state-pages)"
