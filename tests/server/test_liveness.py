@@ -97,9 +97,11 @@ def test_cancel_reaches_queued_running_and_recovering_requests(slow):
     wait_for(slow, "pd_prefill_jobs_total", lambda v: v == recoveries_before + 1, 10, kind="recovery")
     b.cancel()
     slow.assert_released(timeout=1.0)  # the request ends within a second
-    # ... and prefill dropped the job instead of computing it: counted inside its 3 s hold (on a loaded 2-core
-    # machine the notice's way through master, decode's mailbox and prefill's poll took over 1 s once)
-    wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == cancelled_before + 1, 2.5)
+    # ... and prefill dropped the job instead of computing it: counted only when prefill drops it, inside its 3 s
+    # hold or while it computes (a notice after the job finished is not counted). On a loaded 2-core machine the
+    # notice's way through master, decode's mailbox and prefill's poll took over 1 s once, and over 2.5 s in a
+    # `make test` of 2026-12-05 (the test alone: well within)
+    wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == cancelled_before + 1, 5.0)
     assert slow.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=1.0) == 0
     a.close()
     # running: cancel a decoding stream
