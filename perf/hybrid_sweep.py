@@ -75,47 +75,17 @@ def main(argv=None) -> int:
         # (block_v, warps, second block read with the first, programs per head), each with the state read before and
         # after the PDL wait (every layer has a state of its own, so the launch before never wrote the one read);
         # a head shared among programs only at a few sequences (fewer programs than SMs)
-        delta = [
-            (128, 4, False, 1),
-            (128, 8, False, 1),
-            (64, 4, False, 1),
-            (64, 8, False, 1),
-            (32, 4, False, 1),
-            (16, 4, False, 1),
-            (64, 4, True, 1),
-            (64, 8, True, 1),
-            (32, 4, True, 1),
-            (32, 8, True, 1),
-        ]
+        delta = [(128, 4, False, 1), (128, 8, False, 1), (64, 4, False, 1), (64, 8, False, 1), (32, 4, False, 1),
+                 (16, 4, False, 1), (64, 4, True, 1), (64, 8, True, 1), (32, 4, True, 1), (32, 8, True, 1)]  # fmt: skip
         if B * HV < 4 * torch.cuda.get_device_properties(dev).multi_processor_count:
             delta += [(64, 4, False, 2), (64, 8, False, 2), (32, 4, False, 4), (32, 4, True, 2), (16, 4, False, 8)]
         counters = torch.zeros(B * HV, dtype=torch.int32, device=dev)
-        for (bv, warps, ahead, split), pre in (
-            ((d, p) for d in delta for p in (False, True)) if "delta" in a.parts else ()
-        ):
-            t = timed(
-                lambda bv=bv, w=warps, pre=pre, ahead=ahead, split=split: [
-                    delta_rule.gated_delta_step(
-                        mixed,
-                        proj,
-                        a_log,
-                        dt_bias,
-                        norm_w,
-                        s,
-                        pages,
-                        HK,
-                        1e-6,
-                        out=out,
-                        block_v=bv,
-                        num_warps=w,
-                        preload=pre,
-                        ahead=ahead,
-                        split=split,
-                        counters=counters,
-                    )
-                    for s in states
-                ]
-            )
+        grid = [(d, p) for d in delta for p in (False, True)] if "delta" in a.parts else []
+        for (bv, warps, ahead, split), pre in grid:
+            t = timed(lambda bv=bv, w=warps, pre=pre, ahead=ahead, split=split: [
+                delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, s, pages, HK, 1e-6, out=out,
+                                            block_v=bv, num_warps=w, preload=pre, ahead=ahead, split=split,
+                                            counters=counters) for s in states])  # fmt: skip
             row("gated_delta_step", B, f"block_v={bv} warps={warps} preload={pre} ahead={ahead} split={split}", t,
                 bound)  # fmt: skip
         write()

@@ -655,16 +655,9 @@ class DecodeScheduler:
             req.slots += own
             self.recovered_tokens["cached"] += need_kv - missing
             if missing == 0 and not exact:
-                self._resume(req)
-                self.num_recoveries["local"] += 1
-                plan.resumed_local.append(req)
-                slot = self._alloc(1)
-                if slot is not None:
-                    req.slots += slot
+                self._resume_local(req, plan)
                 continue
-            req.epoch += 1
-            self.max_epoch = max(self.max_epoch, req.epoch)
-            self._move(req, ReqState.RECOVERING)
+            self._start_recovery(req)
             host = self._host_source(req, need_kv, missing)
             if host is not None:  # (always, when exact)
                 job = self._transfer(req, need_kv, sample=False, source="host")
@@ -737,6 +730,22 @@ class DecodeScheduler:
         self._move(req, ReqState.RUNNING)
         req.running_since = self.clock()
 
+    def _resume_local(self, req: InferReq, plan: Plan) -> None:
+        """A paused request whose every position is in the pool runs again at once, with a slot for its next token
+        when one is free (else `_reserve_decode_slots` finds it one or pauses someone)."""
+        self._resume(req)
+        self.num_recoveries["local"] += 1
+        plan.resumed_local.append(req)
+        slot = self._alloc(1)
+        if slot is not None:
+            req.slots += slot
+
+    def _start_recovery(self, req: InferReq) -> None:
+        """A new epoch: whatever a transfer of an earlier round still says about the request is stale."""
+        req.epoch += 1
+        self.max_epoch = max(self.max_epoch, req.epoch)
+        self._move(req, ReqState.RECOVERING)
+
     # ---- state pages kept on the device while paused (`park_state`) -------------------------------------------
     def _release_paused(self, req: InferReq, keep_in_cache: bool, priority: int = 0) -> None:
         """Give back a paused request's K/V (a match, a prefetch) as `KVAccounting.release` does, keeping its
@@ -772,16 +781,9 @@ class DecodeScheduler:
         req.slots += own
         self.recovered_tokens["cached"] += need_kv - missing
         if missing == 0:
-            self._resume(req)
-            self.num_recoveries["local"] += 1
-            plan.resumed_local.append(req)
-            slot = self._alloc(1)
-            if slot is not None:
-                req.slots += slot
+            self._resume_local(req, plan)
             return True
-        req.epoch += 1
-        self.max_epoch = max(self.max_epoch, req.epoch)
-        self._move(req, ReqState.RECOVERING)
+        self._start_recovery(req)
         job = self._transfer(req, need_kv, sample=False, source="host")  # the K/V alone: job.host_page stays ZERO
         job.host_slots = copy.slots[job.start : need_kv]
         copy.used_at = self.clock()
