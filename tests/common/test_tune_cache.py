@@ -40,15 +40,15 @@ def test_writers_merge_their_entries(tmp_path):
     entries = json.loads(path.read_text())["entries"]
     assert sorted(entries) == ["x", "y"]
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_put, args=(path, f"p{i}")) for i in range(6)]
+    procs = [ctx.Process(target=_put, args=(path, f"p{i}")) for i in range(3)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
-    assert [p.exitcode for p in procs] == [0] * 6
+    assert [p.exitcode for p in procs] == [0] * 3
     entries = json.loads(path.read_text())["entries"]
-    assert sorted(entries) == sorted(["x", "y"] + [f"p{i}" for i in range(6)])
-    assert entries["p5"]["choice"]["block_n"] == 5
+    assert sorted(entries) == sorted(["x", "y"] + [f"p{i}" for i in range(3)])
+    assert entries["p2"]["choice"]["block_n"] == 2
     assert not list(tmp_path.glob("*.tmp"))
 
 
