@@ -542,11 +542,7 @@ def _gated_delta_step_kernel(
             for sp in tl.static_range(SPLIT):
                 total += tl.load(Part + head * SPLIT + sp, cache_modifier=".cg")
             rstd = tl.rsqrt(total / DV + eps)
-            for vb in tl.static_range(NV * SPLIT):
-                rv = vb * BV + tl.arange(0, BV)
-                mv = rv < DV
-                o = tl.load(orow + rv, mask=mv, other=0.0, cache_modifier=".cg")
-                _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
+            _gated_norm_read_back(orow, zrow, NormW, rstd, dt, DV, BV, NV * SPLIT, ".cg")  # others' outputs: L2
             tl.atomic_xchg(Ctr + head, 0)
     else:
         rstd = tl.rsqrt(sumsq / DV + eps)
@@ -554,11 +550,19 @@ def _gated_delta_step_kernel(
             _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
         else:
             tl.debug_barrier()  # the raw outputs this program stored are visible to all of its threads
-            for vb in tl.static_range(NV):
-                rv = vb * BV + tl.arange(0, BV)
-                mv = rv < DV
-                o = tl.load(orow + rv, mask=mv, other=0.0)
-                _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
+            _gated_norm_read_back(orow, zrow, NormW, rstd, dt, DV, BV, NV, "")
+
+
+@triton.jit
+def _gated_norm_read_back(orow, zrow, NormW, rstd, dt, DV, BV: tl.constexpr, NB: tl.constexpr,
+                          CACHE: tl.constexpr):  # fmt: skip
+    """`_gated_norm` of a head's raw outputs stored at orow, in NB blocks of BV, read with `CACHE` as the
+    cache modifier ("": the default; ".cg": past L1, for outputs other programs stored)."""
+    for vb in tl.static_range(NB):
+        rv = vb * BV + tl.arange(0, BV)
+        mv = rv < DV
+        o = tl.load(orow + rv, mask=mv, other=0.0, cache_modifier=CACHE)
+        _gated_norm(o, orow + rv, tl.load(NormW + rv, mask=mv, other=0.0), zrow + rv, mv, rstd, dt)
 
 
 @triton.jit

@@ -736,20 +736,9 @@ def _tune_key(weights: list[torch.Tensor], rows: int, prologue, conv_channels: i
     """What a `tune` pick depends on besides the kernels' code, as the tuning cache's key."""
     w = weights[0]
     gpu = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else w.device.type
-    return json.dumps(
-        [
-            gpu,
-            torch.__version__,
-            triton.__version__,
-            str(w.dtype),
-            list(w.shape),
-            len(weights),
-            rows,
-            prologue,
-            conv_channels,
-            epilogue,
-        ]  # fmt: skip
-    )
+    fields = [gpu, torch.__version__, triton.__version__, str(w.dtype), list(w.shape), len(weights), rows, prologue,
+              conv_channels, epilogue]  # fmt: skip
+    return json.dumps(fields)
 
 
 def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, conv_channels: int = 0,

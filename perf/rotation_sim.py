@@ -92,7 +92,7 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
     times: dict[str, list[float]] = {f"r{i}": [] for i in range(len(outs))}
     tokens = steps = batch1 = waited = 0
     copy_free_at = 0.0
-    host = {"turn_s": 0.0, "other_s": 0.0, "others": 0, "copies": 0, "runs": 0, "read_first": 0}
+    host = {"turn_s": 0.0, "other_s": 0.0, "others": 0, "copies": 0, "runs": 0}
     reasons: dict[str, int] = {}  # steps read first, by DecodeSteps.read_first's reason
     while not s.idle():
         if clock.t > limit_s:
@@ -133,7 +133,6 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
         if plan.decode:
             clock.t += step
             steps += 1
-            host["read_first"] += not keep
             if not keep:
                 reasons[why] = reasons.get(why, 0) + 1
             batch1 += len(plan.decode) == 1
@@ -152,7 +151,7 @@ def simulate(outs: list[int], prompt: int = 200, pool: int = 8192, host: int = 6
             "largest_gap": gap, "rotations": s.num_rotations, "swapped_in": s.swapped_tokens["in"], "waited": waited,
             "turn_ms": 1e3 * host["turn_s"] / max(s.num_rotations, 1),
             "plan_ms": 1e3 * host["other_s"] / max(host["others"], 1),
-            "runs_per_copy": host["runs"] / max(host["copies"], 1), "read_first": host["read_first"],
+            "runs_per_copy": host["runs"] / max(host["copies"], 1), "read_first": sum(reasons.values()),
             "read_first_by": reasons}  # fmt: skip
 
 

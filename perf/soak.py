@@ -45,10 +45,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # python3 perf/soak.py: the project root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from perf.seed_stalls import LOOP_PARTS  # noqa: E402  (pd_decode_loop_seconds_total's parts)
 from tests.server.client import StreamClient  # noqa: E402
 from tests.server.conftest import Server  # noqa: E402
 
-LOOP_PARTS = ("wait", "read", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
 COUNTERS = {
     "pauses": ("pd_pauses_total", {}),
     "rotations": ("pd_rotations_total", {}),

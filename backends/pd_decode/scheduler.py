@@ -583,15 +583,12 @@ class DecodeScheduler:
         # KV stays findable as unreferenced radix entries, evicted after finished requests' entries; a parked page
         # stays with the request (no checkpoint at the paused end: its K/V may be evicted, its page waits here)
         if park:
-            page, req.state_page = req.state_page, ZERO
-            self.kv.release(req, keep_in_cache=True, priority=PAUSED_PRIORITY)
-            req.state_page = page
+            self._parked.add(req.rid)
+            self.parked_pages["parked"] += 1
+            self._release_paused(req, keep_in_cache=True, priority=PAUSED_PRIORITY)
         else:
             self.kv.release(req, keep_in_cache=self.keep_paused_kv, priority=PAUSED_PRIORITY)
         self._move(req, ReqState.PAUSED)
-        if park:
-            self._parked.add(req.rid)
-            self.parked_pages["parked"] += 1
         req.paused_at = self.clock()
         req.num_pauses += 1
         self.num_pauses += 1
@@ -768,10 +765,8 @@ class DecodeScheduler:
         missing = need_kv - len(req.slots)
         host = copy is not None and len(copy.slots) == need_kv
         if missing and not (host and missing * self.costs.host_per_token <= self.costs.prefill(missing)):
-            self._release_paused(req, keep_in_cache=False)  # the match back (its slots stay cached)
             self._parked.discard(req.rid)
-            self.state.free(req.state_page)
-            req.state_page = ZERO
+            self.kv.release(req, keep_in_cache=False)  # the match back (its slots stay cached), the page freed
             self.host_skips["host_partial" if not host else "prefill_cheaper"] += 1
             return False
         own = self._alloc(missing) if missing + 1 <= self._available() - self._reserve() else None
