@@ -409,6 +409,15 @@ def conv_channels(x, offs, mask, W, S, Page, OutPage, s_page, KM1: tl.constexpr)
     load comes before any store. Also run by kernels.linear's conv epilogue."""
     page = tl.load(Page).to(tl.int64)
     out_page = tl.load(OutPage).to(tl.int64)
+    y, nxt = _conv_read(x, offs, mask, W, S, page, s_page, KM1)
+    _conv_write(nxt, offs, mask, S, out_page, s_page, KM1)
+    return y
+
+
+@triton.jit
+def _conv_read(x, offs, mask, W, S, page, s_page, KM1: tl.constexpr):
+    """The loads and arithmetic of `conv_channels` at page `page`: (SiLU of the conv [BLOCK], the new state rows
+    [BLOCK, KM1 + 1] for `_conv_write`, whose last column is not stored)."""
     taps = tl.arange(0, KM1 + 1)  # KM1 + 1 is a power of two (the conv kernel: 4)
     tmask = mask[:, None] & (taps[None, :] < KM1)
     sp = S + page * s_page + offs[:, None] * KM1 + taps[None, :]
@@ -417,8 +426,15 @@ def conv_channels(x, offs, mask, W, S, Page, OutPage, s_page, KM1: tl.constexpr)
     nxt = tl.where(taps[None, :] == KM1 - 1, x[:, None], nxt)
     w = tl.load(W + offs[:, None] * (KM1 + 1) + taps[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
     acc = tl.sum(tl.where(taps[None, :] == KM1, x[:, None], prev) * w, 1)
-    tl.store(S + out_page * s_page + offs[:, None] * KM1 + taps[None, :], nxt, mask=tmask)
-    return acc / (1.0 + tl.exp(-acc))
+    return acc / (1.0 + tl.exp(-acc)), nxt
+
+
+@triton.jit
+def _conv_write(nxt, offs, mask, S, out_page, s_page, KM1: tl.constexpr):
+    """The new conv state rows of channels offs (where mask) from `_conv_read`, stored at page `out_page`."""
+    taps = tl.arange(0, KM1 + 1)
+    tl.store(S + out_page * s_page + offs[:, None] * KM1 + taps[None, :], nxt,
+             mask=mask[:, None] & (taps[None, :] < KM1))  # fmt: skip
 
 
 @triton.jit
@@ -465,11 +481,11 @@ def conv_step(
 
 @triton.jit
 def _gated_delta_step_kernel(
-    Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages, Part, Ctr,
-    stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale,
+    Mixed, Proj, ALog, DtBias, NormW, Out, S, Pages, OutPages, Part, Ctr, CW, CS, KCtr,
+    stride_m, stride_p, stride_out, s_page, s_head, s_k, z_off, b_off, a_off, eps, q_scale, cs_page,
     HV: tl.constexpr, R: tl.constexpr, KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PRELOAD: tl.constexpr, AHEAD: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, CONV: tl.constexpr, KM1: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, value head): the head's [DK, DV] state in NV blocks of BV value dims, each
     loaded from page Pages[b], updated, stored to page OutPages[b] and read out in turn; then the gated RMSNorm over
@@ -479,7 +495,12 @@ def _gated_delta_step_kernel(
     first block's store (which the compiler cannot tell apart from the page read), so both reads are in flight at
     once. SPLIT > 1: SPLIT programs per head (program_id 2), each with NV blocks of its own; each stores its raw
     outputs and their sum of squares (Part), and the last of a head's programs to finish (counted in Ctr, which it
-    resets to 0 for the next launch) adds the sums in split order and applies the norm to the whole head."""
+    resets to 0 for the next launch) adds the sums in split order and applies the norm to the whole head.
+    CONV: the conv step too (`conv_channels`, on conv state CS at the same pages, weights CW), from the projection's
+    own first columns in Proj instead of Mixed: each program convolves its q and k channels and its value dims' v
+    channels; the v channels' new state is its own to store, while the q and k channels' is stored by the last
+    of the R * SPLIT programs that read them to arrive (counted in KCtr, one counter per sequence and key head,
+    reset to 0 by that program), so no program reads a state row another has already moved on."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c0 = tl.program_id(2) * (NV * BV)  # this program's first value dim
     rk = tl.arange(0, BK)
@@ -499,11 +520,24 @@ def _gated_delta_step_kernel(
     out_page = tl.load(OutPages + b).to(tl.int64)
     kh = h // R  # the key head this value head reads (q and k repeat_interleave'd by R)
     mrow = Mixed + b * stride_m
-    q = tl.load(mrow + kh * DK + rk, mask=mk, other=0.0)
-    k = tl.load(mrow + KD + kh * DK + rk, mask=mk, other=0.0)
+    prow = Proj + b * stride_p
+    if CONV:  # q and k through the conv here; their new state stored by the last of the programs reading them
+        qc = kh * DK + rk
+        q, nq = _conv_read(tl.load(prow + qc, mask=mk, other=0.0).to(tl.float32), qc, mk, CW, CS, page, cs_page,
+                           KM1)  # fmt: skip
+        k, nk = _conv_read(tl.load(prow + KD + qc, mask=mk, other=0.0).to(tl.float32), KD + qc, mk, CW, CS, page,
+                           cs_page, KM1)  # fmt: skip
+        key = b * (HV // R) + kh
+        tl.debug_barrier()  # every thread's reads of the q and k state rows done before the arrival
+        if tl.atomic_add(KCtr + key, 1, sem="acq_rel") == R * SPLIT - 1:
+            _conv_write(nq, qc, mk, CS, out_page, cs_page, KM1)
+            _conv_write(nk, KD + qc, mk, CS, out_page, cs_page, KM1)
+            tl.atomic_xchg(KCtr + key, 0)
+    else:
+        q = tl.load(mrow + kh * DK + rk, mask=mk, other=0.0)
+        k = tl.load(mrow + KD + kh * DK + rk, mask=mk, other=0.0)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    prow = Proj + b * stride_p
     beta = tl.sigmoid(tl.load(prow + b_off + h).to(tl.float32))
     a = tl.load(prow + a_off + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
@@ -515,7 +549,13 @@ def _gated_delta_step_kernel(
     for vb in tl.static_range(NV):
         rv = c0 + vb * BV + tl.arange(0, BV)
         mv = rv < DV
-        v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
+        if CONV:  # this program's own channels: read, then stored
+            vc = 2 * KD + h * DV + rv
+            v, nv = _conv_read(tl.load(prow + vc, mask=mv, other=0.0).to(tl.float32), vc, mv, CW, CS, page, cs_page,
+                               KM1)  # fmt: skip
+            _conv_write(nv, vc, mv, CS, out_page, cs_page, KM1)
+        else:
+            v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
         tile = h * s_head + rk[:, None] * s_k + rv[None, :]
         m2 = mk[:, None] & mv[None, :]
         if (PRELOAD or AHEAD) and vb == 0:
@@ -632,7 +672,7 @@ def gated_delta_step(
     mixed: torch.Tensor, proj: torch.Tensor, a_log, dt_bias, norm_w, state: torch.Tensor, pages: torch.Tensor,
     num_key_heads: int, eps: float, out: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
     out_pages: torch.Tensor | None = None, preload: bool = False, ahead: bool = False, split: int = 1,
-    counters: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, conv: tuple | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The rest of a linear-attention layer's decode step after the conv, in one launch: L2 norms of q and k
     (q scaled by DK^-1/2), the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), the delta-rule
@@ -647,8 +687,11 @@ def gated_delta_step(
     with the first (two reads in flight per program, twice the registers). split: programs per head, each with
     an equal share of the blocks (more programs at a small batch; the last of a head's programs applies the norm,
     which needs `counters`: at least B * HV int32 zeros, left at zero, that no other launch uses at the same time).
+    conv (weight [C, K], conv_state [pages, C, K-1] as for `conv_step`, C = mixed's width): the conv step in this
+    launch, read from proj's first C columns and its state updated at the same pages; mixed is then not read (may
+    be None), and `counters` needs B * (HV + num_key_heads) entries (the key heads' after B * HV).
     Returns [B, HV * DV] in proj's dtype."""
-    B = mixed.shape[0]
+    B = proj.shape[0]
     HV, DK, DV = state.shape[1:]
     KD = num_key_heads * DK
     z_off = 2 * KD + HV * DV
@@ -665,12 +708,27 @@ def gated_delta_step(
             raise ValueError(f"split {split}: needs {blocks} blocks of {bv} in equal shares and B * HV counters")
         part = torch.empty(B * HV * split, dtype=torch.float32, device=state.device)
     else:
-        part = counters = out  # not read
+        part = out  # not read
+    km1, cs_page = 1, 0
+    if conv is not None:
+        cw, cs = conv
+        C, K = cw.shape
+        if C != z_off or cs.shape[1:] != (C, K - 1) or cs.stride(2) != 1 or cs.stride(1) != K - 1 or K & (K - 1):
+            raise ValueError(f"conv: weight {tuple(cw.shape)} and state {tuple(cs.shape)} for {z_off} channels")
+        if counters is None or counters.numel() < B * (HV + num_key_heads):
+            raise ValueError("conv: needs B * (HV + num_key_heads) counters")
+        km1, cs_page, kctr = K - 1, cs.stride(0), counters[B * HV :]
+        mixed = proj  # not read
+    else:
+        cw = cs = kctr = out  # not read
+    if counters is None:
+        counters = out  # not read
     _gated_delta_step_kernel[(B, HV, split)](
         mixed, proj, a_log, dt_bias, norm_w, out, state, pages, pages if out_pages is None else out_pages, part,
-        counters,
+        counters, cw, cs, kctr,
         mixed.stride(0), proj.stride(0), out.stride(0), sp, sh, sk, z_off, z_off + HV * DV, z_off + HV * DV + HV, eps,
-        DK**-0.5, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=blocks // split,
-        PRELOAD=preload, AHEAD=ahead and blocks // split > 1, SPLIT=split, num_warps=num_warps, **launch(mixed),
+        DK**-0.5, cs_page, HV=HV, R=HV // num_key_heads, KD=KD, DK=DK, DV=DV, BK=bk, BV=bv, NV=blocks // split,
+        PRELOAD=preload, AHEAD=ahead and blocks // split > 1, SPLIT=split, CONV=conv is not None, KM1=km1,
+        num_warps=num_warps, **launch(proj),
     )  # fmt: skip
     return out

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         return 2
     from backends.common.engine.runner import ModelRunner
     from backends.common.model.batch import Span
-    from kernels import linear
+    from kernels import delta_rule, delta_tune, linear
 
     rows: list[dict] = []
     lines = [f"# Hybrid models on {torch.cuda.get_device_name()} (bfloat16, random weights)", ""]
@@ -305,10 +305,28 @@ def main(argv=None) -> int:
             fused = {n: "+".join(k for k in flags if c.get(k)) for (n, b), c in sorted(choice.items()) if b == bs}
             print(f"{name}, graph of {bs}: skinny_linear for " + ", ".join(f"{n} ({f or 'plain'})" for n, f in
                                                                             fused.items()), flush=True)  # fmt: skip
-        cache = linear.tune_cache()
-        if cache.path is not None:  # picks from an earlier process were timed there, not in this run
-            print(f"{name}: tuning cache {cache.path}: {cache.hits} picks taken from it, {cache.misses} timed here",
-                  flush=True)  # fmt: skip
+        delta_choice = getattr(runner.model, "delta_choice", {})
+        delta_times = getattr(runner.model, "delta_times", {})
+        rows.append(
+            dict(
+                model=name,
+                delta_choice={str(bs): c for bs, c in sorted(delta_choice.items())},
+                delta_times={str(bs): t for bs, t in sorted(delta_times.items()) if bs in a.batches},
+            )
+        )
+        for bs, t in sorted(delta_times.items()):  # the pick against step_settings' block, per layer
+            if bs in a.batches:
+                pick = delta_choice.get(bs)
+                default = t.get(str(dict(block_v=delta_rule.step_settings(bs)["block_v"])))
+                took = t.get(str(pick)) if pick is not None else None
+                print(f"{name}, graph of {bs}: delta step {pick or 'defaults'}"
+                      + (f" {took * 1e6:.1f} us" if isinstance(took, float) else "")
+                      + (f" (defaults {default * 1e6:.1f} us)" if isinstance(default, float) else ""),
+                      flush=True)  # fmt: skip
+        for cache in (linear.tune_cache(), delta_tune.step_tune_cache()):
+            if cache.path is not None:  # picks from an earlier process were timed there, not in this run
+                print(f"{name}: tuning cache {cache.path}: {cache.hits} picks taken from it, {cache.misses} timed "
+                      "here", flush=True)  # fmt: skip
         lines.append(
             f"| ({name}: weights read per step {w_bytes / 1e9:.2f} GB at batch {B}, "
             f"state page {state_page / 2**20:.1f} MiB, "

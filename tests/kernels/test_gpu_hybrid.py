@@ -24,6 +24,7 @@ from backends.common.model.gpu_hybrid import GpuHybrid, supports  # noqa: E402
 from backends.common.model.hybrid_model import HybridModel, gated_rms_norm, offset_rms_norm, rotate_half  # noqa: E402
 from backends.common.model.kv_store import KVStore, StateStore  # noqa: E402
 from kernels import delta_rule as kd  # noqa: E402
+from kernels import delta_tune as dt  # noqa: E402
 from kernels import norm, rope  # noqa: E402
 
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -137,6 +138,121 @@ def test_gated_delta_step_equals_reference(HK, HV, DK, DV, block_v, preload, ahe
         with pytest.raises(ValueError, match="counters"):
             kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, block_v=block_v,
                                 split=split)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "HK,HV,DK,DV,block_v,preload,ahead,split,in_place",
+    [(2, 4, 16, 16, 64, False, False, 1, True), (1, 2, 16, 64, 16, True, True, 1, True),
+     (1, 2, 16, 64, 16, True, False, 2, True), (2, 2, 16, 32, 16, False, False, 1, False),
+     (1, 2, 16, 64, 16, False, True, 2, False)]
+    + ([(16, 32, 128, 128, 128, True, False, 1, True), (16, 32, 128, 128, 64, True, True, 1, True),
+        (16, 32, 128, 128, 64, True, False, 2, True), (16, 32, 128, 128, 64, False, False, 1, False)]
+       if DEVICE == "cuda" else []),
+)  # fmt: skip
+def test_gated_delta_step_with_its_conv_gives_conv_step_then_the_step(
+    HK, HV, DK, DV, block_v, preload, ahead, split, in_place
+):
+    """The conv step in the delta step's launch (conv=...) gives the bits of conv_step's launch and then the step
+    on its output: the same output, state pages and conv state, whether the pages are updated in place or written
+    elsewhere, with a key head's q and k read by R value heads and their blocks shared among `split` programs (the
+    last to arrive stores their conv state); every counter left at zero, so a second launch gives the same again."""
+    g = gen(7)
+    B, eps, K = 3, 1e-6, 4
+    kdim, vdim = HK * DK, HV * DV
+    C = 2 * kdim + vdim
+    proj = rnd(B, C + vdim + 2 * HV, g=g).to(DTYPE)
+    cw = rnd(C, K, g=g).to(DTYPE)
+    a_log, dt_bias = rnd(HV, g=g, scale=0.5), rnd(HV, g=g)
+    norm_w = (1 + rnd(DV, g=g, scale=0.1)).to(DTYPE)
+    ssm = rnd(7, HV, DK, DV, g=g, scale=0.1)
+    cbuf = rnd(7, 2 + C * (K - 1), g=g)
+    cs = cbuf[:, 2:].view(7, C, K - 1)
+    pages = torch.tensor([5, 1, 3], dtype=torch.int32, device=DEVICE)
+    out_pages = pages if in_place else torch.tensor([0, 6, 2], dtype=torch.int32, device=DEVICE)
+    before = (ssm.clone(), cbuf.clone())
+    settings = dict(block_v=block_v, preload=preload, ahead=ahead, split=split, out_pages=out_pages)
+    counters = torch.zeros(B * (HV + HK), dtype=torch.int32, device=DEVICE)
+    mixed = kd.conv_step(proj, cw, cs, pages, out_pages=out_pages)
+    ref = kd.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, counters=counters, **settings)
+    want = (ref, ssm.clone(), cbuf.clone())
+    for _ in range(2):
+        ssm.copy_(before[0])
+        cbuf.copy_(before[1])
+        out = kd.gated_delta_step(None, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, counters=counters,
+                                  conv=(cw, cs), **settings)  # fmt: skip
+        for got, exp in zip((out, ssm, cbuf), want):
+            assert torch.equal(got, exp)
+        assert int(counters.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="counters"):
+        kd.gated_delta_step(None, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, counters=counters[: B * HV],
+                            conv=(cw, cs), **settings)  # fmt: skip
+    with pytest.raises(ValueError, match="channels"):
+        kd.gated_delta_step(None, proj, a_log, dt_bias, norm_w, ssm, pages, HK, eps, counters=counters,
+                            conv=(cw[1:], cs[:, 1:]), **settings)  # fmt: skip
+
+
+def test_step_candidates_split_only_few_programs_and_fit_the_head():
+    """Heads shared among programs only while there are fewer than 4 programs per SM; a setting whose blocks do
+    not divide the head among its programs, or that has one block to read ahead, is left out."""
+    many = dt.step_candidates(32, 32, 128, sms=132)
+    few = dt.step_candidates(1, 32, 128, sms=132)
+    assert not any(s.get("split") for s in many) and len(many) == len(dt.STEP_CANDIDATES)
+    assert [s for s in few if s.get("split")] == dt.SPLIT_STEP_CANDIDATES
+    small = dt.step_candidates(1, 2, 32, sms=132)  # 32 value dims: one block of 64 or 128, two of 32 at most
+    assert dict(block_v=64, ahead=True) not in small and dict(block_v=32, split=4) not in small
+    assert dict(block_v=128) in small and dict(block_v=32, ahead=True) not in small
+    assert dict(block_v=32, ahead=True, split=2) not in small
+
+
+TINY_STEP = (1, 2, 16, 64, 2 * 16 + 2 * 64, 4)  # key heads, value heads, key dim, value dim, conv channels, taps
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_tune_step_checks_its_pick_and_keeps_it(monkeypatch, separate):
+    """tune_step's candidates (timed by kernels.linear.fastest: here a stand-in that takes the last one, since
+    CUDA graphs need a GPU) include the conv in the step's launch only where the conv is a launch of its own; the
+    pick is run against conv_step and the step at its defaults on the same state and kept in the cache, so a
+    second call times nothing; a pick that gives other outputs is dropped for the defaults, with the reason."""
+    from kernels import linear
+
+    seen = []
+
+    def last(settings, run, per, best, best_t, times):
+        seen.append(list(settings))
+        run(settings[-1])  # the timed body runs
+        return settings[-1], dict(times, **{str(s): 1e-6 for s in settings})
+
+    monkeypatch.setattr(linear, "fastest", last)
+    choice, times = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE, separate_conv=separate)
+    assert len(seen) == 1 and any(s.get("conv") for s in seen[0]) == separate
+    assert choice == seen[0][-1] and choice.get("conv", False) == separate and all(isinstance(t, float)
+                                                                                  for t in times.values())  # fmt: skip
+    again, _ = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE, separate_conv=separate)
+    assert again == choice and len(seen) == 1 and dt.step_tune_cache().hits == 1
+    real = kd.gated_delta_step
+
+    def off_by_one(*args, **kw):
+        out = real(*args, **kw)
+        if kw.get("block_v") == choice["block_v"] and kw.get("split", 1) == choice.get("split", 1):
+            out += 1
+        return out
+
+    monkeypatch.setattr(kd, "gated_delta_step", off_by_one)
+    wrong, times = dt.tune_step(TINY_STEP, 2, 3, DTYPE, DEVICE, separate_conv=separate)
+    assert wrong is None and times[str(seen[-1][-1])].startswith("wrong output")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs time the candidates")
+@pytest.mark.parametrize("rows", [1, 32])
+def test_tune_step_times_every_candidate_on_the_gpu(rows):
+    """On a GPU, Qwen3-Next's linear-attention shape: every candidate (the conv in the step's launch or not, heads
+    shared among programs at one row) compiles, runs in a CUDA graph and gets a time; the pick passes its check."""
+    shape = (16, 32, 128, 128, 2 * 16 * 128 + 32 * 128, 4)
+    choice, times = dt.tune_step(shape, rows, 4, torch.bfloat16, DEVICE)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    candidates = dt.step_candidates(rows, 32, 128, sms)
+    assert len(times) == 2 * len(candidates) and all(isinstance(t, float) for t in times.values()), times
+    assert choice is not None and times[str(choice)] == min(times.values())
 
 
 @pytest.mark.parametrize("H,HKV,D,R", [(4, 2, 32, 8)] + ([(16, 2, 256, 64)] if DEVICE == "cuda" else []))
@@ -371,16 +487,32 @@ def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False):
     return choice
 
 
+# tuned gated delta step settings (GpuHybrid.delta_choice) for the tiny shapes' heads of 16 value dims: the conv
+# step in the step's launch, a head's two blocks of 8 shared by two programs (graph of 1) or read together (2)
+CONV_IN_DELTA = {1: dict(block_v=8, split=2, conv=True), 2: dict(block_v=8, ahead=True, conv=True),
+                 4: dict(block_v=16, conv=True)}  # fmt: skip
+
+
 @WHOLE_MODEL
 @pytest.mark.parametrize(
-    "cfg,rows_fused", [(DENSE_TINY, False), (MOE_FOLDED, False), (DENSE_TINY, True)], ids=["dense", "moe", "rows"]
+    "cfg,rows_fused,delta",
+    [(DENSE_TINY, False, None), (MOE_FOLDED, False, None), (DENSE_TINY, True, None), (DENSE_TINY, False, "conv")],
+    ids=["dense", "moe", "rows", "conv-in-delta"],
 )
-def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused):
+def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused, delta, monkeypatch):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
     sigmoid gate and silu fused; with rows_fused the norms, the conv step and gate_up's glu too) with every
     projection on skinny_linear (an MoE layer's router too): logits and state pages equal the PyTorch model's, and
-    the residual stream the fused norms write comes out as the unfused path's."""
-    r, gpu = build(cfg, linear_choice=fused_prologues(rows_fused=rows_fused))
+    the residual stream the fused norms write comes out as the unfused path's. conv-in-delta: the projections on
+    cuBLAS and the conv step in the delta step's launch (`CONV_IN_DELTA`), as tuning can choose."""
+    r, gpu = build(cfg, linear_choice=None if delta else fused_prologues(rows_fused=rows_fused))
+    fused_convs = []
+    if delta:
+        gpu.delta_choice = dict(CONV_IN_DELTA)
+        delta_step = kd.gated_delta_step
+        monkeypatch.setattr(
+            kd, "gated_delta_step", lambda *a, **kw: fused_convs.append(kw.get("conv")) or delta_step(*a, **kw)
+        )
     seqs = Seqs(cfg, [17, 6, 31], [2, 5, 8], gen(9))
     pages = seqs.pages
     spans = seqs.prefill()
@@ -389,6 +521,8 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
         dec = seqs.step([0] if step % 2 == 0 else [0, 1, 2])
         torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
     assert gpu.stats["graph_steps"] == 4
+    linear_layers = sum(not L["full"] for L in gpu.layers)
+    assert sum(c is not None for c in fused_convs) == (4 * linear_layers if delta else 0)
     if DTYPE == torch.float32:
         torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)
     else:
@@ -472,14 +606,18 @@ def test_folded_shared_expert_is_held_once():
 
 
 @WHOLE_MODEL
-def test_verify_and_mtp_graphs_equal_the_pytorch_model():
+@pytest.mark.parametrize("delta", [None, "tuned"])
+def test_verify_and_mtp_graphs_equal_the_pytorch_model(delta):
     """Speculative steps in graphs (GpuHybrid.capture_speculative): two sequences verify an input token and a
     draft, one has no draft (a padding column). Logits of every verified row, the MTP head's logits over the
     tokens after them, K/V (the MTP layer's included), the request pages (state after the draft, or after the
     input) and the save pages (state after the input: the rollback point) equal the PyTorch model's eager
-    speculative pass; a rejected draft rolled back from its save page continues exactly."""
+    speculative pass; a rejected draft rolled back from its save page continues exactly. tuned: the delta step
+    at tuned settings (`CONV_IN_DELTA`, whose conv stays a launch of its own in verification graphs)."""
     cfg = DENSE_TINY
     r, gpu = build(cfg)
+    if delta:
+        gpu.delta_choice = dict(CONV_IN_DELTA)
     model, kv_ref, st_ref = r
     gpu.capture_speculative(mtp=True)
     assert sorted(gpu.verify_graphs) == sorted(gpu.mtp_graphs) == [1, 2, 4]

@@ -185,6 +185,9 @@ class DecodeGraphs:
         """{projection name: its weight in every layer} for `_tune_linear` (subclasses)."""
         return {}
 
+    def _tune_kernels(self, sizes: list[int]) -> None:
+        """After `_tune_linear`, where it runs: the choices of a subclass's other kernels for each graph size."""
+
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
         """One CUDA graph per batch size. Off CUDA (Triton's interpreter in tests) each "graph" runs the same body
@@ -226,6 +229,7 @@ class DecodeGraphs:
             # deterministic mode times its tiles for every size (no choice changes the bits)
             tuned = sizes if self.deterministic else [b for b in sizes if b <= self.k_lin.TUNE_ROWS]
             self._tune_linear(tuned)
+            self._tune_kernels([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
         pool = self._graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

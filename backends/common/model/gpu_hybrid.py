@@ -18,6 +18,9 @@ padding rows use a scratch KV slot and a scratch state page that no request owns
 
 from __future__ import annotations
 
+import sys
+import time
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -75,11 +78,12 @@ class GpuHybrid(DecodeGraphs):
     ):
         """eager: the model whose weights (fused) this shares; scratch_slot: a KV slot and pad_page: a state page
         outside the scheduler's, for padding rows. linear_choice: as for GpuLlama."""
-        from kernels import act, attention, delta_rule, linear, norm, rope
+        from kernels import act, attention, delta_rule, delta_tune, linear, norm, rope
 
         self.k_attn, self.k_norm, self.k_rope, self.k_act, self.k_lin, self.k_dr = (
             attention, norm, rope, act, linear, delta_rule,
         )  # fmt: skip
+        self.k_dt = delta_tune
         cfg = eager.cfg
         if not supports(cfg):
             raise ValueError("GpuHybrid: attention biases and non-power-of-two head dims run eagerly")
@@ -120,10 +124,16 @@ class GpuHybrid(DecodeGraphs):
         self.cos, self.sin = rope.rope_cache(eager.inv_freq, self.max_ctx, self.device)
         # two query rows per sequence in a speculative verification graph
         self.attn_counters = torch.zeros(2 * max_batch * cfg.num_kv_heads, dtype=torch.int32, device=self.device)
-        # the delta step's arrival counters where a head's blocks are shared among programs (`step_settings`)
+        # the delta step's arrival counters: per value head where a head's blocks are shared among programs, then per
+        # key head where the step does the conv (`_tune_kernels`)
         self.delta_counters = torch.zeros(
-            2 * max_batch * cfg.linear_num_value_heads, dtype=torch.int32, device=self.device
+            2 * max_batch * (cfg.linear_num_value_heads + cfg.linear_num_key_heads),
+            dtype=torch.int32,
+            device=self.device,
         )
+        # graph size -> gated_delta_step settings timed fastest here (`_tune_kernels`; absent: step_settings)
+        self.delta_choice: dict[int, dict] = {}
+        self.delta_times: dict[int, dict] = {}
         self.verify_graphs: dict[int, object] = {}
         self.mtp_graphs: dict[int, object] = {}
         if self.has_mtp:
@@ -232,6 +242,17 @@ class GpuHybrid(DecodeGraphs):
         conv, ssm = self.state.conv(j), self.state.ssm(j)
         parts = [slice(0, n)] if halves is None else [slice(0, halves), slice(halves, n)]
         writes = [None] * len(parts) if halves is None else [inp[6, p] for p in parts]
+        tuned = dict(self.delta_choice.get(n if halves is None else halves) or {})
+        core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=L["out"].dtype,
+                           device=self.device)  # fmt: skip
+        if tuned.pop("conv", False) and halves is None:  # the conv step in the delta step's launch
+            proj = lin(x, L, "in_proj")
+            self.k_dr.gated_delta_step(
+                None, proj, L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5], cfg.linear_num_key_heads,
+                cfg.rms_norm_eps, out=core, counters=self.delta_counters, conv=(L["conv"], conv), preload=True,
+                **tuned,
+            )  # fmt: skip
+            return lin(core, L, "out")
         mixed = torch.empty(n, cfg.conv_dim, dtype=torch.float32, device=self.device)
         if halves is None:  # the conv step in the projection's launch where the choice says conv
             proj = lin(x, L, "in_proj", conv=(L["conv"], conv, inp[5], inp[5], mixed))  # [n, conv_dim | z | b | a]
@@ -239,13 +260,11 @@ class GpuHybrid(DecodeGraphs):
             proj = lin(x, L, "in_proj")
             for p, w in zip(parts, writes):
                 self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
-        core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=proj.dtype,
-                           device=self.device)  # fmt: skip
         for i, (p, w) in enumerate(zip(parts, writes)):  # the drafts' rows read what the launch before wrote
+            settings = dict(tuned, preload=i == 0) if tuned else self.k_dr.step_settings(p.stop - p.start, i == 0)
             self.k_dr.gated_delta_step(
                 mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core[p], out_pages=w, counters=self.delta_counters,
-                **self.k_dr.step_settings(p.stop - p.start, preload=i == 0),
+                cfg.rms_norm_eps, out=core[p], out_pages=w, counters=self.delta_counters, **settings,
             )  # fmt: skip
         return lin(core, L, "out")
 
@@ -434,6 +453,37 @@ class GpuHybrid(DecodeGraphs):
         self.mtp_tokens[:R].copy_(self._argmax(R, self._spec_padded))
 
     # ----- capture -----
+    def _tune_kernels(self, sizes: list[int]) -> None:
+        """For each graph size, the gated delta step's settings that ran fastest here (kernels.delta_tune.tune_step):
+        with the conv step in the delta step's launch as a candidate where in_proj's choice leaves it to a launch
+        of its own. Kept in `delta_choice` (the plain decode graphs take the pick, the verification graphs its
+        settings without the conv); a size whose tuning fails (out of memory for the state copies) keeps
+        `step_settings`, with one warning. One progress line on stderr."""
+        cfg = self.cfg
+        shape = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                 cfg.linear_value_head_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim)  # fmt: skip
+        layers = sum(not L["full"] for L in self.layers)
+        if not layers:
+            return
+        cache = self.k_dt.step_tune_cache()
+        hits, t0 = cache.hits, time.perf_counter()
+        dtype = next(L["out"].dtype for L in self.layers if not L["full"])
+        for bs in sizes:
+            separate = not (self.linear_choice.get(("in_proj", bs)) or {}).get("conv")
+            try:
+                choice, self.delta_times[bs] = self.k_dt.tune_step(shape, bs, layers, dtype, self.device, separate)
+            except torch.cuda.OutOfMemoryError as e:
+                print(f"[triton-pd] decode graphs: delta step not tuned for {bs} rows ({e!r:.120}): defaults",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                torch.cuda.empty_cache()
+                continue
+            if choice is not None:
+                self.delta_choice[bs] = choice
+        took = time.perf_counter() - t0
+        cached = f", {cache.hits - hits} of them from {cache.path}" if cache.path else ""
+        print(f"[triton-pd] decode graphs: delta step tuned for {len(sizes)} sizes ({took:.0f} s{cached})",
+              file=sys.stderr, flush=True)  # fmt: skip
+
     def _tune_groups(self) -> dict[str, list[torch.Tensor]]:
         full = [L for L in self.layers if L["full"]]
         lin = [L for L in self.layers if not L["full"]]

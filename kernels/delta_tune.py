@@ -1,0 +1,130 @@
+"""The gated delta step's settings per decode graph size, timed at capture (`tune_step`), as kernels.linear.tune
+times the projections: value dims per state block, the second block read with the first, a head shared among
+programs at a few sequences, and the conv step in the step's own launch
+(kernels.delta_rule.gated_delta_step(conv=...)) where the projection before leaves it to a launch of its own."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels import delta_rule, linear, pdl
+
+# `tune_step`'s candidates (value dims per block, the second block read with the first), from perf/hybrid_sweep.py on an
+# H200 (perf/results/preload_h200/): 4 warps won everywhere, blocks of 16 value dims nowhere; a head shared among
+# programs (split) only while the programs are fewer than 4 per SM
+STEP_CANDIDATES = [dict(block_v=128), dict(block_v=64), dict(block_v=64, ahead=True), dict(block_v=32, ahead=True)]
+SPLIT_STEP_CANDIDATES = [dict(block_v=64, split=2), dict(block_v=32, split=4), dict(block_v=32, ahead=True, split=2)]
+TUNE_STATE_BYTES = 128 << 20  # tune_step's state copies: at least two, and enough to pass through L2
+
+
+def step_candidates(batch: int, value_heads: int, dv: int, sms: int) -> list[dict]:
+    """`tune_step`'s settings for a batch: STEP_CANDIDATES, and SPLIT_STEP_CANDIDATES where batch * value_heads
+    programs are fewer than 4 per SM, each where its blocks divide the head (dv value dims) as it needs."""
+    out = list(STEP_CANDIDATES) + (list(SPLIT_STEP_CANDIDATES) if batch * value_heads < 4 * sms else [])
+    keep = []
+    for s in out:
+        blocks = triton.cdiv(dv, min(triton.next_power_of_2(dv), s["block_v"]))
+        if blocks % s.get("split", 1) == 0 and (not s.get("ahead") or blocks // s.get("split", 1) > 1):
+            keep.append(s)
+    return keep
+
+
+def _step_code() -> str:
+    """The hash of this module's, kernels.delta_rule's and kernels.pdl's source: the version of the kernels and
+    candidates `tune_step` times."""
+    code = hashlib.sha256()
+    for module in (__file__, delta_rule.__file__, pdl.__file__):
+        code.update(Path(module).read_bytes())
+    return code.hexdigest()[:16]
+
+
+_STEP_CACHE = None
+
+
+def step_tune_cache():
+    """`tune_step`'s picks: a kernels.linear.TuneCache in delta-tune.json beside the projections' file (the folder
+    of TRITON_PD_TUNE_CACHE, or triton-pd's cache folder; none where that is "off"), for this code (`_step_code`)."""
+    global _STEP_CACHE
+    if _STEP_CACHE is None:
+        where = linear.TuneCache.default_path()
+        _STEP_CACHE = linear.TuneCache(None if where is None else where.with_name("delta-tune.json"), _step_code())
+    return _STEP_CACHE
+
+
+def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int, dtype, device,
+              separate_conv: bool = True, preload: bool = True) -> tuple[dict | None, dict]:  # fmt: skip
+    """The fastest `gated_delta_step` settings for a decode graph of `rows` sequences, with the conv step either in
+    its own launch before it (`conv_step`) or, where separate_conv, also in the step's launch (flag conv). shape:
+    (key heads, value heads, key dim, value dim, conv channels, conv taps). Each candidate (`step_candidates`) is
+    timed as a CUDA graph of `layers` launches, as a decode graph runs them, on state copies of their own (at
+    least two, so that a preloading launch never reads what the launch before writes, and together past L2), with
+    the conv_step launch before each where the conv is separate. Without separate_conv (the projection's launch
+    does the conv) only the step is timed. The pick is checked against conv_step and the step at `step_settings`
+    (output within bf16 rounding, state and conv state within float32 rounding) and dropped for None (the
+    defaults) if it differs. Returns (settings for gated_delta_step beyond `preload`, or None for `step_settings`;
+    {description: seconds per layer, or the error of a setting that did not run or was wrong}). Picks are kept
+    in `step_tune_cache`."""
+    HK, HV, DK, DV, C, K = shape
+    dev = torch.device(device)
+    cache = step_tune_cache()
+    cuda = dev.type == "cuda"
+    gpu = torch.cuda.get_device_name(dev) if cuda else dev.type
+    key = json.dumps([gpu, torch.__version__, triton.__version__, str(dtype), list(shape), rows, layers,
+                      separate_conv, preload])  # fmt: skip
+    cached = cache.get(key)
+    page = HV * DK * DV + C * (K - 1)
+    copies = max(2, min(layers, -(-TUNE_STATE_BYTES // (rows * page * 4))))
+    g = torch.Generator(device=dev).manual_seed(0)
+    proj = torch.randn(rows, C + HV * DV + 2 * HV, device=dev, generator=g).to(dtype)
+    cw = torch.randn(C, K, device=dev, generator=g).to(dtype)
+    a_log, dt_bias = torch.rand(HV, device=dev, generator=g).log(), torch.zeros(HV, device=dev)
+    norm_w = torch.ones(DV, device=dev, dtype=dtype)
+    bufs = [torch.randn(rows, page, device=dev, generator=g) * 0.05 for _ in range(copies)]
+    ssms = [b[:, : HV * DK * DV].view(rows, HV, DK, DV) for b in bufs]
+    convs = [b[:, HV * DK * DV :].view(rows, C, K - 1) for b in bufs]
+    pages = torch.arange(rows, dtype=torch.int32, device=dev)
+    mixed = torch.randn(rows, C, device=dev, generator=g)  # the conv's output where the projection's launch did it
+    out = torch.empty(rows, HV * DV, device=dev, dtype=dtype)
+    counters = torch.zeros(rows * (HV + HK), dtype=torch.int32, device=dev)
+
+    def step(s: dict | None, j: int) -> torch.Tensor:
+        s = dict(block_v=delta_rule.step_settings(rows)["block_v"]) if s is None else dict(s)
+        if s.pop("conv", False):
+            return delta_rule.gated_delta_step(None, proj, a_log, dt_bias, norm_w, ssms[j], pages, HK, 1e-6, out=out,
+                                               preload=preload, counters=counters, conv=(cw, convs[j]),
+                                               **s)  # fmt: skip
+        if separate_conv:
+            delta_rule.conv_step(proj, cw, convs[j], pages, out=mixed)
+        return delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssms[j], pages, HK, 1e-6, out=out,
+                                           preload=preload, counters=counters, **s)  # fmt: skip
+
+    if cached is not None:
+        best, times = cached["choice"], dict(cached["times"])
+    else:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
+        settings = step_candidates(rows, HV, DV, sms)
+        settings += [dict(s, conv=True) for s in settings] if separate_conv else []
+        times: dict = {}
+        best, times = linear.fastest(settings, lambda s: [step(s, j % copies) for j in range(layers)], layers,
+                                     None, float("inf"), times)  # fmt: skip
+    if best is not None:  # the pick gives what the defaults give, from the same state
+        got, want = [], []
+        for s, into in ((None, want), (best, got)):
+            bufs[0].copy_(bufs[1])
+            y = step(s, 0).clone().float()  # out is one buffer for both
+            into += [y, ssms[0].clone(), convs[0].clone()]
+        bound = [0.02 * want[0].abs().max().item() + 1e-3, 1e-4 * want[1].abs().max().item() + 1e-6, 1e-6]
+        for what, a, b, tol in zip(("output", "state", "conv state"), got, want, bound):
+            err = (a - b).abs().max().item()
+            if not err <= tol:
+                times[str(best)] = f"wrong {what}: max error {err:.3g} (allowed {tol:.3g})"
+                best = None
+                break
+    if cached is None or best != cached["choice"]:
+        cache.put(key, best, times)
+    return best, times
