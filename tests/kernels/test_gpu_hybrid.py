@@ -448,7 +448,8 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
     for lp in (False, None) if DTYPE != torch.float32 else (None,):
         r, gpu = build(cfg, low_precision_scan=lp)
         assert gpu.eager.low_precision_scan == (lp is None and DTYPE != torch.float32)
-        seqs = Seqs(cfg, [300, 77], [2, 5], gen(13))
+        # prompts of several chunks (64 tokens); shorter in the CPU interpreter, whose steps take seconds
+        seqs = Seqs(cfg, [300, 77] if DEVICE == "cuda" else [100, 30], [2, 5], gen(13))
         spans = seqs.prefill()
         e = [rel_err(gpu.forward(spans), ref_forward(r, spans))]
         for _ in range(2):
@@ -606,18 +607,17 @@ def test_folded_shared_expert_is_held_once():
 
 
 @WHOLE_MODEL
-@pytest.mark.parametrize("delta", [None, "tuned"])
-def test_verify_and_mtp_graphs_equal_the_pytorch_model(delta):
+def test_verify_and_mtp_graphs_equal_the_pytorch_model():
     """Speculative steps in graphs (GpuHybrid.capture_speculative): two sequences verify an input token and a
     draft, one has no draft (a padding column). Logits of every verified row, the MTP head's logits over the
     tokens after them, K/V (the MTP layer's included), the request pages (state after the draft, or after the
     input) and the save pages (state after the input: the rollback point) equal the PyTorch model's eager
-    speculative pass; a rejected draft rolled back from its save page continues exactly. tuned: the delta step
-    at tuned settings (`CONV_IN_DELTA`, whose conv stays a launch of its own in verification graphs)."""
+    speculative pass; a rejected draft rolled back from its save page continues exactly. The delta step at
+    tuned settings (`CONV_IN_DELTA`, whose conv stays a launch of its own in verification graphs; the defaults
+    run there in tests/hybrid/test_speculative.py's graph cases)."""
     cfg = DENSE_TINY
     r, gpu = build(cfg)
-    if delta:
-        gpu.delta_choice = dict(CONV_IN_DELTA)
+    gpu.delta_choice = dict(CONV_IN_DELTA)
     model, kv_ref, st_ref = r
     gpu.capture_speculative(mtp=True)
     assert sorted(gpu.verify_graphs) == sorted(gpu.mtp_graphs) == [1, 2, 4]
