@@ -57,25 +57,27 @@ def step_tune_cache():
 
 
 def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int, dtype, device,
-              separate_conv: bool = True, preload: bool = True) -> tuple[dict | None, dict]:  # fmt: skip
-    """The fastest `gated_delta_step` settings for a decode graph of `rows` sequences, with the conv step either in
-    its own launch before it (`conv_step`) or, where separate_conv, also in the step's launch (flag conv). shape:
-    (key heads, value heads, key dim, value dim, conv channels, conv taps). Each candidate (`step_candidates`) is
-    timed as a CUDA graph of `layers` launches, as a decode graph runs them, on state copies of their own (at
-    least two, so that a preloading launch never reads what the launch before writes, and together past L2), with
-    the conv_step launch before each where the conv is separate. Without separate_conv (the projection's launch
-    does the conv) only the step is timed. The pick is checked against conv_step and the step at `step_settings`
-    (output within bf16 rounding, state and conv state within float32 rounding) and dropped for None (the
-    defaults) if it differs. Returns (settings for gated_delta_step beyond `preload`, or None for `step_settings`;
-    {description: seconds per layer, or the error of a setting that did not run or was wrong}). Picks are kept
-    in `step_tune_cache`."""
+              conv_launch: bool = True, conv_saving: float = 0.0,
+              preload: bool = True) -> tuple[dict | None, dict]:  # fmt: skip
+    """The fastest `gated_delta_step` settings for a decode graph of `rows` sequences: each candidate
+    (`step_candidates`) with the conv step before it, and again with the conv step in the step's own launch (flag
+    conv). conv_launch: the conv step before it is a `conv_step` launch, timed with it; else the projection's
+    launch does it (not timed here), and the conv candidates win only by more than conv_saving (seconds per layer
+    that the projection saves without it). shape: (key heads, value heads, key dim, value dim, conv channels, conv
+    taps). Each candidate is timed as a CUDA graph of `layers` launches, as a decode graph runs them, on state
+    copies of their own (at least two, so that a preloading launch never reads what the launch before writes, and
+    together past L2). The pick is checked against conv_step and the step at `step_settings` (output within bf16
+    rounding, state and conv state within float32 rounding) and dropped for None (the defaults) if it differs.
+    Returns (settings for gated_delta_step beyond `preload`, or None for `step_settings`; {description: seconds
+    per layer, or the error of a setting that did not run or was wrong}). The times are kept in `step_tune_cache`
+    (the pick is made again from them, with this call's conv_saving, and checked again)."""
     HK, HV, DK, DV, C, K = shape
     dev = torch.device(device)
     cache = step_tune_cache()
     cuda = dev.type == "cuda"
     gpu = torch.cuda.get_device_name(dev) if cuda else dev.type
-    key = json.dumps([gpu, torch.__version__, triton.__version__, str(dtype), list(shape), rows, layers,
-                      separate_conv, preload])  # fmt: skip
+    key = json.dumps([gpu, torch.__version__, triton.__version__, str(dtype), list(shape), rows, layers, conv_launch,
+                      preload])  # fmt: skip
     cached = cache.get(key)
     page = HV * DK * DV + C * (K - 1)
     copies = max(2, min(layers, -(-TUNE_STATE_BYTES // (rows * page * 4))))
@@ -92,31 +94,41 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
     out = torch.empty(rows, HV * DV, device=dev, dtype=dtype)
     counters = torch.zeros(rows * (HV + HK), dtype=torch.int32, device=dev)
 
-    def step(s: dict | None, j: int) -> torch.Tensor:
-        s = dict(block_v=delta_rule.step_settings(rows)["block_v"]) if s is None else dict(s)
+    def step(s: dict, j: int, conv_launch: bool = conv_launch) -> torch.Tensor:
+        s = dict(s)
         if s.pop("conv", False):
             return delta_rule.gated_delta_step(None, proj, a_log, dt_bias, norm_w, ssms[j], pages, HK, 1e-6, out=out,
                                                preload=preload, counters=counters, conv=(cw, convs[j]),
                                                **s)  # fmt: skip
-        if separate_conv:
+        if conv_launch:
             delta_rule.conv_step(proj, cw, convs[j], pages, out=mixed)
         return delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssms[j], pages, HK, 1e-6, out=out,
                                            preload=preload, counters=counters, **s)  # fmt: skip
 
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
+    plain = step_candidates(rows, HV, DV, sms)
+    fused = [dict(s, conv=True) for s in plain]
     if cached is not None:
-        best, times = cached["choice"], dict(cached["times"])
+        times = dict(cached["times"])
     else:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
-        settings = step_candidates(rows, HV, DV, sms)
-        settings += [dict(s, conv=True) for s in settings] if separate_conv else []
-        times: dict = {}
-        best, times = linear.fastest(settings, lambda s: [step(s, j % copies) for j in range(layers)], layers,
-                                     None, float("inf"), times)  # fmt: skip
-    if best is not None:  # the pick gives what the defaults give, from the same state
+        times = linear.fastest(plain + fused, lambda s: [step(s, j % copies) for j in range(layers)], layers)[1]
+
+    def fastest_of(settings: list[dict], saving: float = 0.0) -> tuple[dict | None, float]:
+        timed = [(t - saving, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float)]
+        return (settings[min(timed)[1]], min(timed)[0]) if timed else (None, float("inf"))
+
+    best, best_t = fastest_of(plain)
+    conv_best, conv_t = fastest_of(fused, conv_saving)
+    if conv_t < best_t:
+        best = conv_best
+    if best is not None:  # the pick gives what conv_step and the defaults give, from the same state
         got, want = [], []
-        for s, into in ((None, want), (best, got)):
+        default = dict(block_v=delta_rule.step_settings(rows)["block_v"])
+        launch = conv_launch or best.get("conv", False)  # else both read the projection's conv output
+        for s, into in ((default, want), (best, got)):
             bufs[0].copy_(bufs[1])
-            y = step(s, 0).clone().float()  # out is one buffer for both
+            mixed.copy_(delta_rule.conv_step(proj, cw, convs[1].clone(), pages))  # what a projection's conv gives
+            y = step(s, 0, launch).clone().float()  # out is one buffer for both
             into += [y, ssms[0].clone(), convs[0].clone()]
         bound = [0.02 * want[0].abs().max().item() + 1e-3, 1e-4 * want[1].abs().max().item() + 1e-6, 1e-6]
         for what, a, b, tol in zip(("output", "state", "conv state"), got, want, bound):
@@ -125,6 +137,6 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
                 times[str(best)] = f"wrong {what}: max error {err:.3g} (allowed {tol:.3g})"
                 best = None
                 break
-    if cached is None or best != cached["choice"]:
+    if cached is None or times != cached["times"]:
         cache.put(key, best, times)
     return best, times

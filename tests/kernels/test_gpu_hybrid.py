@@ -207,39 +207,48 @@ def test_step_candidates_split_only_few_programs_and_fit_the_head():
 TINY_STEP = (1, 2, 16, 64, 2 * 16 + 2 * 64, 4)  # key heads, value heads, key dim, value dim, conv channels, taps
 
 
-@pytest.mark.parametrize("separate", [True, False])
-def test_tune_step_checks_its_pick_and_keeps_it(monkeypatch, separate):
-    """tune_step's candidates (timed by kernels.linear.fastest: here a stand-in that takes the last one, since
-    CUDA graphs need a GPU) include the conv in the step's launch only where the conv is a launch of its own; the
-    pick is run against conv_step and the step at its defaults on the same state and kept in the cache, so a
-    second call times nothing; a pick that gives other outputs is dropped for the defaults, with the reason."""
+@pytest.mark.parametrize("conv_launch", [True, False])
+def test_tune_step_checks_its_pick_and_keeps_its_times(monkeypatch, conv_launch):
+    """tune_step times each candidate with the conv before it and in its launch (kernels.linear.fastest: here a
+    stand-in that runs one and makes up the times, since CUDA graphs need a GPU: plain 2 us, one conv candidate
+    `fast` us, the others 3). With a conv launch the fast conv candidate wins; where the projection does the conv,
+    a conv candidate wins only by more than what the projection saves without it, picked again from the cached
+    times with each call's saving (nothing timed twice). The pick is run against conv_step and the step at its
+    defaults on the same state; one that gives other outputs is dropped for the defaults, with the reason."""
     from kernels import linear
 
-    seen = []
+    timed, fast = [], [1.5e-6]
 
-    def last(settings, run, per, best, best_t, times):
-        seen.append(list(settings))
+    def made_up(settings, run, per, best=None, best_t=float("inf"), times=None):
+        timed.append(list(settings))
         run(settings[-1])  # the timed body runs
-        return settings[-1], dict(times, **{str(s): 1e-6 for s in settings})
+        win = [s for s in settings if s.get("conv")][1]
+        made = {str(s): fast[0] if s is win else 3e-6 if s.get("conv") else 2e-6 for s in settings}
+        return win, dict(times or {}, **made)
 
-    monkeypatch.setattr(linear, "fastest", last)
-    choice, times = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE, separate_conv=separate)
-    assert len(seen) == 1 and any(s.get("conv") for s in seen[0]) == separate
-    assert choice == seen[0][-1] and choice.get("conv", False) == separate and all(isinstance(t, float)
-                                                                                  for t in times.values())  # fmt: skip
-    again, _ = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE, separate_conv=separate)
-    assert again == choice and len(seen) == 1 and dt.step_tune_cache().hits == 1
+    monkeypatch.setattr(linear, "fastest", made_up)
+    if conv_launch:
+        choice, times = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE)
+        conv = [s for s in timed[0] if s.get("conv")]
+        assert [dict(s, conv=True) for s in timed[0] if not s.get("conv")] == conv and choice == conv[1]
+        assert dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE)[0] == choice and len(timed) == 1
+    else:
+        fast[0] = 2.4e-6  # slower than the plain candidates unless the projection saves more than 0.4 us
+        choice, times = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE, False)
+        assert choice == timed[0][0] and not choice.get("conv")
+        moved, _ = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE, False, 0.6e-6)
+        assert moved == [s for s in timed[0] if s.get("conv")][1] and len(timed) == 1
+        fast[0] = 1.5e-6
     real = kd.gated_delta_step
 
-    def off_by_one(*args, **kw):
+    def off_by_one(*args, **kw):  # the conv in the step's launch gives a wrong output
         out = real(*args, **kw)
-        if kw.get("block_v") == choice["block_v"] and kw.get("split", 1) == choice.get("split", 1):
-            out += 1
-        return out
+        return out + 1 if kw.get("conv") is not None else out
 
     monkeypatch.setattr(kd, "gated_delta_step", off_by_one)
-    wrong, times = dt.tune_step(TINY_STEP, 2, 3, DTYPE, DEVICE, separate_conv=separate)
-    assert wrong is None and times[str(seen[-1][-1])].startswith("wrong output")
+    wrong, times = dt.tune_step(TINY_STEP, 2, 3, DTYPE, DEVICE, conv_launch)
+    pick = [s for s in timed[-1] if s.get("conv")][1]
+    assert wrong is None and times[str(pick)].startswith("wrong output"), times
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs time the candidates")
@@ -528,6 +537,37 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
         torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)
     else:
         assert rel_err(gpu.state.buffer[pages], r[2].buffer[pages]) < 1e-2
+
+
+def test_tune_kernels_moves_the_conv_out_of_in_proj_only_where_the_delta_step_wins(monkeypatch):
+    """GpuHybrid._tune_kernels per graph size (the timings stood in for): where in_proj's pick leaves the conv to
+    a launch of its own, the delta step is tuned against that launch (no saving); where in_proj's pick does the
+    conv, against in_proj timed without it, the difference being the saving, and a delta pick with the conv then
+    gives in_proj its conv-free pick (cuBLAS: no entry); a delta pick without the conv leaves in_proj as it was."""
+    from types import SimpleNamespace
+
+    _, gpu = build(DENSE_TINY)
+    fused = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False, norm=True, conv=True)
+    alt = {1: dict(fused, conv=False), 4: None}
+    gpu.linear_choice = {("in_proj", 1): fused, ("in_proj", 4): fused, ("in_proj", 2): dict(fused, conv=False)}
+    gpu.linear_times = {("in_proj", b): {str(fused): 10e-6} for b in (1, 4)}
+    calls = []
+
+    def tune(ws, rows, prologue=None, conv_channels=0, epilogue=None):
+        assert prologue == "norm" and conv_channels == 0 and len(ws) == 3  # tiny-hybrid: 3 linear layers of 4
+        return alt[rows], {"cublas": 9e-6, str(alt[rows]): 7e-6}
+
+    def tune_step(shape, rows, layers, dtype, device, conv_launch=True, conv_saving=0.0):
+        calls.append((rows, conv_launch, round(conv_saving * 1e6, 3)))
+        return dict(block_v=16, conv=rows != 2 and (rows == 4 or conv_saving > 2.5e-6)), {}
+
+    monkeypatch.setattr(gpu, "k_lin", SimpleNamespace(tune=tune))
+    monkeypatch.setattr(gpu, "k_dt", SimpleNamespace(tune_step=tune_step, step_tune_cache=lambda: dt.step_tune_cache()))
+    gpu._tune_kernels([1, 2, 4])
+    assert calls == [(1, False, 3.0), (2, True, 0.0), (4, False, 1.0)]
+    assert gpu.linear_choice == {("in_proj", 1): alt[1], ("in_proj", 2): dict(fused, conv=False)}
+    assert gpu.delta_choice == {1: dict(block_v=16, conv=True), 2: dict(block_v=16, conv=False),
+                                4: dict(block_v=16, conv=True)}  # fmt: skip
 
 
 @WHOLE_MODEL

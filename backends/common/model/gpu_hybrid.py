@@ -454,31 +454,47 @@ class GpuHybrid(DecodeGraphs):
 
     # ----- capture -----
     def _tune_kernels(self, sizes: list[int]) -> None:
-        """For each graph size, the gated delta step's settings that ran fastest here (kernels.delta_tune.tune_step):
-        with the conv step in the delta step's launch as a candidate where in_proj's choice leaves it to a launch
-        of its own. Kept in `delta_choice` (the plain decode graphs take the pick, the verification graphs its
-        settings without the conv); a size whose tuning fails (out of memory for the state copies) keeps
-        `step_settings`, with one warning. One progress line on stderr."""
+        """For each graph size, the gated delta step's settings that ran fastest here (kernels.delta_tune.tune_step),
+        with the conv step in the delta step's launch as a candidate: where in_proj's choice leaves the conv to a
+        launch of its own, against that launch; where in_proj's choice does the conv, against in_proj timed
+        without it (kernels.linear.tune with no conv channels, whose pick in_proj then takes if the conv moves).
+        Kept in `delta_choice` (the plain decode graphs take the pick, the verification graphs its settings without
+        the conv); a size whose tuning fails (out of memory for the state copies) keeps `step_settings`, with one
+        warning. One progress line on stderr."""
         cfg = self.cfg
         shape = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                  cfg.linear_value_head_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim)  # fmt: skip
-        layers = sum(not L["full"] for L in self.layers)
-        if not layers:
+        linear = [L for L in self.layers if not L["full"]]
+        if not linear:
             return
         cache = self.k_dt.step_tune_cache()
         hits, t0 = cache.hits, time.perf_counter()
-        dtype = next(L["out"].dtype for L in self.layers if not L["full"])
+        dtype = linear[0]["out"].dtype
         for bs in sizes:
-            separate = not (self.linear_choice.get(("in_proj", bs)) or {}).get("conv")
+            pick = self.linear_choice.get(("in_proj", bs))
+            fused, saving, alt = bool((pick or {}).get("conv")), 0.0, None
             try:
-                choice, self.delta_times[bs] = self.k_dt.tune_step(shape, bs, layers, dtype, self.device, separate)
+                if fused:  # in_proj's launch does the conv: what it costs there
+                    t_fused = self.linear_times[("in_proj", bs)].get(str(pick))
+                    alt, alt_times = self.k_lin.tune([L["in_proj"] for L in linear], bs, self.PROLOGUES.get("in_proj"))
+                    t_alt = alt_times.get(str(alt) if alt is not None else "cublas")
+                    if isinstance(t_fused, float) and isinstance(t_alt, float):
+                        saving = t_fused - t_alt
+                tuned = self.k_dt.tune_step(shape, bs, len(linear), dtype, self.device, not fused, saving)
+                choice, self.delta_times[bs] = tuned
             except torch.cuda.OutOfMemoryError as e:
                 print(f"[triton-pd] decode graphs: delta step not tuned for {bs} rows ({e!r:.120}): defaults",
                       file=sys.stderr, flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
                 continue
-            if choice is not None:
-                self.delta_choice[bs] = choice
+            if choice is None:
+                continue
+            self.delta_choice[bs] = choice
+            if fused and choice.get("conv"):  # the conv moves out of in_proj's launch
+                if alt is None:
+                    self.linear_choice.pop(("in_proj", bs), None)
+                else:
+                    self.linear_choice[("in_proj", bs)] = alt
         took = time.perf_counter() - t0
         cached = f", {cache.hits - hits} of them from {cache.path}" if cache.path else ""
         print(f"[triton-pd] decode graphs: delta step tuned for {len(sizes)} sizes ({took:.0f} s{cached})",
