@@ -1,7 +1,7 @@
 """The gated delta step's settings per decode graph size, timed at capture (`tune_step`), as kernels.linear.tune
 times the projections: value dims per state block, the second block read with the first, a head shared among
-programs at a few sequences, and the conv step in the step's own launch
-(kernels.delta_rule.gated_delta_step(conv=...)) where the projection before leaves it to a launch of its own."""
+programs at a few sequences, and the conv step in the step's own launch (kernels.delta_rule.gated_delta_step(
+conv=...)) against its launch before the step or the projection's launch that does it."""
 
 from __future__ import annotations
 
