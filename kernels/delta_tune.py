@@ -20,6 +20,10 @@ from kernels import delta_rule, linear, pdl
 STEP_CANDIDATES = [dict(block_v=128), dict(block_v=64), dict(block_v=64, ahead=True), dict(block_v=32, ahead=True)]
 SPLIT_STEP_CANDIDATES = [dict(block_v=64, split=2), dict(block_v=32, split=4), dict(block_v=32, ahead=True, split=2)]
 TUNE_STATE_BYTES = 128 << 20  # tune_step's state copies: at least two, and enough to pass through L2
+# the conv in the step's launch: each candidate as it is, and with 8 warps where it has blocks of 64 value dims or
+# more: compiled for sm_90 by triton 3.6, the conv's tiles beside a [128, 128] state block spill 1,256 bytes per
+# thread at 4 warps and 16 at 8, beside two blocks of 64 read together 288 and none (perf/kernel_regs.py)
+CONV_WARPS_FROM_BLOCK = 64
 
 
 def step_candidates(batch: int, value_heads: int, dv: int, sms: int) -> list[dict]:
@@ -32,6 +36,14 @@ def step_candidates(batch: int, value_heads: int, dv: int, sms: int) -> list[dic
         if blocks % s.get("split", 1) == 0 and (not s.get("ahead") or blocks // s.get("split", 1) > 1):
             keep.append(s)
     return keep
+
+
+def conv_candidates(plain: list[dict]) -> list[dict]:
+    """The candidates with the conv step in the step's launch: each of `plain` with the conv, then those with
+    blocks of at least CONV_WARPS_FROM_BLOCK value dims again with 8 warps (fewer registers per thread)."""
+    return [dict(s, conv=True) for s in plain] + [
+        dict(s, conv=True, num_warps=8) for s in plain if s["block_v"] >= CONV_WARPS_FROM_BLOCK
+    ]
 
 
 def _step_code() -> str:
@@ -107,7 +119,7 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
     plain = step_candidates(rows, HV, DV, sms)
-    fused = [dict(s, conv=True) for s in plain]
+    fused = conv_candidates(plain)
     if cached is not None:
         times = dict(cached["times"])
     else:

@@ -230,7 +230,9 @@ def test_tune_step_checks_its_pick_and_keeps_its_times(monkeypatch, conv_launch)
     if conv_launch:
         choice, times = dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE)
         conv = [s for s in timed[0] if s.get("conv")]
-        assert [dict(s, conv=True) for s in timed[0] if not s.get("conv")] == conv and choice == conv[1]
+        assert dt.conv_candidates([s for s in timed[0] if not s.get("conv")]) == conv and choice == conv[1]
+        eight = [dict(s, num_warps=8) for s in conv if s["block_v"] >= 64 and "num_warps" not in s]
+        assert [s for s in conv if s.get("num_warps")] == eight and eight
         assert dt.tune_step(TINY_STEP, 3, 3, DTYPE, DEVICE)[0] == choice and len(timed) == 1
     else:
         fast[0] = 2.4e-6  # slower than the plain candidates unless the projection saves more than 0.4 us
@@ -260,7 +262,8 @@ def test_tune_step_times_every_candidate_on_the_gpu(rows):
     choice, times = dt.tune_step(shape, rows, 4, torch.bfloat16, DEVICE)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     candidates = dt.step_candidates(rows, 32, 128, sms)
-    assert len(times) == 2 * len(candidates) and all(isinstance(t, float) for t in times.values()), times
+    candidates += dt.conv_candidates(candidates)
+    assert len(times) == len(candidates) and all(isinstance(t, float) for t in times.values()), times
     assert choice is not None and times[str(choice)] == min(times.values())
 
 

@@ -1,0 +1,28 @@
+"""perf/kernel_regs on a machine without a GPU: the delta step's first candidate compiles for sm_90 and reports its
+registers and spills (in a process of their own: the tests run Triton's interpreter, which does not compile, and
+the tool says so when it is set)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_candidates_compile_for_sm90_and_report_registers_and_spills(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "regs.md"
+    subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--first", "1", "--out", str(out), "--time-limit", "120"],
+                   env=env, check=True, capture_output=True, timeout=180)  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [r["setting"] for r in rows] == [{"block_v": 128}] and not rows[0]["conv"]
+    assert 0 < rows[0]["REG"] <= 255 and rows[0]["STACK"] >= 0
+    assert "| {'block_v': 128} | no | 4 |" in out.read_text()
+    interpreted = subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--first", "1"], capture_output=True,
+                                 text=True, env=dict(env, TRITON_INTERPRET="1"), timeout=120)  # fmt: skip
+    assert interpreted.returncode == 2 and "unset it" in interpreted.stderr
