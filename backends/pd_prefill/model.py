@@ -29,6 +29,10 @@ from backends.common.transfer.kv_transport import KVSource
 from backends.common.transfer.mailbox import prefill_notice
 
 SLOW_PREFILL_SECONDS = 3.0  # the "slow_prefill" test hook's wait before each batch
+# with "slow_recovery" too, a batch holding a recovery job waits this long instead: a test that cancels a
+# recovering request must see the notice reach prefill while it holds the job, and on a loaded 2-core machine
+# the notice's way through master, decode and the mailbox once took longer than 3 s
+SLOW_RECOVERY_SECONDS = 10.0
 
 
 class PrefillJob:
@@ -68,7 +72,8 @@ class PrefillModel:
             state_pages=cfg.state_pages or None,
             deterministic=cfg.deterministic == "on",
         )
-        # test hook: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations)
+        # test hooks: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations),
+        # SLOW_RECOVERY_SECONDS for a batch with a recovery job with "slow_recovery" too
         self.faults = set(filter(None, cfg.fault_injection.split(",")))
         instance = args.get("model_instance_name", "pd_prefill")
         self.source = KVSource(f"{cfg.deployment}:{instance}:{os.getpid()}", device)
@@ -129,7 +134,8 @@ class PrefillModel:
         return out
 
     def _slow_fault(self, jobs: list[PrefillJob]) -> None:
-        end = time.monotonic() + SLOW_PREFILL_SECONDS
+        recovery = "slow_recovery" in self.faults and any(not j.sample for j in jobs)
+        end = time.monotonic() + (SLOW_RECOVERY_SECONDS if recovery else SLOW_PREFILL_SECONDS)
         while time.monotonic() < end and any(j.error is None for j in jobs):
             self._take_cancelled(jobs)
             time.sleep(0.05)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.pd_prefill.model import SLOW_RECOVERY_SECONDS
 from tests.server.client import StreamClient, grpc_generate
 from tests.server.conftest import Server
 
@@ -21,13 +22,14 @@ POOL = 400
 
 @pytest.fixture(scope="module")
 def slow():
-    """Every prefill batch waits 3 s first (watching for cancellations), paused KV is dropped so that recovery goes
-    through prefill, at most 2 requests decode at once, and decode reports a stall after 1 s without progress.
-    No rotation: these tests drive requests into given states (a request paused until another finishes), which
-    turns taken every 0.1 s would reshuffle; rotation has its own tests (test_pause_recover, test_host_tier)."""
+    """Every prefill batch waits 3 s first (watching for cancellations; 10 s with a recovery job), paused KV is
+    dropped so that recovery goes through prefill, at most 2 requests decode at once, and decode reports a stall
+    after 1 s without progress. No rotation: these tests drive requests into given states (a request paused until
+    another finishes), which turns taken every 0.1 s would reshuffle; rotation has its own tests
+    (test_pause_recover, test_host_tier)."""
     s = Server(
         "--kv-tokens", str(POOL), "--max-batch", "2", "--stall-seconds", "1", "--rotation-quantum", "0",
-        "--fault-injection", "slow_prefill,drop_paused_kv",
+        "--fault-injection", "slow_prefill,slow_recovery,drop_paused_kv",
         name="liveness",
     )  # fmt: skip
     yield s
@@ -93,15 +95,15 @@ def test_cancel_reaches_queued_running_and_recovering_requests(slow):
     wait_for(slow, "pd_decode_queued_requests", lambda v: v == 0, 1.0)
     wait_for(slow, "pd_decode_recovering_requests", lambda v: v == 1, 120)
     assert a.read(timeout=60).finish_reason == "length" and len(a.result.ids) == 120
-    # B's recovery job has reached prefill (counted on arrival), which holds it for SLOW_PREFILL_SECONDS
+    # B's recovery job has reached prefill (counted on arrival), which holds it for SLOW_RECOVERY_SECONDS (10 s)
     wait_for(slow, "pd_prefill_jobs_total", lambda v: v == recoveries_before + 1, 10, kind="recovery")
     b.cancel()
     slow.assert_released(timeout=1.0)  # the request ends within a second
-    # ... and prefill dropped the job instead of computing it: counted only when prefill drops it, inside its 3 s
+    # ... and prefill dropped the job instead of computing it: counted only when prefill drops it, inside its 10 s
     # hold or while it computes (a notice after the job finished is not counted). On a loaded 2-core machine the
-    # notice's way through master, decode's mailbox and prefill's poll took over 1 s once, and over 2.5 s in a
-    # `make test` of 2026-12-05 (the test alone: well within)
-    wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == cancelled_before + 1, 5.0)
+    # notice's way through master, decode's mailbox and prefill's poll took over 1 s once, over 2.5 s in a `make
+    # test` of 2026-12-05 and, in another, more than the 3 s the hold then lasted (the test alone: well within)
+    wait_for(slow, "pd_prefill_cancelled_total", lambda v: v == cancelled_before + 1, SLOW_RECOVERY_SECONDS)
     assert slow.wait_metric("pd_master_inflight_requests", lambda v: v == 0, timeout=1.0) == 0
     a.close()
     # running: cancel a decoding stream
@@ -179,8 +181,8 @@ def test_replay_ends_on_stuck_streams_and_cancels_them(slow):
 
 
 def test_replay_counts_a_stream_that_goes_silent_as_stuck(slow):
-    """Tokens flow, then nothing: a request paused with its KV dropped waits 3 s for prefill's recovery, longer
-    than stuck_after. The stream is cancelled and counted 'stuck'; the other finishes."""
+    """Tokens flow, then nothing: a request paused with its KV dropped waits for its turn and then 10 s for
+    prefill's recovery, longer than stuck_after. The stream is cancelled and counted 'stuck'; the other finishes."""
     from backends import replay as rp
 
     reqs = [rp.TraceRequest(0.0, 150, 120), rp.TraceRequest(0.0, 150, 300)]

@@ -111,7 +111,8 @@ THREADS = (
 FAULTS = (
     "testing only, comma-separated: 'stale' makes decode re-deliver each recovery completion under an old epoch; "
     "'drop_paused_kv' keeps no paused KV, forcing prefill recovery; 'slow_prefill' makes prefill wait 3 s before "
-    "each batch (cancellations still end its jobs)"
+    "each batch (cancellations still end its jobs), and 10 s before a batch with a recovery job with "
+    "'slow_recovery' too"
 )
 DETERMINISTIC = (
     "on: batch-invariant kernels on the GPU (every matmul and attention reduces a row in an order fixed by its own "
