@@ -5,9 +5,7 @@ conv=...)) against its launch before the step or the projection's launch that do
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import torch
 import triton
@@ -46,25 +44,18 @@ def conv_candidates(plain: list[dict]) -> list[dict]:
     ]
 
 
-def _step_code() -> str:
-    """The hash of this module's, kernels.delta_rule's and kernels.pdl's source: the version of the kernels and
-    candidates `tune_step` times."""
-    code = hashlib.sha256()
-    for module in (__file__, delta_rule.__file__, pdl.__file__):
-        code.update(Path(module).read_bytes())
-    return code.hexdigest()[:16]
-
-
 _STEP_CACHE = None
 
 
 def step_tune_cache():
     """`tune_step`'s picks: a kernels.linear.TuneCache in delta-tune.json beside the projections' file (the folder
-    of TRITON_PD_TUNE_CACHE, or triton-pd's cache folder; none where that is "off"), for this code (`_step_code`)."""
+    of TRITON_PD_TUNE_CACHE, or triton-pd's cache folder; none where that is "off"), for the hash of this module,
+    kernels.delta_rule and kernels.pdl (the kernels and candidates it times)."""
     global _STEP_CACHE
     if _STEP_CACHE is None:
         where = linear.TuneCache.default_path()
-        _STEP_CACHE = linear.TuneCache(None if where is None else where.with_name("delta-tune.json"), _step_code())
+        code = linear.code_hash((__file__, delta_rule.__file__, pdl.__file__))
+        _STEP_CACHE = linear.TuneCache(None if where is None else where.with_name("delta-tune.json"), code)
     return _STEP_CACHE
 
 
@@ -137,9 +128,9 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
         got, want = [], []
         default = dict(block_v=delta_rule.step_settings(rows)["block_v"])
         launch = conv_launch or best.get("conv", False)  # else both read the projection's conv output
+        mixed.copy_(delta_rule.conv_step(proj, cw, convs[1].clone(), pages))  # what a projection's conv gives
         for s, into in ((default, want), (best, got)):
             bufs[0].copy_(bufs[1])
-            mixed.copy_(delta_rule.conv_step(proj, cw, convs[1].clone(), pages))  # what a projection's conv gives
             y = step(s, 0, launch).clone().float()  # out is one buffer for both
             into += [y, ssms[0].clone(), convs[0].clone()]
         bound = [0.02 * want[0].abs().max().item() + 1e-3, 1e-4 * want[1].abs().max().item() + 1e-6, 1e-6]

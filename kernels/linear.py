@@ -724,10 +724,11 @@ def tune_cache() -> TuneCache:
     return _TUNE_CACHE
 
 
-def code_hash() -> str:
-    """The hash of the source of this module and kernels.pdl: the version of the kernels `tune` times."""
+def code_hash(files: tuple[str, ...] | None = None) -> str:
+    """The hash of the source of `files`, by default this module and kernels.pdl: the version of the kernels
+    `tune` times (kernels.delta_tune passes its own)."""
     code = hashlib.sha256()
-    for module in (__file__, pdl_module.__file__):
+    for module in files or (__file__, pdl_module.__file__):
         code.update(Path(module).read_bytes())
     return code.hexdigest()[:16]
 

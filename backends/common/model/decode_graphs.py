@@ -227,9 +227,9 @@ class DecodeGraphs:
             return
         if not self.linear_fixed and os.environ.get("TRITON_PD_LINEAR_TUNE", "1") != "0":
             # deterministic mode times its tiles for every size (no choice changes the bits)
-            tuned = sizes if self.deterministic else [b for b in sizes if b <= self.k_lin.TUNE_ROWS]
-            self._tune_linear(tuned)
-            self._tune_kernels([b for b in sizes if b <= self.k_lin.TUNE_ROWS])
+            small = [b for b in sizes if b <= self.k_lin.TUNE_ROWS]
+            self._tune_linear(sizes if self.deterministic else small)
+            self._tune_kernels(small)
         pool = self._graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -245,16 +245,11 @@ class GpuHybrid(DecodeGraphs):
         tuned = dict(self.delta_choice.get(n if halves is None else halves) or {})
         core = torch.empty(n, cfg.linear_num_value_heads * cfg.linear_value_head_dim, dtype=L["out"].dtype,
                            device=self.device)  # fmt: skip
-        if tuned.pop("conv", False) and halves is None:  # the conv step in the delta step's launch
+        fused = tuned.pop("conv", False) and halves is None  # the conv step in the delta step's launch
+        mixed = None if fused else torch.empty(n, cfg.conv_dim, dtype=torch.float32, device=self.device)
+        if fused:
             proj = lin(x, L, "in_proj")
-            self.k_dr.gated_delta_step(
-                None, proj, L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core, counters=self.delta_counters, conv=(L["conv"], conv), preload=True,
-                **tuned,
-            )  # fmt: skip
-            return lin(core, L, "out")
-        mixed = torch.empty(n, cfg.conv_dim, dtype=torch.float32, device=self.device)
-        if halves is None:  # the conv step in the projection's launch where the choice says conv
+        elif halves is None:  # the conv step in the projection's launch where the choice says conv
             proj = lin(x, L, "in_proj", conv=(L["conv"], conv, inp[5], inp[5], mixed))  # [n, conv_dim | z | b | a]
         else:
             proj = lin(x, L, "in_proj")
@@ -263,8 +258,9 @@ class GpuHybrid(DecodeGraphs):
         for i, (p, w) in enumerate(zip(parts, writes)):  # the drafts' rows read what the launch before wrote
             settings = dict(tuned, preload=i == 0) if tuned else self.k_dr.step_settings(p.stop - p.start, i == 0)
             self.k_dr.gated_delta_step(
-                mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p], cfg.linear_num_key_heads,
-                cfg.rms_norm_eps, out=core[p], out_pages=w, counters=self.delta_counters, **settings,
+                None if fused else mixed[p], proj[p], L["a_log"], L["dt_bias"], L["norm"], ssm, inp[5, p],
+                cfg.linear_num_key_heads, cfg.rms_norm_eps, out=core[p], out_pages=w, counters=self.delta_counters,
+                conv=(L["conv"], conv) if fused else None, **settings,
             )  # fmt: skip
         return lin(core, L, "out")
 
