@@ -66,7 +66,7 @@ POLICIES = {
     "rotate-fair": ["--rotation-victims", "longest-running"],  # round robin
 }
 POLICIES["roomy"] = POLICIES["plain"]  # on a pool that holds every stream of a phase
-LOOP_PARTS = ("wait", "read", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
+LOOP_PARTS = ("idle", "wait", "read", "schedule", "copies", "step")  # pd_decode_loop_seconds_total's parts
 READ_FIRST = ("not_quiet", "room", "no_graph", "max_len", "sampling")  # pd_decode_read_first_steps_total's reasons
 PHASES = (("4x4000", 4, 3800), ("3x5500", 3, 5300))  # name, streams, output tokens (of unscaled length)
 COUNTERS = {
@@ -292,7 +292,7 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
             ),
         ),
         (
-            "decode loop s: wait / read / schedule / copies / step",
+            "decode loop s: idle / wait / read / schedule / copies / step",
             lambda r: " / ".join(f"{r.get('loop_' + k, 0):.1f}" for k in LOOP_PARTS),
         ),
         (

@@ -29,6 +29,9 @@ from .liveness import ProgressWatchdog
 from .scheduler import DecodeScheduler, TransferJob
 from .steps import DecodeSteps, drop_after
 
+# pd_decode_loop_seconds_total's parts, in the order of a loop turn (see DecodeLoop._metrics)
+LOOP_PARTS = ("idle", "wait", "read", "schedule", "copies", "step")
+
 LAND_TIMEOUT_S = 60.0  # after prefill's answer, how long its rows may take to arrive over the network transport
 
 
@@ -205,10 +208,11 @@ class DecodeLoop:
         self.c_idle_swapping = m.counter(
             "pd_decode_idle_swapping_seconds_total", "Seconds decode had nothing to run while a swap-in was in flight"
         )
-        # where the scheduler loop's wall time goes: waiting (for events, a swap-in), reading an unread step's
-        # tokens before a plan that may not run over it, scheduling, starting copies and transfers, launching
-        # steps and handing out their tokens
-        self.loop_time = dict.fromkeys(("wait", "read", "schedule", "copies", "step"), 0.0)
+        # where the scheduler loop's wall time goes: idle (blocked with nothing to run: waiting for an event, or
+        # for a swap-in while nothing runs), wait (taking events and cancels, seeing copies done), reading an
+        # unread step's tokens before a plan that may not run over it, scheduling, starting copies and transfers,
+        # launching steps and handing out their tokens
+        self.loop_time = dict.fromkeys(LOOP_PARTS, 0.0)
         self.c_loop = {
             k: m.counter("pd_decode_loop_seconds_total", "Decode loop wall time by part", part=k)
             for k in self.loop_time
@@ -274,10 +278,14 @@ class DecodeLoop:
                 swapping = self.host_kv is not None and self.host_kv.in_flight() > 0
                 if swapping and not running and self.host_kv.cuda:
                     # nothing to run until a copy lands: wait on the copy itself, not on a polling interval
-                    tw = self.clock()
                     self.host_kv.wait_first()
-                    self.c_idle_swapping.increment(self.clock() - tw)
-                self._drain(block=not running and not swapping, timeout=0.05)
+                    self.c_idle_swapping.increment(self.clock() - t0)
+                idle = not running and not swapping
+                self._drain(block=idle, timeout=0.05)
+                if idle or swapping and not running:
+                    ti = self.clock()
+                    lt["idle"] += ti - t0
+                    t0 = ti
                 self._swaps_done()
                 now = self.clock()
                 poll = now - last_cancel_poll > 0.5

@@ -93,6 +93,8 @@ def test_paused_answers_equal_unpaused_ones_through_host_swaps_and_rotation(serv
     assert not loop._handover and loop.steps.num_steps >= max(len(x) for x in expected)
     # and each turn's host part, from its plan to its step launched: part of the loop's wall time
     assert 0 < loop.turn_host_seconds <= sum(loop.loop_time.values())
+    # decode waited with nothing to run (before the first request and between answers): idle, not wait
+    assert loop.loop_time["idle"] > 0
     # every recovery's completion was re-delivered under its old epoch: dropped and counted
     assert sched.num_stale >= sched.num_recoveries["host"] + sched.num_recoveries["prefill"]
     released(s)

@@ -62,6 +62,13 @@ def test_the_report_names_every_read_first_reason_the_decode_loop_counts():
     assert seed_stalls.READ_FIRST == DecodeSteps.READ_FIRST
 
 
+def test_the_report_names_every_part_of_the_decode_loop():
+    """Likewise the loop's parts of pd_decode_loop_seconds_total, which the report reads by label."""
+    from backends.pd_decode.loop import LOOP_PARTS
+
+    assert seed_stalls.LOOP_PARTS == LOOP_PARTS
+
+
 def _summary(setup: str, runs: dict) -> dict:
     phase = lambda tok, gap: {"output_tok_s": tok, "largest_gap_s": gap, "completed": 3, "streams": 3}  # noqa: E731
     return {"setup": setup, "command": "python perf/seed_stalls.py ...", "policies": {
