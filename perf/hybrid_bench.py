@@ -9,7 +9,9 @@ Decode roofline of a batch of B sequences of `context` tokens: the weight bytes 
 final norm and the LM head; not the embedding table, of which it reads B rows, nor the MTP head; of an MoE layer
 the experts a batch of B is expected to route to, `weights_read_per_step`) + the
 full-attention layers' K/V of every context token + each sequence's state page read and written, over the
-device-to-device copy bandwidth measured here. `graph` is the GPU time of one replay (CUDA events over repeated
+device-to-device copy bandwidth measured here. Only the measured batch sizes are captured in graphs (and tuned at
+capture): a batch of B replays the graph of B either way, and a server's other sizes would only make the capture
+longer (`--all-graph-sizes` captures them all). `graph` is the GPU time of one replay (CUDA events over repeated
 replays); `loop` is the wall time per step of overlapped greedy steps as the engine and decode run them (step n+1
 launched before step n's tokens are read, ids of -1), host work included. K/V and state are random, not zeros.
 
@@ -201,13 +203,16 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative", action="store_true",
                     help="also time the speculative step's graphs (verify an input and a draft per sequence, then "
                          "the MTP head) against the decode step")  # fmt: skip
+    ap.add_argument("--all-graph-sizes", action="store_true",
+                    help="capture (and tune) every graph size a server captures up to the largest batch, not only "
+                         "the measured batches' (the same graphs for those; capture takes longer)")  # fmt: skip
     ap.add_argument("--time-limit", type=float, default=540)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("hybrid_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from backends.common.engine.runner import ModelRunner
+    from backends.common.engine.runner import GRAPH_SIZES, ModelRunner
     from backends.common.model.batch import Span
     from kernels import delta_rule, delta_tune, linear
 
@@ -230,7 +235,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         kv_tokens = max(a.batches) * (a.context + a.reps + 2) + a.prefill + 64
         runner = ModelRunner(spec, "bfloat16", "cuda", kv_tokens, max_batch=max(a.batches),
-                             state_pages=max(a.batches) + 2)  # fmt: skip
+                             state_pages=max(a.batches) + 2,
+                             graph_sizes=GRAPH_SIZES if a.all_graph_sizes else tuple(sorted(a.batches)))  # fmt: skip
         t_load = time.perf_counter() - t0
         cfg = runner.cfg
         if runner.backend != "triton":

@@ -85,9 +85,12 @@ class ModelRunner:
         state_pages: int | None = None,
         state_shm_name: str | None = None,
         deterministic: bool = False,
+        graph_sizes: tuple[int, ...] = GRAPH_SIZES,
     ):
         """deterministic: batch-invariant kernels on the GPU path (kernels.invariant; dense models only: a hybrid
-        model on the GPU path is refused with loader.ModelError). The CPU path is exact without them."""
+        model on the GPU path is refused with loader.ModelError). The CPU path is exact without them.
+        graph_sizes: the decode batch sizes captured in CUDA graphs on the GPU path (a batch runs in the smallest
+        one that holds it; each is tuned at capture); the default serves every batch up to 512."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
@@ -104,9 +107,8 @@ class ModelRunner:
                     f"{model_spec}: deterministic mode covers dense models; hybrid (linear-attention) models are not "
                     "covered yet on the GPU"
                 )
-            self._init_hybrid(
-                weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages, state_shm_name
-            )
+            self._init_hybrid(weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages,
+                              state_shm_name, graph_sizes)  # fmt: skip
             return
         self.backend = pick_backend(backend, self.device)
         # the GPU path keeps one extra slot that padded graph rows read and write
@@ -121,14 +123,13 @@ class ModelRunner:
 
             self.model = GpuLlama(
                 cfg, weights, self.kv, scratch_slot=kv_tokens, max_batch=max_batch,
-                graph_sizes=None if not cuda_graphs else GRAPH_SIZES, deterministic=deterministic,
+                graph_sizes=None if not cuda_graphs else graph_sizes, deterministic=deterministic,
             )  # fmt: skip
         else:
             self.model = LlamaModel(cfg, weights)
 
-    def _init_hybrid(
-        self, weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages, state_shm_name
-    ):
+    def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages,
+                     state_shm_name, graph_sizes=GRAPH_SIZES):  # fmt: skip
         """A hybrid model: K/V for its full-attention layers (and the MTP head's), a state page per running
         request and per cache checkpoint. The gated delta rule runs in the Triton kernels where the backend would
         pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU); there decode
@@ -155,7 +156,7 @@ class ModelRunner:
             self.backend = "triton"
             self.model = gpu_hybrid.GpuHybrid(
                 self.hybrid, self.kv, self.state, scratch_slot=kv_tokens, pad_page=scratch, max_batch=max_batch,
-                graph_sizes=GRAPH_SIZES,
+                graph_sizes=graph_sizes,
             )  # fmt: skip
         else:
             self.backend = "torch"
