@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue #26's measurements on one GPU, each step bounded in wall clock, results under OUT: the reports (.md) and
+# every file of the run in OUT/files.tgz (logs, JSON rows, tuning caches), few files for a device tool that returns
+# only a few:
+#   bash perf/hybrid_gpu.sh OUT bench|seed
+# bench: the gated delta step's and the whole-model graphs' kernel tests, then perf.hybrid_bench's decode step at
+#        batch 1, 32 and 128 for random:qwen3-next-layout (with --profile) and random:qwen3.5-9b, tuned cold on the
+#        measured graph sizes (about 8 minutes); the device host's python3, no bundle;
+# seed:  the seed scenario's 3 x 5,500 phase with random:qwen3.5-9b, rotate against plain in one run, through the
+#        offline bundle (`triton-pd bundle .bundle`, carried), about 9 minutes.
+# The tuning caches (linear-tune.json, delta-tune.json) go in the archive unless TRITON_PD_TUNE_CACHE names a file
+# (the delta step's cache sits beside it): copy them into a tracked folder to keep the picks for later runs.
+set -uo pipefail
+OUT=${1:?OUT folder}
+WHAT=${2:?bench or seed}
+case "$WHAT" in bench|seed) ;; *) echo "hybrid_gpu.sh: bench or seed, not $WHAT" >&2; exit 2 ;; esac
+W="$OUT/files"
+mkdir -p "$W"
+export PYTHONUNBUFFERED=1 TRITON_PD_TUNE_CACHE="${TRITON_PD_TUNE_CACHE:-$W/linear-tune.json}"
+step() {  # name, wall limit (s), command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T), limit ${limit}s)"
+  timeout -k 10 "$limit" "$@" > "$W/$name.log" 2>&1
+  echo "   exit $?"
+  grep -v "graph of [0-9]*, " "$W/$name.log" | tail -n 30
+}
+pack() {  # the reports beside the archive of everything
+  cp "$W"/*.md "$OUT/" 2>/dev/null
+  rm -f "$W"/*.lock
+  tar -czf "$OUT/files.tgz" -C "$W" . && rm -rf "$W"
+}
+trap pack EXIT
+nvidia-smi --query-gpu=name --format=csv,noheader
+case "$WHAT" in
+  bench)
+    step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_hybrid.py \
+      -k "gated_delta_step or tune_step or step_candidates or fused_prologues or verify_and_mtp or tune_kernels"
+    step layout 230 python3 -m perf.hybrid_bench --models random:qwen3-next-layout --batches 1 32 128 --prefill 0 \
+      --reps 20 --eager-batches --profile --time-limit 215 --out "$W/layout.md"
+    step qwen35 200 python3 -m perf.hybrid_bench --models random:qwen3.5-9b --batches 1 32 128 --prefill 0 \
+      --reps 20 --eager-batches --time-limit 185 --out "$W/qwen35.md"
+    ;;
+  seed)
+    step seed 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed \
+      --model random:qwen3.5-9b --serve-args "--device gpu --max-batch 16" --policies rotate plain \
+      --host-kv-tokens 65536 --phases 3x5500 --phase-limit 75 --time-limit 540
+    cp /tmp/hybrid_gpu_seed/report.md /tmp/hybrid_gpu_seed/summary.json "$W/" 2>/dev/null
+    ;;
+esac
