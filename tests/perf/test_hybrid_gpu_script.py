@@ -1,0 +1,34 @@
+"""perf/hybrid_gpu.sh runs on a GPU host that CI never reaches: its commands are checked here against the tools
+they call, so that a renamed flag or test fails on the CPU instead of costing a GPU session its device time."""
+
+import re
+import shlex
+from pathlib import Path
+
+from perf import hybrid_bench
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = (ROOT / "perf" / "hybrid_gpu.sh").read_text().replace("\\\n", " ")  # continuation lines joined
+
+
+def test_every_hybrid_bench_command_parses_with_its_flags(capsys):
+    """Each `perf.hybrid_bench` command's arguments get past the tool's parser (an unknown flag or value would
+    exit 2 through argparse) to its GPU check, which returns 2 on this CPU."""
+    commands = [line.split("-m perf.hybrid_bench", 1)[1] for line in SCRIPT.splitlines()
+                if "-m perf.hybrid_bench" in line and not line.lstrip().startswith("#")]  # fmt: skip
+    assert len(commands) == 2, commands  # the layout and qwen3.5-9b
+    for command in commands:
+        capsys.readouterr()
+        assert hybrid_bench.main(shlex.split(command)) == 2  # returned: parsed, then no CUDA GPU here
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_kernel_tests_it_selects_exist():
+    """Each name in the pytest -k expression matches a test of the file it runs (a rename would deselect it)."""
+    m = re.search(r'pytest .*?(tests/kernels/\S+\.py)\s+-k "([^"]+)"', SCRIPT)
+    assert m is not None
+    tests = re.findall(r"^def (test_\w+)", (ROOT / m.group(1)).read_text(), re.M)
+    names = m.group(2).split(" or ")
+    assert len(names) >= 5
+    for name in names:
+        assert any(name in t for t in tests), f"-k {name!r} selects no test in {m.group(1)}"
