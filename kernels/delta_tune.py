@@ -118,7 +118,10 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
 
     def fastest_of(settings: list[dict], saving: float = 0.0) -> tuple[dict | None, float]:
         timed = [(t - saving, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float)]
-        return (settings[min(timed)[1]], min(timed)[0]) if timed else (None, float("inf"))
+        if not timed:
+            return None, float("inf")
+        t, i = min(timed)
+        return settings[i], t
 
     best, best_t = fastest_of(plain)
     conv_best, conv_t = fastest_of(fused, conv_saving)
@@ -128,7 +131,8 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
         got, want = [], []
         default = dict(block_v=delta_rule.step_settings(rows)["block_v"])
         launch = conv_launch or best.get("conv", False)  # else both read the projection's conv output
-        mixed.copy_(delta_rule.conv_step(proj, cw, convs[1].clone(), pages))  # what a projection's conv gives
+        if not launch:  # what the projection's conv gives
+            mixed.copy_(delta_rule.conv_step(proj, cw, convs[1].clone(), pages))
         for s, into in ((default, want), (best, got)):
             bufs[0].copy_(bufs[1])
             y = step(s, 0, launch).clone().float()  # out is one buffer for both

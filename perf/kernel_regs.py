@@ -74,6 +74,11 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=600)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print(
+            "kernel_regs: TRITON_INTERPRET=1 makes the kernels interpreted: unset it to compile them", file=sys.stderr
+        )
+        return 2
     import triton
 
     from kernels import delta_rule, delta_tune
@@ -86,11 +91,6 @@ def main(argv=None) -> int:
     write = report_writer(lines, a.out, rows)
     timer = wall_clock_limit(a.time_limit, write, [])
     plain = delta_tune.step_candidates(a.rows, HV, DV, sms=132)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print(
-            "kernel_regs: TRITON_INTERPRET=1 makes the kernels interpreted: unset it to compile them", file=sys.stderr
-        )
-        return 2
     for s in (plain + delta_tune.conv_candidates(plain))[: a.first]:
         bv, split = s["block_v"], s.get("split", 1)
         blocks = DV // bv

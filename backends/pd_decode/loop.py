@@ -280,9 +280,8 @@ class DecodeLoop:
                     # nothing to run until a copy lands: wait on the copy itself, not on a polling interval
                     self.host_kv.wait_first()
                     self.c_idle_swapping.increment(self.clock() - t0)
-                idle = not running and not swapping
-                self._drain(block=idle, timeout=0.05)
-                if idle or swapping and not running:
+                self._drain(block=not running and not swapping, timeout=0.05)
+                if not running:  # blocked for an event or a swap-in, or had nothing to run
                     ti = self.clock()
                     lt["idle"] += ti - t0
                     t0 = ti

@@ -129,7 +129,7 @@ class ModelRunner:
             self.model = LlamaModel(cfg, weights)
 
     def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages,
-                     state_shm_name, graph_sizes=GRAPH_SIZES):  # fmt: skip
+                     state_shm_name, graph_sizes):  # fmt: skip
         """A hybrid model: K/V for its full-attention layers (and the MTP head's), a state page per running
         request and per cache checkpoint. The gated delta rule runs in the Triton kernels where the backend would
         pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU); there decode
