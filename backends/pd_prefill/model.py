@@ -69,6 +69,11 @@ class PrefillModel:
             chunk_size=cfg.chunk_size,
             max_batch_tokens=cfg.max_prefill_tokens,
             overlap=False,  # each step's first tokens are handed off as soon as they exist
+            # no decode graphs: a prefill batch carries prompts or recomputed positions, which run eagerly; capturing
+            # would time the projections for every graph size up to prefill_max_batch at start (on an H100 a
+            # hybrid model's server took 7 minutes to start with no tuning cache, prefill timing ten graph sizes
+            # on the GPU where decode timed its own five)
+            cuda_graphs=False,
             state_pages=cfg.state_pages or None,
             deterministic=cfg.deterministic == "on",
         )

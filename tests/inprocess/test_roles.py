@@ -284,3 +284,23 @@ def test_a_broken_reply_channel_ends_its_answers_with_an_error_and_the_next_conn
     assert again.error is None and again.finish_reason == "length" and len(again.ids) == 12
     assert s.decode.replies.channels[s.master.inbox.path] is not channel
     released(s)
+
+
+def test_prefill_captures_no_decode_graphs_and_decode_does(serve, monkeypatch, expected):
+    """Prefill's engine is made without decode graphs (its batches carry prompts and recomputed positions, which run
+    eagerly, so capturing would only time projections at start on the GPU decode shares), decode's runner with
+    them; and prefill still answers exactly."""
+    from backends.common.engine import runner as runner_module
+
+    made = []
+    real = runner_module.ModelRunner.__init__
+
+    def record(self, *a, **kw):
+        made.append(kw.get("cuda_graphs", True))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "__init__", record)
+    s = serve()
+    assert made == [False, True]  # loaded in order: prefill, decode (fake_triton.Server._load)
+    assert [a.ids for a in run_all(s)] == expected
+    released(s)
