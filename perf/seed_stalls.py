@@ -239,8 +239,10 @@ def close_all(url: str, metrics: str, prompt: int, out_len: int, limit: float) -
 
 def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
     def loss_vs(ref: str):
-        base = runs.get(ref, {}).get(phase)
-        return lambda r: f"{1 - r['output_tok_s'] / base['output_tok_s']:+.1%}" if base else "-"
+        base = runs.get(ref, {}).get(phase)  # none, or nothing served (a phase cut short by --time-limit): "-"
+        return lambda r: (
+            f"{1 - r['output_tok_s'] / base['output_tok_s']:+.1%}" if base and base["output_tok_s"] else "-"
+        )
 
     rows = [
         ("completed with the right length", lambda r: f"{r['completed']} of {r['streams']}"),
@@ -517,16 +519,26 @@ def main(argv=None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         (out / "report.md").write_text(report(summary))
 
-    def limit(what: str) -> float:  # a phase's limit: --phase-limit, or what is left of --time-limit less time to stop
+    def note(text: str) -> None:  # said in the report
+        summary["note"] = f"{summary['note']}; {text}" if summary.get("note") else text
+
+    def limit(what: str) -> float | None:
+        """A phase's limit: --phase-limit, or what is left of --time-limit less time to stop; None where less than
+        a second is left (the phase is not run: its figures would be a second's, and its server may be stopping)."""
         left = a.time_limit - (time.monotonic() - t_start) - 20.0
-        if left < a.phase_limit:  # said in the report: its streams may be cut short
-            cut = f"{what} limited to {max(1.0, left):.0f} s by --time-limit"
-            summary["note"] = f"{summary['note']}; {cut}" if summary.get("note") else cut
-        return max(1.0, min(a.phase_limit, left))
+        if left < 1.0:
+            note(f"{what} not run: --time-limit reached")
+            return None
+        if left < a.phase_limit:  # its streams may be cut short
+            note(f"{what} limited to {left:.0f} s by --time-limit")
+        return min(a.phase_limit, left)
 
     timer = wall_clock_limit(a.time_limit, write, servers)
     for pol in a.policies:
         res = summary["policies"][pol] = {}
+        if a.time_limit - (time.monotonic() - t_start) - 20.0 < 1.0:
+            note(f"{pol} not run: --time-limit reached")
+            continue
         say(f"{pol}: starting a server")
         host = (
             ["--host-kv-tokens", str(a.host_kv_tokens)]
@@ -545,16 +557,18 @@ def main(argv=None) -> int:
         servers.append(server)
         url, metrics = server.grpc_url, server.metrics_url
         try:
-            if a.warmup_tokens > 0:
+            if a.warmup_tokens > 0 and (lim := limit(f"{pol} warm-up")) is not None:
                 say(f"{pol}: warm-up (2 x {prompt}+{sc(a.warmup_tokens)}, not measured)")
-                w = run_phase(url, metrics, 2, prompt, sc(a.warmup_tokens), limit(f"{pol} warm-up"), seed=99)
+                w = run_phase(url, metrics, 2, prompt, sc(a.warmup_tokens), lim, seed=99)
                 res["warmup"] = {k: w[k] for k in ("completed", "wall_s", "pauses", "rec_host", "rec_prefill")}
                 say(f"{pol}: warm-up: {json.dumps(res['warmup'])}")
             runs = [(name, n, sc(n_out), how) for name, n, n_out in PHASES if name in a.phases for how in a.sampling]
             for name, n, n_out, how in runs:
                 phase = name if len(a.sampling) == 1 else f"{name} {how}"
+                if (lim := limit(f"{pol} {phase}")) is None:
+                    break
                 say(f"{pol}: {phase} ({n} x {prompt}+{n_out})")
-                res[phase] = run_phase(url, metrics, n, prompt, n_out, limit(f"{pol} {phase}"), seed=len(name),
+                res[phase] = run_phase(url, metrics, n, prompt, n_out, lim, seed=len(name),
                                        sampled=how == "seeded")  # fmt: skip
                 answers.setdefault(pol, {})[phase] = res[phase].pop("ids")
                 summary["same_answers"] = compare_answers(answers, a.reference)
@@ -564,10 +578,11 @@ def main(argv=None) -> int:
                 }
                 say(f"{pol}: {phase}: {json.dumps(brief)}")
                 (out / "summary.json").write_text(json.dumps(summary, indent=1))
-            say(f"{pol}: close all while paused")
             # roomy never pauses: a short wait for a pause that cannot come
-            wait = 5.0 if pol == "roomy" else min(limit(f"{pol} close-all"), 120)
-            res["close_all"] = close_all(url, metrics, prompt, sc(3800), wait)
+            wait = 5.0 if pol == "roomy" else limit(f"{pol} close-all")
+            if wait is not None:
+                say(f"{pol}: close all while paused")
+                res["close_all"] = close_all(url, metrics, prompt, sc(3800), min(wait, 120))
         except Exception as e:
             res["error"] = repr(e)
         finally:

@@ -101,3 +101,18 @@ def test_merged_runs_give_each_policy_its_mean_range_and_loss(tmp_path):
     (other / "summary.json").write_text(json.dumps(_summary("other model", {"plain": (1.0, 1.0)})))
     with pytest.raises(SystemExit):
         seed_stalls.main(["--out", str(out), "--merge", str(tmp_path / "a"), str(other)])
+
+
+def test_report_of_a_base_policy_that_served_nothing_gives_no_loss():
+    """A real run cut short by --time-limit (tests/perf/data/README.md): plain, the base of the loss row, served
+    0 tokens/s in its one-second phase; the report still comes out, with no loss against it rather than a
+    division by zero, and the measured policy's figures kept."""
+    import json
+    from pathlib import Path
+
+    summary = json.loads((Path(__file__).parent / "data" / "seed_summary_cut_short.json").read_text())
+    assert summary["policies"]["plain"]["3x5500"]["output_tok_s"] == 0.0
+    text = seed_stalls.report(summary)
+    row = next(line for line in text.splitlines() if line.startswith("| throughput loss vs plain"))
+    assert row == "| throughput loss vs plain | - | - |"
+    assert "| output tokens/s | 292.8 | 0.0 |" in text and "**TIME LIMIT" in text
