@@ -8,14 +8,18 @@
 #        measured graph sizes (about 8 minutes); the device host's python3, no bundle;
 # seed:  the seed scenario's 3 x 5,500 phase with random:qwen3.5-9b, rotate against plain in one run, through the
 #        offline bundle (`triton-pd bundle .bundle`, carried), about 9 minutes.
-# The tuning caches (linear-tune.json, delta-tune.json) go in the archive unless TRITON_PD_TUNE_CACHE names a file
-# (the delta step's cache sits beside it): copy them into a tracked folder to keep the picks for later runs.
+# The tuning caches (linear-tune.json, delta-tune.json) start from perf/tune_cache/'s and go in the archive unless
+# TRITON_PD_TUNE_CACHE names a file (the delta step's cache sits beside it): see perf/tune_cache/README.md.
 set -uo pipefail
 OUT=${1:?OUT folder}
 WHAT=${2:?bench or seed}
 case "$WHAT" in bench|seed) ;; *) echo "hybrid_gpu.sh: bench or seed, not $WHAT" >&2; exit 2 ;; esac
 W="$OUT/files"
 mkdir -p "$W"
+if [ -z "${TRITON_PD_TUNE_CACHE:-}" ]; then
+  cp perf/tune_cache/linear-tune.json perf/tune_cache/delta-tune.json "$W/" 2>/dev/null
+  chmod u+w "$W"/*.json 2>/dev/null
+fi
 export PYTHONUNBUFFERED=1 TRITON_PD_TUNE_CACHE="${TRITON_PD_TUNE_CACHE:-$W/linear-tune.json}"
 step() {  # name, wall limit (s), command...
   local name=$1 limit=$2; shift 2

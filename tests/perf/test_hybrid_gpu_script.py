@@ -34,3 +34,16 @@ def test_the_kernel_tests_it_selects_exist():
     assert len(names) >= 5
     for name in names:
         assert any(name in t for t in tests), f"-k {name!r} selects no test in {m.group(1)}"
+
+
+def test_the_tuning_caches_it_starts_from_are_tuning_cache_files():
+    """The files the script copies in as its starting tuning caches exist and are kernels.linear.TuneCache files
+    (a code hash and entries), so a run starts from their picks instead of warning and tuning afresh."""
+    import json
+
+    m = re.search(r"^\s*cp (perf/tune_cache/\S+) (perf/tune_cache/\S+) ", SCRIPT, re.M)
+    assert m is not None
+    for path in m.groups():
+        data = json.loads((ROOT / path).read_text())
+        assert isinstance(data["code"], str) and len(data["code"]) == 16
+        assert data["entries"] and all({"choice", "times"} <= set(e) for e in data["entries"].values())
