@@ -409,51 +409,83 @@ def conv_channels(x, offs, mask, W, S, Page, OutPage, s_page, KM1: tl.constexpr)
     load comes before any store. Also run by kernels.linear's conv epilogue."""
     page = tl.load(Page).to(tl.int64)
     out_page = tl.load(OutPage).to(tl.int64)
-    y, nxt = _conv_read(x, offs, mask, W, S, page, s_page, KM1)
-    _conv_write(nxt, offs, mask, S, out_page, s_page, KM1)
+    y, full = _conv_read(x, offs, mask, W, S, page, s_page, KM1)
+    conv_write(full, offs, mask, S, out_page, s_page, KM1)
     return y
 
 
 @triton.jit
-def _conv_read(x, offs, mask, W, S, page, s_page, KM1: tl.constexpr):
-    """The loads and arithmetic of `conv_channels` at page `page`: (SiLU of the conv [BLOCK], the new state rows
-    [BLOCK, KM1 + 1] for `_conv_write`, whose last column is not stored)."""
+def conv_load(offs, mask, W, S, page, s_page, KM1: tl.constexpr):
+    """The loads of `_conv_read` that need no new input: (the state rows of channels offs at page `page`
+    [BLOCK, KM1 + 1], oldest first, then a 0; their conv weights, float32), for `conv_math` to use later (so a
+    caller can issue them before what computes x)."""
     taps = tl.arange(0, KM1 + 1)  # KM1 + 1 is a power of two (the conv kernel: 4)
-    tmask = mask[:, None] & (taps[None, :] < KM1)
-    sp = S + page * s_page + offs[:, None] * KM1 + taps[None, :]
-    prev = tl.load(sp, mask=tmask, other=0.0)  # [BLOCK, KM1 + 1]: the kept inputs, oldest first, then a 0
-    nxt = tl.load(sp + 1, mask=mask[:, None] & (taps[None, :] < KM1 - 1), other=0.0)
-    nxt = tl.where(taps[None, :] == KM1 - 1, x[:, None], nxt)
+    prev = tl.load(S + page * s_page + offs[:, None] * KM1 + taps[None, :],
+                   mask=mask[:, None] & (taps[None, :] < KM1), other=0.0)  # fmt: skip
     w = tl.load(W + offs[:, None] * (KM1 + 1) + taps[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    acc = tl.sum(tl.where(taps[None, :] == KM1, x[:, None], prev) * w, 1)
-    return acc / (1.0 + tl.exp(-acc)), nxt
+    return prev, w
 
 
 @triton.jit
-def _conv_write(nxt, offs, mask, S, out_page, s_page, KM1: tl.constexpr):
-    """The new conv state rows of channels offs (where mask) from `_conv_read`, stored at page `out_page`."""
+def conv_math(x, prev, w, KM1: tl.constexpr):
+    """(SiLU of the causal conv [BLOCK], the kept inputs then x [BLOCK, KM1 + 1] for `conv_write`) of one new
+    input x (float32) over `conv_load`'s state rows and weights."""
     taps = tl.arange(0, KM1 + 1)
-    tl.store(S + out_page * s_page + offs[:, None] * KM1 + taps[None, :], nxt,
-             mask=mask[:, None] & (taps[None, :] < KM1))  # fmt: skip
+    full = tl.where(taps[None, :] == KM1, x[:, None], prev)
+    acc = tl.sum(full * w, 1)
+    return acc / (1.0 + tl.exp(-acc)), full
+
+
+@triton.jit
+def _conv_read(x, offs, mask, W, S, page, s_page, KM1: tl.constexpr):
+    """The loads and arithmetic of `conv_channels` at page `page`: (SiLU of the conv [BLOCK], the kept inputs then x
+    [BLOCK, KM1 + 1] for `conv_write`, whose first column is not stored)."""
+    prev, w = conv_load(offs, mask, W, S, page, s_page, KM1)
+    return conv_math(x, prev, w, KM1)
+
+
+@triton.jit
+def conv_write(full, offs, mask, S, out_page, s_page, KM1: tl.constexpr):
+    """The new conv state rows of channels offs (where mask), the last KM1 columns of `_conv_read`'s [BLOCK,
+    KM1 + 1] (the oldest input dropped), stored at page `out_page`."""
+    taps = tl.arange(0, KM1 + 1)
+    tl.store(S + out_page * s_page + offs[:, None] * KM1 + taps[None, :] - 1, full,
+             mask=mask[:, None] & (taps[None, :] >= 1))  # fmt: skip
 
 
 @triton.jit
 def conv_channels_rows(x, offs_m, mask_m, offs_n, mask, W, S, Pages, OutPages, s_page, KM1: tl.constexpr):
     """`conv_channels` for rows offs_m (where mask_m) of new inputs x [BLOCK_M, BLOCK_N] (float32) over channels
     offs_n (where mask), row m on its own pages Pages[m] / OutPages[m]. Every load comes before any store."""
+    prev, w, out_page = conv_rows_load(offs_m, mask_m, offs_n, mask, W, S, Pages, OutPages, s_page, KM1)
+    return conv_rows_finish(x, prev, w, out_page, offs_m, mask_m, offs_n, mask, S, s_page, KM1)
+
+
+@triton.jit
+def conv_rows_load(offs_m, mask_m, offs_n, mask, W, S, Pages, OutPages, s_page, KM1: tl.constexpr):
+    """The loads of `conv_channels_rows` that need no new input: (the state rows [BLOCK_M, BLOCK_N, KM1 + 1] at
+    each row's page, oldest first, then a 0; the weights [1, BLOCK_N, KM1 + 1] float32; each row's page to write),
+    for `conv_rows_finish` (so a caller can issue them before what computes x)."""
     page = tl.load(Pages + offs_m, mask=mask_m, other=0).to(tl.int64)
     out_page = tl.load(OutPages + offs_m, mask=mask_m, other=0).to(tl.int64)
     taps = tl.arange(0, KM1 + 1)[None, None, :]
     m3 = (mask_m[:, None] & mask[None, :])[:, :, None]
-    col = offs_n[None, :, None] * KM1 + taps
-    sp = S + page[:, None, None] * s_page + col
-    prev = tl.load(sp, mask=m3 & (taps < KM1), other=0.0)  # [BLOCK_M, BLOCK_N, KM1 + 1]
-    nxt = tl.load(sp + 1, mask=m3 & (taps < KM1 - 1), other=0.0)
-    x3 = x[:, :, None]
-    nxt = tl.where(taps == KM1 - 1, x3, nxt)
+    prev = tl.load(S + page[:, None, None] * s_page + offs_n[None, :, None] * KM1 + taps, mask=m3 & (taps < KM1),
+                   other=0.0)  # fmt: skip
     w = tl.load(W + offs_n[None, :, None] * (KM1 + 1) + taps, mask=mask[None, :, None], other=0.0).to(tl.float32)
-    acc = tl.sum(tl.where(taps == KM1, x3, prev) * w, 2)
-    tl.store(S + out_page[:, None, None] * s_page + col, nxt, mask=m3 & (taps < KM1))
+    return prev, w, out_page
+
+
+@triton.jit
+def conv_rows_finish(x, prev, w, out_page, offs_m, mask_m, offs_n, mask, S, s_page, KM1: tl.constexpr):
+    """SiLU of the causal conv of new inputs x [BLOCK_M, BLOCK_N] (float32) over `conv_rows_load`'s state rows and
+    weights; the new state rows (the kept inputs after the oldest, then x) stored at each row's out page."""
+    taps = tl.arange(0, KM1 + 1)[None, None, :]
+    m3 = (mask_m[:, None] & mask[None, :])[:, :, None]
+    full = tl.where(taps == KM1, x[:, :, None], prev)
+    acc = tl.sum(full * w, 2)
+    tl.store(S + out_page[:, None, None] * s_page + offs_n[None, :, None] * KM1 + taps - 1, full,
+             mask=m3 & (taps >= 1))  # fmt: skip
     return acc / (1.0 + tl.exp(-acc))
 
 
@@ -530,8 +562,8 @@ def _gated_delta_step_kernel(
         key = b * (HV // R) + kh
         tl.debug_barrier()  # every thread's reads of the q and k state rows done before the arrival
         if tl.atomic_add(KCtr + key, 1, sem="acq_rel") == R * SPLIT - 1:
-            _conv_write(nq, qc, mk, CS, out_page, cs_page, KM1)
-            _conv_write(nk, KD + qc, mk, CS, out_page, cs_page, KM1)
+            conv_write(nq, qc, mk, CS, out_page, cs_page, KM1)
+            conv_write(nk, KD + qc, mk, CS, out_page, cs_page, KM1)
             tl.atomic_xchg(KCtr + key, 0)
     else:
         q = tl.load(mrow + kh * DK + rk, mask=mk, other=0.0)
@@ -553,7 +585,7 @@ def _gated_delta_step_kernel(
             vc = 2 * KD + h * DV + rv
             v, nv = _conv_read(tl.load(prow + vc, mask=mv, other=0.0).to(tl.float32), vc, mv, CW, CS, page, cs_page,
                                KM1)  # fmt: skip
-            _conv_write(nv, vc, mv, CS, out_page, cs_page, KM1)
+            conv_write(nv, vc, mv, CS, out_page, cs_page, KM1)
         else:
             v = tl.load(mrow + 2 * KD + h * DV + rv, mask=mv, other=0.0)
         tile = h * s_head + rk[:, None] * s_k + rv[None, :]

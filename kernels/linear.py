@@ -20,6 +20,11 @@ import triton.language as tl
 from kernels import pdl as pdl_module
 from kernels.delta_rule import conv_channels as _conv_channels
 from kernels.delta_rule import conv_channels_rows as _conv_channels_rows
+from kernels.delta_rule import conv_load as _conv_load
+from kernels.delta_rule import conv_math as _conv_math
+from kernels.delta_rule import conv_rows_finish as _conv_rows_finish
+from kernels.delta_rule import conv_rows_load as _conv_rows_load
+from kernels.delta_rule import conv_write as _conv_write
 from kernels.pdl import enter, launch
 
 MAX_ROWS = 128
@@ -200,7 +205,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
     GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, s_mix, CC, cs_page,
-    KM1: tl.constexpr,
+    KM1: tl.constexpr, CONV_EARLY: tl.constexpr,
     UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr,
 ):  # fmt: skip
@@ -215,7 +220,10 @@ def _skinny_kernel(
     are no launch's output). CONV (a linear-attention layer's in_proj): the first CC output columns are also the
     inputs of its causal conv + SiLU (kernels.delta_rule's conv step: row m's state rows of KM1 taps in CS at page
     CPages[m], written at COutPages[m], weights CW), done by the program that finishes a column block, stored
-    float32 to Mixed (rows s_mix apart). UNROLL (one row): the loop over K unrolled
+    float32 to Mixed (rows s_mix apart). CONV_EARLY (CONV, SPLITS == 1): the conv's state rows and weights are loaded
+    first, before the PDL wait (an earlier step wrote the rows, at pages that are graph inputs: the caller's
+    promise, as for the delta step's preload), so their loads are in flight during the product instead of after
+    it; the new state rows are the loaded ones shifted, with no second read. UNROLL (one row): the loop over K unrolled
     (K_SPLIT = k_split), so every tile's load can be in flight at once. K_FIRST is the first step of either loop
     (BLOCK_K after a preload). GLU (DOT): W is [gate | up] of 2 NC rows and output column c of Y is
     silu(gate c) * up c, each product rounded as stored first (an MLP's gate_up with kernels.act.silu_mul fused
@@ -239,6 +247,15 @@ def _skinny_kernel(
         w0 = tl.load(w_ptr, mask=mask_n[:, None], other=0.0)
         if GLU:
             u0 = tl.load(u_ptr, mask=mask_n[:, None], other=0.0)
+    if CONV_EARLY:  # the conv's inputs other than the product, for `_conv_epilogue_early`
+        cmask = mask_n & (offs_n < CC)
+        if DOT:
+            offs_cm = tl.arange(0, BLOCK_M)
+            c_prev, c_w, c_out = _conv_rows_load(offs_cm, offs_cm < M, offs_n, cmask, CW, CS, CPages, COutPages,
+                                                 cs_page, KM1)  # fmt: skip
+        else:
+            c_prev, c_w = _conv_load(offs_n, cmask, CW, CS, tl.load(CPages).to(tl.int64), cs_page, KM1)
+            c_out = tl.load(COutPages).to(tl.int64)
     enter(PDL)
     rstd = 0.0
     if NORM:
@@ -350,7 +367,10 @@ def _skinny_kernel(
             tl.store(Y + offs_y, _silu_mul(acc, acc_u, Y.dtype.element_ty), mask=mask_y)
         else:
             tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
-        if CONV:
+        if CONV_EARLY:
+            _conv_epilogue_early(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, c_prev, c_w, c_out, CS,
+                                 Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
+        elif CONV:
             _conv_epilogue(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, CS, CW, CPages, COutPages,
                            Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
     else:
@@ -401,6 +421,21 @@ def _conv_epilogue(y, offs_m, mask_m, offs_n, mask_n, CS, CW, CPages, COutPages,
         tl.store(Mixed + offs_n, out, mask=mask)
 
 
+@triton.jit
+def _conv_epilogue_early(y, offs_m, mask_m, offs_n, mask_n, prev, w, out_page, CS, Mixed, s_mix, CC, cs_page,
+                         KM1: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """`_conv_epilogue` on state rows, weights and out pages loaded before the product (kernels.delta_rule's
+    conv_rows_load with ROWS, else conv_load at one row's pages)."""
+    mask = mask_n & (offs_n < CC)
+    if ROWS:
+        out = _conv_rows_finish(y.to(tl.float32), prev, w, out_page, offs_m, mask_m, offs_n, mask, CS, cs_page, KM1)
+        tl.store(Mixed + offs_m[:, None] * s_mix + offs_n[None, :], out, mask=mask_m[:, None] & mask[None, :])
+    else:
+        out, full = _conv_math(y.to(tl.float32), prev, w, KM1)
+        _conv_write(full, offs_n, mask, CS, out_page, cs_page, KM1)
+        tl.store(Mixed + offs_n, out, mask=mask)
+
+
 # per (device, stream): the zeroed arrival counters of split launches (each launch leaves them at 0 again); made
 # outside graph capture (the first launch on a stream is a warm-up or a tuning run) and kept for the process's life,
 # since captured graphs hold their address
@@ -437,6 +472,7 @@ def skinny_linear(
     glu: bool = False,
     prefetch: bool = False,
     norm_tile: int = 0,
+    conv_early: bool = False,
 ) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -454,7 +490,10 @@ def skinny_linear(
     (one row): the loop over K unrolled (a compile per K). glu (tensor cores): w is [gate | up] ([2C, K]) and the
     result [M, C] is silu(x @ gate.T) * (x @ up.T), kernels.act.silu_mul fused after the product. prefetch
     (tensor cores with gated, sigmoid_gate or norm): each step's input tiles loaded a step ahead, the norm's sum
-    of squares read in tiles of norm_tile columns (a power of 2 dividing K; 0: block_k)."""
+    of squares read in tiles of norm_tile columns (a power of 2 dividing K; 0: block_k). conv_early (with conv, no
+    K split): the conv's state rows and weights read before the product and before the PDL wait, so the caller
+    promises that the launch just before does not write those rows (in a decode graph an earlier step did);
+    ignored without conv."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -500,6 +539,7 @@ def skinny_linear(
         assert cs.stride(2) == 1 and cs.stride(1) == cw.shape[1] - 1 and mixed.stride(1) == 1
         assert cpages.numel() >= M and cout_pages.numel() >= M and mixed.shape[0] >= M
         assert cw.shape[0] <= N and cw.is_contiguous()
+        assert not conv_early or splits == 1, "conv_early: no K split"
     _skinny_kernel[grid](
         x, w, out, part, counters, g, res, res_out, nw, M, N, K, K // splits, x.stride(0), w.stride(0),
         out.stride(0), g.stride(0), eps,
@@ -509,7 +549,8 @@ def skinny_linear(
         CONV=conv is not None, CS=cs, CW=cw, CPages=cpages, COutPages=cout_pages, Mixed=mixed,
         s_mix=0 if conv is None else mixed.stride(0),
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
-        KM1=3 if conv is None else cw.shape[1] - 1, UNROLL=unroll, K_FIRST=block_k if preload else 0,
+        KM1=3 if conv is None else cw.shape[1] - 1, CONV_EARLY=conv_early and conv is not None, UNROLL=unroll,
+        K_FIRST=block_k if preload else 0,
         K_SPLIT=K // splits if unroll else 0, GLU=glu, PREFETCH=prefetch, NORM_TILE=norm_tile, num_warps=num_warps,
         num_stages=num_stages, **launch(x),
     )  # fmt: skip
@@ -760,7 +801,9 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     timed again with preload, whether or not it beat cuBLAS, and with a prologue each candidate is also timed
     without it fused (the prologue's own launch first, and the conv's after where there is one; a pick without
     the flag runs so), and the two fastest with it fused are timed again with prefetch (the norm's fastest also
-    with its sum of squares in tiles of 256 columns). The pick is checked against the unfused launches' result
+    with its sum of squares in tiles of 256 columns). With conv channels, the pick if it does the conv (else the
+    fastest setting that does, with no K split) is timed again with the conv's state rows read before the product
+    (conv_early). The pick is checked against the unfused launches' result
     (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
     {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit weights
     only: the kernel's float32 products would round through TF32. The pick and its times are kept in the tuning
@@ -844,6 +887,18 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
                 best_t = times[str(best)] if best is not None else times["cublas"]
                 pre = dict(settings[timed[0][1]], preload=True)
                 best, times = fastest([pre], run, len(weights), best, best_t, times)
+        if conv is not None:
+            # the pick if it does the conv, else the fastest setting that does (with no K split), again with the
+            # conv's state rows read before the product (conv_early): in flight during it rather than after it
+            if best is not None and best.get("conv") and best.get("splits", 1) == 1:
+                early = best
+            else:
+                fused = [s for s in settings if s.get("conv") and s.get("splits", 1) == 1]
+                timed = sorted((t, i) for i, s in enumerate(fused) if isinstance(t := times.get(str(s)), float))
+                early = fused[timed[0][1]] if timed else None
+            if early is not None:
+                best_t = times[str(best)] if best is not None else times["cublas"]
+                best, times = fastest([dict(early, conv_early=True)], run, len(weights), best, best_t, times)
         return best, times
 
     key = _tune_key(weights, rows, prologue, conv_channels, epilogue)

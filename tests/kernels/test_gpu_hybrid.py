@@ -483,20 +483,23 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
         assert exact < 2e-2 and default <= 2.5 * exact + 1e-3, errs
 
 
-def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False):
+def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, conv_early: bool = False):
     """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
     into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the
     conv step into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate into o
     and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and 128). rows_fused: at more
     than one row too, the norms and the conv step (each row on its own state page) fused, and gate_up giving
-    silu(gate) * up itself (glu) with down reading it plain."""
+    silu(gate) * up itself (glu) with down reading it plain. conv_early: in_proj's conv with its state rows read
+    before the product, with no K split."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
     choice = {}
     for bs in sizes:
         base = one if bs == 1 else dict(one, dot=True)
         for name in ("in_proj", "qkv", "gate_up"):
             choice[(name, bs)] = dict(base, norm=True, preload=True) if bs == 1 or rows_fused else base
-        if bs == 1 or rows_fused:  # the conv step in in_proj's launch, K split: the last program of a block runs it
+        if conv_early and (bs == 1 or rows_fused):  # the conv's state rows read first (no K split)
+            choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, conv_early=True)
+        elif bs == 1 or rows_fused:  # the conv step in in_proj's launch, K split: the last program of a block runs it
             choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, splits=2)
         choice[("out", bs)] = dict(base, splits=2, unroll=True) if bs == 1 else dict(base, splits=2)
         choice[("o", bs)] = dict(base, sigmoid=True)
@@ -518,9 +521,10 @@ CONV_IN_DELTA = {1: dict(block_v=8, split=2, conv=True), 2: dict(block_v=8, ahea
 @WHOLE_MODEL
 @pytest.mark.parametrize(
     "cfg,rows_fused,delta",
-    [(DENSE_TINY, False, None), (MOE_FOLDED, False, None), (DENSE_TINY, True, None), (DENSE_TINY, False, "conv")],
-    ids=["dense", "moe", "rows", "conv-in-delta"],
-)
+    [(DENSE_TINY, False, None), (MOE_FOLDED, False, None), (DENSE_TINY, True, None), (DENSE_TINY, False, "conv"),
+     (DENSE_TINY, True, "early")],
+    ids=["dense", "moe", "rows", "conv-in-delta", "conv-early"],
+)  # fmt: skip
 def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused, delta, monkeypatch):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
     sigmoid gate and silu fused; with rows_fused the norms, the conv step and gate_up's glu too) with every
@@ -528,12 +532,14 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     the residual stream the fused norms write comes out as the unfused path's. conv-in-delta: the projections on
     cuBLAS and the conv step in the delta step's launch (`CONV_IN_DELTA`, set before the capture, with tuning off
     so that it stays), as tuning can choose: every delta step the graphs' bodies run (each step's on the CPU, the
-    captures' on a GPU) has the conv."""
+    captures' on a GPU) has the conv. conv-early: as rows, in_proj's conv reading its state rows first
+    (`fused_prologues(conv_early=True)`)."""
     sizes = (1, 2, 4)
-    choice = None if delta else fused_prologues(rows_fused=rows_fused)
-    r, gpu = build(cfg, sizes=() if delta else sizes, linear_choice=choice)
+    conv_in_delta = delta == "conv"
+    choice = None if conv_in_delta else fused_prologues(rows_fused=rows_fused, conv_early=delta == "early")
+    r, gpu = build(cfg, sizes=() if conv_in_delta else sizes, linear_choice=choice)
     fused_convs = []
-    if delta:
+    if conv_in_delta:
         monkeypatch.setenv("TRITON_PD_LINEAR_TUNE", "0")  # cuBLAS projections, and the delta step as chosen here
         gpu.delta_choice = dict(CONV_IN_DELTA)
         delta_step = kd.gated_delta_step
@@ -551,7 +557,7 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
         dec = seqs.step([0] if step % 2 == 0 else [0, 1, 2])
         torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
     assert gpu.stats["graph_steps"] == 4
-    if delta:
+    if conv_in_delta:
         linear_layers = sum(not L["full"] for L in gpu.layers)
         assert len(fused_convs) >= len(sizes) * linear_layers and all(c is not None for c in fused_convs)
         assert gpu.delta_choice == CONV_IN_DELTA

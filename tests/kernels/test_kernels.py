@@ -462,23 +462,27 @@ def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
 
 
 @pytest.mark.parametrize(
-    "rows,splits,preload,unroll,block_k",
+    "rows,splits,preload,unroll,block_k,early",
     [
-        (1, 1, False, False, 128),
-        (1, 2, True, False, 128),
-        (1, 2, True, True, 128),
-        (1, 2, True, False, 256),
-        (1, 1, True, False, 512),
-        (3, 1, False, False, 128),
-        (20, 2, True, False, 128),
+        (1, 1, False, False, 128, False),
+        (1, 2, True, False, 128, False),
+        (1, 2, True, True, 128, False),
+        (1, 2, True, False, 256, False),
+        (1, 1, True, False, 512, False),
+        (3, 1, False, False, 128, False),
+        (20, 2, True, False, 128, False),
+        (1, 1, True, True, 128, True),
+        (3, 1, False, False, 128, True),
+        (20, 1, True, False, 128, True),
     ],
 )
-def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k):
+def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k, early):
     """A linear-attention in_proj: rmsnorm fused in, and each row's first C outputs through the conv step in the
     same launch (row m's state read at page pages[m], written at out_pages[m]): the outputs, the conv's float32
     outputs and the new state pages as the unfused launches give them; other pages untouched. One row with plain
     products, more rows with tensor cores. block_k * splits = K: each program's whole range of K in the one tile
-    read before the PDL wait (`whole_range_candidates`)."""
+    read before the PDL wait (`whole_range_candidates`). early (conv_early): the conv's state rows and weights read
+    before the product, the new rows stored from them; with a K split it is refused."""
     from kernels import delta_rule, linear
 
     K, N, C = 512, 160, 96
@@ -495,7 +499,11 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k):
     ref_state, ref_mixed = state.clone(), torch.empty(rows, C, device=DEVICE)
     mixed = torch.empty(rows, C, device=DEVICE)
     settings = dict(block_n=32, block_k=block_k, num_stages=3, dot=rows > 1, splits=splits, preload=preload,
-                    norm=True, conv=True, unroll=unroll)  # fmt: skip
+                    norm=True, conv=True, unroll=unroll, conv_early=early)  # fmt: skip
+    if early:
+        with pytest.raises(AssertionError, match="conv_early: no K split"):
+            linear.normed_linear(x, res.clone(), nw, 1e-6, w, dict(settings, splits=2, block_k=block_k // 2),
+                                 conv=(cw, state.clone(), pages, out_pages, mixed))  # fmt: skip
     got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings, conv=(cw, state, pages, out_pages, mixed))
     want, _ = linear.normed_linear(x, res.clone(), nw, 1e-6, w, None, conv=(cw, ref_state, pages, out_pages,
                                                                             ref_mixed))  # fmt: skip
@@ -513,7 +521,8 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k):
 def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     """tune with what the input is computed from (the norm and the conv step at any number of rows): whatever it
     picks gives the unfused result; at more than one row it also timed skinny_linear after the prologue's own
-    launch (settings without the prologue's flag) and the fused prologue with its input loaded a step ahead."""
+    launch (settings without the prologue's flag) and the fused prologue with its input loaded a step ahead; with
+    the conv (the norm's cases) it timed a setting with the conv's state rows read first (conv_early)."""
     from kernels import linear
 
     gen = torch.Generator().manual_seed(rows)
@@ -524,6 +533,7 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     unfused = [k for k in times if k != "cublas" and f"'{flag}': True" not in k]
     assert bool(unfused) == (rows > 1), list(times)
     assert any("'prefetch': True" in k for k in times) == (rows > 1), list(times)
+    assert any("'conv_early': True" in k for k in times) == (prologue == "norm"), list(times)  # with the conv
     assert not any(isinstance(t, str) and "capture" in t for t in times.values()), times  # counted launches ran
     x = torch.randn(rows, 2048 if prologue == "silu" else 1024, generator=gen).to(DEVICE, BF16)
     if prologue == "norm":
