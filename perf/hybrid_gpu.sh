@@ -3,7 +3,7 @@
 # every file of the run in OUT/files.tgz (logs, JSON rows, tuning caches), few files for a device tool that returns
 # only a few:
 #   bash perf/hybrid_gpu.sh OUT bench|seed
-# bench: the gated delta step's and the whole-model graphs' kernel tests, then perf.hybrid_bench's decode step at
+# bench: the gated delta step's, the conv epilogue's and the whole-model graphs' kernel tests, then perf.hybrid_bench's decode step at
 #        batch 1, 32 and 128 for random:qwen3-next-layout (with --profile) and random:qwen3.5-9b, tuned cold on the
 #        measured graph sizes (about 8 minutes); the device host's python3, no bundle;
 # seed:  the seed scenario's 3 x 5,500 phase with random:qwen3.5-9b, rotate against plain in one run, through the
@@ -37,8 +37,9 @@ trap pack EXIT
 nvidia-smi --query-gpu=name --format=csv,noheader
 case "$WHAT" in
   bench)
-    step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_hybrid.py \
-      -k "gated_delta_step or tune_step or step_candidates or fused_prologues or verify_and_mtp or tune_kernels"
+    step kernel_tests 165 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_hybrid.py \
+      tests/kernels/test_kernels.py -k "gated_delta_step or tune_step or step_candidates or fused_prologues or \
+      verify_and_mtp or tune_kernels or conv_epilogue"
     step layout 230 python3 -m perf.hybrid_bench --models random:qwen3-next-layout --batches 1 32 128 --prefill 0 \
       --reps 20 --eager-batches --profile --time-limit 215 --out "$W/layout.md"
     step qwen35 200 python3 -m perf.hybrid_bench --models random:qwen3.5-9b --batches 1 32 128 --prefill 0 \
