@@ -11,8 +11,8 @@ Rules for a kernel that takes `PDL`:
   before it). Since every launch waits first and only then lets the next one start, a launch starts only once
   the launch two before it has finished: loads of weights, of the graph's inputs, and of what that earlier launch
   (or an earlier step) wrote may come before the wait (`delta_rule.gated_delta_step(preload=True)`,
-  `linear.skinny_linear(conv_early=True)`'s conv state rows, `moe`'s down projection of a few tokens); a launch of a library (cuBLAS, PyTorch) lets the next one start only
-  when it has finished;
+  `linear.skinny_linear(conv_early=True)`'s conv state rows, `moe`'s down projection of a few tokens); a launch of
+  a library (cuBLAS, PyTorch) lets the next one start only when it has finished;
 - launch it with `**launch(tensor)`: PDL=True and launch_pdl=True on a CUDA tensor when enabled, else both off
   (the CPU interpreter has no griddepcontrol).
 
