@@ -26,3 +26,20 @@ def test_candidates_compile_for_sm90_and_report_registers_and_spills(tmp_path):
     interpreted = subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--first", "1"], capture_output=True,
                                  text=True, env=dict(env, TRITON_INTERPRET="1"), timeout=120)  # fmt: skip
     assert interpreted.returncode == 2 and "unset it" in interpreted.stderr
+
+
+def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_path):
+    """--skinny: skinny_linear's first tensor-core tile compiles for sm_90 plain, with the conv epilogue and with
+    conv_early, each with its registers; one row is refused (the tool compiles the tensor-core path)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "skinny.md"
+    command = ["--skinny", "--rows", "32", "--first", "1", "--out", str(out), "--time-limit", "150"]
+    subprocess.run([sys.executable, "-m", "perf.kernel_regs", *command], env=env, check=True, capture_output=True,
+                   timeout=200)  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [r["conv"] for r in rows] == ["no", "epilogue", "conv_early"]
+    assert all(r["block_n"] == 32 and 0 < r["REG"] <= 255 for r in rows)
+    assert rows[1]["REG"] > rows[0]["REG"]  # the conv's tiles cost registers beside the product's
+    one = subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--skinny", "--rows", "1"], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
+    assert one.returncode == 2 and "--rows 2 or more" in one.stderr
