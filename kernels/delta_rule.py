@@ -406,7 +406,7 @@ def _conv_step_kernel(
 def conv_channels(x, offs, mask, W, S, Page, OutPage, s_page, KM1: tl.constexpr):
     """The conv step of channels offs (where mask) for one new input x (float32): SiLU of the causal conv over the
     state row at page *Page, whose new state (the kept inputs after the oldest, then x) goes to page *OutPage. Every
-    load comes before any store. Also run by kernels.linear's conv epilogue."""
+    load comes before any store."""
     page = tl.load(Page).to(tl.int64)
     out_page = tl.load(OutPage).to(tl.int64)
     y, full = _conv_read(x, offs, mask, W, S, page, s_page, KM1)
@@ -454,18 +454,11 @@ def conv_write(full, offs, mask, S, out_page, s_page, KM1: tl.constexpr):
 
 
 @triton.jit
-def conv_channels_rows(x, offs_m, mask_m, offs_n, mask, W, S, Pages, OutPages, s_page, KM1: tl.constexpr):
-    """`conv_channels` for rows offs_m (where mask_m) of new inputs x [BLOCK_M, BLOCK_N] (float32) over channels
-    offs_n (where mask), row m on its own pages Pages[m] / OutPages[m]. Every load comes before any store."""
-    prev, w, out_page = conv_rows_load(offs_m, mask_m, offs_n, mask, W, S, Pages, OutPages, s_page, KM1)
-    return conv_rows_finish(x, prev, w, out_page, offs_m, mask_m, offs_n, mask, S, s_page, KM1)
-
-
-@triton.jit
 def conv_rows_load(offs_m, mask_m, offs_n, mask, W, S, Pages, OutPages, s_page, KM1: tl.constexpr):
-    """The loads of `conv_channels_rows` that need no new input: (the state rows [BLOCK_M, BLOCK_N, KM1 + 1] at
-    each row's page, oldest first, then a 0; the weights [1, BLOCK_N, KM1 + 1] float32; each row's page to write),
-    for `conv_rows_finish` (so a caller can issue them before what computes x)."""
+    """`conv_load` for rows offs_m (where mask_m) over channels offs_n (where mask), row m on its own pages Pages[m]
+    / OutPages[m]: (the state rows [BLOCK_M, BLOCK_N, KM1 + 1] at each row's page, oldest first, then a 0; the
+    weights [1, BLOCK_N, KM1 + 1] float32; each row's page to write), for `conv_rows_finish` (kernels.linear's
+    conv epilogue, which may issue them before what computes x)."""
     page = tl.load(Pages + offs_m, mask=mask_m, other=0).to(tl.int64)
     out_page = tl.load(OutPages + offs_m, mask=mask_m, other=0).to(tl.int64)
     taps = tl.arange(0, KM1 + 1)[None, None, :]

@@ -18,8 +18,6 @@ import triton
 import triton.language as tl
 
 from kernels import pdl as pdl_module
-from kernels.delta_rule import conv_channels as _conv_channels
-from kernels.delta_rule import conv_channels_rows as _conv_channels_rows
 from kernels.delta_rule import conv_load as _conv_load
 from kernels.delta_rule import conv_math as _conv_math
 from kernels.delta_rule import conv_rows_finish as _conv_rows_finish
@@ -247,15 +245,10 @@ def _skinny_kernel(
         w0 = tl.load(w_ptr, mask=mask_n[:, None], other=0.0)
         if GLU:
             u0 = tl.load(u_ptr, mask=mask_n[:, None], other=0.0)
-    if CONV_EARLY:  # the conv's inputs other than the product, for `_conv_epilogue_early`
-        cmask = mask_n & (offs_n < CC)
-        if DOT:
-            offs_cm = tl.arange(0, BLOCK_M)
-            c_prev, c_w, c_out = _conv_rows_load(offs_cm, offs_cm < M, offs_n, cmask, CW, CS, CPages, COutPages,
-                                                 cs_page, KM1)  # fmt: skip
-        else:
-            c_prev, c_w = _conv_load(offs_n, cmask, CW, CS, tl.load(CPages).to(tl.int64), cs_page, KM1)
-            c_out = tl.load(COutPages).to(tl.int64)
+    if CONV_EARLY:  # the conv's inputs other than the product, for `_conv_finish`
+        offs_cm = tl.arange(0, BLOCK_M)
+        c_prev, c_w, c_out = _conv_inputs(offs_cm, offs_cm < M, offs_n, mask_n, CW, CS, CPages, COutPages, CC,
+                                          cs_page, KM1, DOT)  # fmt: skip
     enter(PDL)
     rstd = 0.0
     if NORM:
@@ -368,8 +361,8 @@ def _skinny_kernel(
         else:
             tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
         if CONV_EARLY:
-            _conv_epilogue_early(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, c_prev, c_w, c_out, CS,
-                                 Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
+            _conv_finish(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, c_prev, c_w, c_out, CS, Mixed,
+                         s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
         elif CONV:
             _conv_epilogue(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, CS, CW, CPages, COutPages,
                            Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
@@ -409,23 +402,33 @@ def _conv_epilogue(y, offs_m, mask_m, offs_n, mask_n, CS, CW, CPages, COutPages,
                    KM1: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """kernels.delta_rule's conv step over the output columns offs_n below CC (y: their values as stored), into
     Mixed (rows s_mix apart): one row (y [BLOCK_N], its pages CPages[0] / COutPages[0]), or with ROWS each row m of
-    y [BLOCK_M, BLOCK_N] (offs_m where mask_m) on its own pages CPages[m] / COutPages[m]."""
-    mask = mask_n & (offs_n < CC)
-    if ROWS:
-        mask2 = mask_m[:, None] & mask[None, :]
-        out = _conv_channels_rows(y.to(tl.float32), offs_m, mask_m, offs_n, mask, CW, CS, CPages, COutPages,
-                                  cs_page, KM1)  # fmt: skip
-        tl.store(Mixed + offs_m[:, None] * s_mix + offs_n[None, :], out, mask=mask2)
-    else:
-        out = _conv_channels(y.to(tl.float32), offs_n, mask, CW, CS, CPages, COutPages, cs_page, KM1)
-        tl.store(Mixed + offs_n, out, mask=mask)
+    y [BLOCK_M, BLOCK_N] (offs_m where mask_m) on its own pages CPages[m] / COutPages[m]. Every load comes before
+    any store."""
+    y = y.to(tl.float32)  # before the reads, as the conv step orders them
+    prev, w, out_page = _conv_inputs(offs_m, mask_m, offs_n, mask_n, CW, CS, CPages, COutPages, CC, cs_page, KM1,
+                                     ROWS)  # fmt: skip
+    _conv_finish(y, offs_m, mask_m, offs_n, mask_n, prev, w, out_page, CS, Mixed, s_mix, CC, cs_page, KM1, ROWS)
 
 
 @triton.jit
-def _conv_epilogue_early(y, offs_m, mask_m, offs_n, mask_n, prev, w, out_page, CS, Mixed, s_mix, CC, cs_page,
-                         KM1: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """`_conv_epilogue` on state rows, weights and out pages loaded before the product (kernels.delta_rule's
-    conv_rows_load with ROWS, else conv_load at one row's pages)."""
+def _conv_inputs(offs_m, mask_m, offs_n, mask_n, CW, CS, CPages, COutPages, CC, cs_page, KM1: tl.constexpr,
+                 ROWS: tl.constexpr):  # fmt: skip
+    """What `_conv_epilogue` reads besides the product, for `_conv_finish`: (state rows, weights, out pages) of the
+    output columns offs_n below CC, kernels.delta_rule's conv_rows_load with ROWS, else its conv_load at one
+    row's pages CPages[0] / COutPages[0] (offs_m and mask_m unused)."""
+    mask = mask_n & (offs_n < CC)
+    if ROWS:
+        prev, w, out_page = _conv_rows_load(offs_m, mask_m, offs_n, mask, CW, CS, CPages, COutPages, cs_page, KM1)
+    else:
+        prev, w = _conv_load(offs_n, mask, CW, CS, tl.load(CPages).to(tl.int64), cs_page, KM1)
+        out_page = tl.load(COutPages).to(tl.int64)
+    return prev, w, out_page
+
+
+@triton.jit
+def _conv_finish(y, offs_m, mask_m, offs_n, mask_n, prev, w, out_page, CS, Mixed, s_mix, CC, cs_page,
+                 KM1: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """The rest of `_conv_epilogue` on `_conv_inputs`' reads: the conv of y into Mixed and the new state rows."""
     mask = mask_n & (offs_n < CC)
     if ROWS:
         out = _conv_rows_finish(y.to(tl.float32), prev, w, out_page, offs_m, mask_m, offs_n, mask, CS, cs_page, KM1)
