@@ -294,7 +294,7 @@ def _phase_rows(phase: str, pols: list[str], runs: dict) -> list[str]:
             ),
         ),
         (
-            "decode loop s: idle / wait / read / schedule / copies / step",
+            "decode loop s: " + " / ".join(LOOP_PARTS),
             lambda r: " / ".join(f"{r.get('loop_' + k, 0):.1f}" for k in LOOP_PARTS),
         ),
         (
@@ -522,10 +522,13 @@ def main(argv=None) -> int:
     def note(text: str) -> None:  # said in the report
         summary["note"] = f"{summary['note']}; {text}" if summary.get("note") else text
 
+    def time_left() -> float:  # of --time-limit, less time to stop
+        return a.time_limit - (time.monotonic() - t_start) - 20.0
+
     def limit(what: str) -> float | None:
-        """A phase's limit: --phase-limit, or what is left of --time-limit less time to stop; None where less than
-        a second is left (the phase is not run: its figures would be a second's, and its server may be stopping)."""
-        left = a.time_limit - (time.monotonic() - t_start) - 20.0
+        """A phase's limit: --phase-limit, or `time_left()`; None where less than a second is left (the phase is not
+        run: its figures would be a second's, and its server may be stopping)."""
+        left = time_left()
         if left < 1.0:
             note(f"{what} not run: --time-limit reached")
             return None
@@ -536,7 +539,7 @@ def main(argv=None) -> int:
     timer = wall_clock_limit(a.time_limit, write, servers)
     for pol in a.policies:
         res = summary["policies"][pol] = {}
-        if a.time_limit - (time.monotonic() - t_start) - 20.0 < 1.0:
+        if time_left() < 1.0:
             note(f"{pol} not run: --time-limit reached")
             continue
         say(f"{pol}: starting a server")

@@ -164,7 +164,7 @@ def write(out: Path, a, windows: list[dict], checks: dict, command: str) -> None
     procs = sorted({k for w in windows for k in w["rss"]})
     head = ["t (s)", "tokens/s", "finished", "cancelled", "errors", "pauses", "rotations", "rec host/prefill/local",
             "swapped in", "running/queued/paused", "KV used", "host used",
-            "decode loop s idle/wait/read/schedule/copies/step", "prefill tokens computed/cached"]  # fmt: skip
+            f"decode loop s {'/'.join(LOOP_PARTS)}", "prefill tokens computed/cached"]  # fmt: skip
     head += [f"RSS {p} (MB)" for p in procs]
     head.append("GPU mem (MB)")
     lines = [f"# Soak: {a.users} users, {a.duration:.0f} s in windows of {a.window:.0f} s", "", f"`{command}`", "",
