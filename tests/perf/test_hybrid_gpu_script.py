@@ -48,3 +48,32 @@ def test_the_tuning_caches_it_starts_from_are_tuning_cache_files():
         data = json.loads((ROOT / path).read_text())
         assert isinstance(data["code"], str) and len(data["code"]) == 16
         assert data["entries"] and all({"choice", "times"} <= set(e) for e in data["entries"].values())
+
+
+def test_every_seed_stalls_command_parses_with_its_flags(monkeypatch):
+    """Each `perf/seed_stalls.py` command (the hybrid and the dense seed step, with either phase for PHASE) gets
+    past the tool's parser and its checks of policies and limits to loading the model, where it stops here."""
+    from backends.common.model import loader
+    from perf import seed_stalls
+
+    class Parsed(Exception):
+        pass
+
+    def stop(model):
+        raise Parsed(model)
+
+    monkeypatch.setattr(loader, "resolve", stop)
+    commands = [line.split("perf/seed_stalls.py", 1)[1] for line in SCRIPT.splitlines()
+                if "perf/seed_stalls.py" in line and not line.lstrip().startswith("#")]  # fmt: skip
+    assert len(commands) == 2, commands  # seed (hybrid) and seed-dense
+    models = []
+    for command in commands:
+        for phase in seed_stalls.PHASES:
+            args = shlex.split(command.replace("$PHASE", phase[0]))
+            try:
+                seed_stalls.main(args)
+            except Parsed as e:
+                models.append(e.args[0])
+            else:
+                raise AssertionError(f"seed_stalls {args} returned before loading its model")
+    assert sorted(set(models)) == ["random:llama3.1-8b", "random:qwen3.5-9b"]
