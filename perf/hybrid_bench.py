@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         return 2
     from backends.common.engine.runner import GRAPH_SIZES, ModelRunner
     from backends.common.model.batch import Span
-    from kernels import delta_rule, delta_tune, linear
+    from kernels import delta_rule, delta_tune, linear, pdl
 
     rows: list[dict] = []
     lines = [f"# Hybrid models on {torch.cuda.get_device_name()} (bfloat16, random weights)", ""]
@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     bw, mm = copy_bandwidth(), matmul_rate()
     lines += [
         f"Measured here: copy bandwidth {bw / 1e9:,.0f} GB/s (read + written), bf16 8192^3 matmul "
-        f"{mm / 1e12:,.0f} TFLOP/s. Command: `python -m perf.hybrid_bench {' '.join(argv or sys.argv[1:])}`.",
+        f"{mm / 1e12:,.0f} TFLOP/s. Command: `python -m perf.hybrid_bench {' '.join(argv or sys.argv[1:])}`"
+        f"{'' if pdl.enabled(torch.device('cuda')) else ', programmatic dependent launch off'}.",
         "",
         "| model | batch | graph step | loop step | roofline | graph / roofline | loop / roofline | eager step "
         "| tokens/s (loop) |",

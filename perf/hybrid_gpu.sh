@@ -5,8 +5,8 @@
 #   bash perf/hybrid_gpu.sh OUT bench|seed|seed-dense [PHASE]
 # bench: the gated delta step's, the conv epilogue's and the whole-model graphs' kernel tests, then
 #        perf.hybrid_bench's decode step at batch 1, 32 and 128 for random:qwen3-next-layout (with --profile) and
-#        random:qwen3.5-9b, tuned on the measured graph sizes (about 5 minutes on an H100, tuned cold); the device
-#        host's python3, no bundle;
+#        random:qwen3.5-9b, tuned on the measured graph sizes (about 5 minutes on an H100, tuned cold), and the
+#        layout's batch 32 profiled again with PDL off; the device host's python3, no bundle;
 # seed:  a seed phase with random:qwen3.5-9b and a 65,536-token host tier, rotate against plain in one run, through
 #        the offline bundle (`triton-pd bundle .bundle`, carried): about 5 minutes for 3x5500, 3 for 4x4000;
 # seed-dense: the same with the dense random:llama3.1-8b and the server's host tier, about 4 and 3 minutes.
@@ -46,6 +46,10 @@ case "$WHAT" in
       verify_and_mtp or tune_kernels or conv_epilogue"
     step layout 230 python3 -m perf.hybrid_bench --models random:qwen3-next-layout --batches 1 32 128 --prefill 0 \
       --reps 20 --eager-batches --profile --time-limit 215 --out "$W/layout.md"
+    # batch 32 again with PDL off (the tuning picks above reused): --profile's per-kernel times without the early
+    # starts that make a launch count its wait for the one before, so they add up to the step
+    step layout_nopdl 120 env TRITON_PD_PDL=0 python3 -m perf.hybrid_bench --models random:qwen3-next-layout \
+      --batches 32 --prefill 0 --reps 20 --profile --time-limit 105 --out "$W/layout_nopdl.md"
     step qwen35 200 python3 -m perf.hybrid_bench --models random:qwen3.5-9b --batches 1 32 128 --prefill 0 \
       --reps 20 --eager-batches --time-limit 185 --out "$W/qwen35.md"
     ;;
