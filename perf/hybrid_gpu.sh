@@ -2,22 +2,23 @@
 # Issue #26's measurements on one GPU, each step bounded in wall clock, results under OUT: the reports (.md) and
 # every file of the run in OUT/files.tgz (logs, JSON rows, tuning caches), few files for a device tool that returns
 # only a few:
-#   bash perf/hybrid_gpu.sh OUT bench|seed|seed-dense [PHASE]
+#   bash perf/hybrid_gpu.sh OUT bench|seed|seed-mtp|seed-dense [PHASE]
 # bench: the gated delta step's, the conv epilogue's and the whole-model graphs' kernel tests, then
 #        perf.hybrid_bench's decode step at batch 1, 32 and 128 for random:qwen3-next-layout (with --profile) and
 #        random:qwen3.5-9b, tuned on the measured graph sizes (about 5 minutes on an H100, tuned cold), and the
 #        layout's batch 32 profiled again with PDL off; the device host's python3, no bundle;
 # seed:  a seed phase with random:qwen3.5-9b and a 65,536-token host tier, rotate against plain in one run, through
 #        the offline bundle (`triton-pd bundle .bundle`, carried): about 5 minutes for 3x5500, 3 for 4x4000;
-# seed-dense: the same with the dense random:llama3.1-8b and the server's host tier, about 4 and 3 minutes.
+# seed-mtp: seed with --speculative mtp on both servers (the MTP head's verify steps), phase limit 95 s (not yet run);
+# seed-dense: the same as seed with the dense random:llama3.1-8b and the server's host tier, about 4 and 3 minutes.
 # PHASE: the seed phase (seed_stalls --phases): 3x5500 (default) or 4x4000.
 # The tuning caches (linear-tune.json, delta-tune.json) start from perf/tune_cache/'s and go in the archive unless
 # TRITON_PD_TUNE_CACHE names a file (the delta step's cache sits beside it): see perf/tune_cache/README.md.
 set -uo pipefail
 OUT=${1:?OUT folder}
-WHAT=${2:?bench, seed or seed-dense}
+WHAT=${2:?bench, seed, seed-mtp or seed-dense}
 PHASE=${3:-3x5500}
-case "$WHAT" in bench|seed|seed-dense) ;; *) echo "hybrid_gpu.sh: bench, seed or seed-dense, not $WHAT" >&2; exit 2 ;; esac
+case "$WHAT" in bench|seed|seed-mtp|seed-dense) ;; *) echo "hybrid_gpu.sh: bench, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
 W="$OUT/files"
 mkdir -p "$W"
 if [ -z "${TRITON_PD_TUNE_CACHE:-}" ]; then
@@ -58,6 +59,13 @@ case "$WHAT" in
       --model random:qwen3.5-9b --serve-args "--device gpu --max-batch 16" --policies rotate plain \
       --host-kv-tokens 65536 --phases $PHASE --phase-limit 75 --time-limit 540
     cp /tmp/hybrid_gpu_seed/report.md /tmp/hybrid_gpu_seed/summary.json "$W/" 2>/dev/null
+    ;;
+  seed-mtp)
+    step seed_mtp 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed_mtp \
+      --model random:qwen3.5-9b --serve-args "--device gpu --max-batch 16 --speculative mtp" \
+      --policies rotate plain --host-kv-tokens 65536 --phases $PHASE --phase-limit 95 --time-limit 540
+    cp /tmp/hybrid_gpu_seed_mtp/report.md "$W/report_mtp.md" 2>/dev/null
+    cp /tmp/hybrid_gpu_seed_mtp/summary.json "$W/summary_mtp.json" 2>/dev/null
     ;;
   seed-dense)
     step seed_dense 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed_dense \

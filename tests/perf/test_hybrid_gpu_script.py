@@ -51,7 +51,7 @@ def test_the_tuning_caches_it_starts_from_are_tuning_cache_files():
 
 
 def test_every_seed_stalls_command_parses_with_its_flags(monkeypatch):
-    """Each `perf/seed_stalls.py` command (the hybrid and the dense seed step, with either phase for PHASE) gets
+    """Each `perf/seed_stalls.py` command (the hybrid seed step, with MTP and dense, either phase for PHASE) gets
     past the tool's parser and its checks of policies and limits to loading the model, where it stops here."""
     from backends.common.model import loader
     from perf import seed_stalls
@@ -65,7 +65,7 @@ def test_every_seed_stalls_command_parses_with_its_flags(monkeypatch):
     monkeypatch.setattr(loader, "resolve", stop)
     commands = [line.split("perf/seed_stalls.py", 1)[1] for line in SCRIPT.splitlines()
                 if "perf/seed_stalls.py" in line and not line.lstrip().startswith("#")]  # fmt: skip
-    assert len(commands) == 2, commands  # seed (hybrid) and seed-dense
+    assert len(commands) == 3, commands  # seed (hybrid), seed-mtp and seed-dense
     models = []
     for command in commands:
         for phase in seed_stalls.PHASES:
