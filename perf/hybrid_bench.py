@@ -26,8 +26,11 @@ then the MTP head drafts the next), GPU time per replay against the decode step'
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -125,6 +128,14 @@ def profile_kernels(fn, title: str, reps: int = 5, top: int = 14, sequence: int 
           "profiler on)", flush=True)  # fmt: skip
     for name, (t, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t / reps / 1e3:7.3f} ms  {n // reps:4d}x  {name[:110]}", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(str(Path(d) / "trace.json"))
+        by_grid = kernels_by_grid(json.loads((Path(d) / "trace.json").read_text()), reps)
+    if by_grid:
+        print("  kernels launched with more than one grid, by grid (each projection's launches apart):", flush=True)
+        for name, grid, ms, n, us in by_grid:
+            print(f"  {ms:7.3f} ms  {n:4d}x  {us:6.1f} us each  grid {'x'.join(map(str, grid)):>10}  {name[:70]}",
+                  flush=True)  # fmt: skip
     if sequence:
         evs = sorted((ev for ev in prof.events() if ev.device_type.name == "CUDA"), key=lambda ev: ev.time_range.start)
         last = evs[len(evs) - len(evs) // reps :]
@@ -132,6 +143,28 @@ def profile_kernels(fn, title: str, reps: int = 5, top: int = 14, sequence: int 
         print(f"  the last call's first {min(sequence, len(last))} of {len(last)} kernels (start, duration, us):")
         for ev in last[:sequence]:
             print(f"    {ev.time_range.start - t0:9.1f} {ev.device_time:7.1f}  {ev.name[:80]}", flush=True)
+
+
+def kernels_by_grid(trace: dict, reps: int) -> list[tuple[str, tuple, float, int, float]]:
+    """From a torch.profiler Chrome trace of `reps` calls, the kernels launched with more than one grid (e.g.
+    skinny_linear, one grid per projection shape) as (name, grid, ms per call, launches per call, us per launch),
+    each name's grids by time, names by their total time. Kernels with one grid are in the per-name table already;
+    a trace without grids gives []."""
+    per: dict[tuple[str, tuple], list[float]] = {}
+    for ev in trace.get("traceEvents", []):
+        grid = ev.get("args", {}).get("grid") if ev.get("cat") == "kernel" else None
+        if grid is not None:
+            per.setdefault((ev["name"], tuple(grid)), []).append(float(ev.get("dur", 0.0)))
+    grids: dict[str, list[tuple]] = {}
+    for name, grid in per:
+        grids.setdefault(name, []).append(grid)
+    total = {name: sum(sum(per[(name, g)]) for g in gs) for name, gs in grids.items() if len(gs) > 1}
+    rows = []
+    for name in sorted(total, key=lambda n: -total[n]):
+        for g in sorted(grids[name], key=lambda g: -sum(per[(name, g)])):
+            durs = per[(name, g)]
+            rows.append((name, g, sum(durs) / reps / 1e3, len(durs) // reps, sum(durs) / len(durs)))
+    return rows
 
 
 def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
@@ -193,7 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30, help="graph replays and loop steps timed per batch")
     ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 32], help="also time the eager path")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement (0: none)")
-    ap.add_argument("--profile", action="store_true", help="print each batch's kernels by GPU time")
+    ap.add_argument("--profile", action="store_true",
+                    help="print each batch's kernels by GPU time, and a kernel launched with several grids (such as "
+                    "skinny_linear, one per projection shape) by grid")  # fmt: skip
     ap.add_argument(
         "--profile-sequence",
         type=int,
