@@ -152,7 +152,8 @@ def kernels_by_grid(trace: dict, reps: int) -> list[tuple[str, tuple, float, int
     a trace without grids gives []."""
     per: dict[tuple[str, tuple], list[float]] = {}
     for ev in trace.get("traceEvents", []):
-        grid = ev.get("args", {}).get("grid") if ev.get("cat") == "kernel" else None
+        kernel = str(ev.get("cat", "")).lower() == "kernel"  # older kineto writes Kernel
+        grid = ev.get("args", {}).get("grid") if kernel else None
         if grid is not None:
             per.setdefault((ev["name"], tuple(grid)), []).append(float(ev.get("dur", 0.0)))
     grids: dict[str, list[tuple]] = {}

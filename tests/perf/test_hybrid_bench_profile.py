@@ -16,6 +16,7 @@ def test_a_kernel_with_several_grids_splits_by_grid_and_one_grid_kernels_are_lef
         events += [kernel("_skinny_kernel", (64, 4, 1), 10.0) for _ in range(3)]
         events += [kernel("_add_rms_norm_kernel", (32, 1, 1), 2.0) for _ in range(6)]
         events += [kernel("_decode_kernel", (12, 8, 1), 5.0), kernel("_decode_kernel", (12, 16, 1), 7.0)]
+        events[-1]["cat"] = "Kernel"  # older kineto's spelling
     rows = kernels_by_grid({"traceEvents": events}, reps)
     assert [(r[0], r[1]) for r in rows] == [
         ("_skinny_kernel", (386, 1, 1)),  # the larger total first, within the name with the larger total first
