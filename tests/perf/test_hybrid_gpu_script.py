@@ -77,3 +77,14 @@ def test_every_seed_stalls_command_parses_with_its_flags(monkeypatch):
             else:
                 raise AssertionError(f"seed_stalls {args} returned before loading its model")
     assert sorted(set(models)) == ["random:llama3.1-8b", "random:qwen3.5-9b"]
+
+
+def test_each_mode_fits_one_device_command():
+    """A device command ends at 600 s, and a command killed there returns nothing (the archive is packed on exit):
+    the wall limits of each mode's steps add up to less."""
+    modes = re.findall(r"^  ([a-z-]+)\)\n(.*?)^    ;;", SCRIPT, re.M | re.S)
+    assert {m for m, _ in modes} == {"bench", "seed", "seed-mtp", "seed-dense"}
+    for mode, body in modes:
+        limits = [int(n) for n in re.findall(r"^\s*step \S+ (\d+) ", body, re.M)]
+        assert limits, mode
+        assert sum(limits) <= 590, f"{mode}: steps' limits {limits} add up to {sum(limits)} s"
