@@ -864,44 +864,36 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
         if pflag and rows > 1:
             # the two fastest with the prologue fused, again with their input tiles loaded a step ahead (prefetch)
-            fused = sorted(
-                (t, i) for i, s in enumerate(settings) if s.get(pflag) and isinstance(t := times.get(str(s)), float)
-            )
-            ahead = [dict(settings[i], prefetch=True) for _, i in fused[:2]]
+            ahead = [dict(s, prefetch=True) for s in by_time(settings, times, lambda s: s.get(pflag))[:2]]
             if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
                 ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
-            best_t = times[str(best)] if best is not None else times["cublas"]
-            best, times = fastest(ahead, run, len(weights), best, best_t, times)
+            best, times = fastest(ahead, run, len(weights), best, time_of(best, times), times)
             settings += ahead
         if best is not None and rows == 1:
             # then the three fastest with a loop over K with the loop unrolled, and the best with its first weight
             # tile loaded before the PDL wait (each a compile: not crossed with every candidate)
-            looped = [(i, s) for i, s in enumerate(settings) if not s.get("preload")]
-            top = sorted((t, i) for i, s in looped if isinstance(t := times.get(str(s)), float))[:3]
-            unrolled = [dict(settings[i], unroll=True) for _, i in top]
+            top = by_time(settings, times, lambda s: not s.get("preload"))[:3]
+            unrolled = [dict(s, unroll=True) for s in top]
             best, times = fastest(unrolled, run, len(weights), best, times[str(best)], times)
             if best is not None and not best.get("preload"):
                 best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
         elif rows > 1:
             # the fastest candidate with its first weight tile loaded before the PDL wait, even where cuBLAS was
             # the faster so far: cuBLAS's launches cannot start early, a preloading one overlaps the launch before
-            timed = sorted((t, i) for i, s in enumerate(settings) if isinstance(t := times.get(str(s)), float))
+            timed = by_time(settings, times)
             if timed:
-                best_t = times[str(best)] if best is not None else times["cublas"]
-                pre = dict(settings[timed[0][1]], preload=True)
-                best, times = fastest([pre], run, len(weights), best, best_t, times)
+                pre = dict(timed[0], preload=True)
+                best, times = fastest([pre], run, len(weights), best, time_of(best, times), times)
         if conv is not None:
             # the pick if it does the conv, else the fastest setting that does (with no K split), again with the
             # conv's state rows read before the product (conv_early): in flight during it rather than after it
-            if best is not None and best.get("conv") and best.get("splits", 1) == 1:
-                early = best
-            else:
-                fused = [s for s in settings if s.get("conv") and s.get("splits", 1) == 1]
-                timed = sorted((t, i) for i, s in enumerate(fused) if isinstance(t := times.get(str(s)), float))
-                early = fused[timed[0][1]] if timed else None
+            def whole_conv(s):
+                return s is not None and s.get("conv") and s.get("splits", 1) == 1
+
+            early = best if whole_conv(best) else next(iter(by_time(settings, times, whole_conv)), None)
             if early is not None:
-                best_t = times[str(best)] if best is not None else times["cublas"]
-                best, times = fastest([dict(early, conv_early=True)], run, len(weights), best, best_t, times)
+                best, times = fastest([dict(early, conv_early=True)], run, len(weights), best, time_of(best, times),
+                                      times)  # fmt: skip
         return best, times
 
     key = _tune_key(weights, rows, prologue, conv_channels, epilogue)
@@ -927,6 +919,18 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     if cached is None or best != cached["choice"]:  # timed here, or the cached pick failed the check
         tune_cache().put(key, best, times)
     return best, times
+
+
+def by_time(settings: list[dict], times: dict, keep=lambda s: True) -> list[dict]:
+    """The settings that `keep` accepts and that ran (a time in `times`, as `fastest` records them), fastest first,
+    ties in list order."""
+    timed = sorted((t, i) for i, s in enumerate(settings) if keep(s) and isinstance(t := times.get(str(s)), float))
+    return [settings[i] for _, i in timed]
+
+
+def time_of(best: dict | None, times: dict) -> float:
+    """The time `times` holds for the pick so far: best's, or cuBLAS's where best is None."""
+    return times[str(best)] if best is not None else times["cublas"]
 
 
 def fastest(settings: list[dict], run, per: int, best=None, best_t: float = float("inf"), times=None):
