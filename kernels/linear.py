@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import norm as norm_module
 from kernels import pdl as pdl_module
 from kernels.delta_rule import conv_load as _conv_load
 from kernels.delta_rule import conv_math as _conv_math
@@ -205,7 +206,7 @@ def _skinny_kernel(
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, s_mix, CC, cs_page,
     KM1: tl.constexpr, CONV_EARLY: tl.constexpr,
     UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr,
+    PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr, DEFER: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -228,7 +229,9 @@ def _skinny_kernel(
     after it). PREFETCH (DOT with a prologue): the input tiles of the next step of K (and of the sum of squares'
     next step, in tiles of NORM_TILE columns) are loaded before this step's are computed with, so their loads are
     in flight during the product; without it each step waits for its own input's loads, since an input computed
-    in registers is not among the loads the compiler pipelines."""
+    in registers is not among the loads the compiler pipelines. DEFER (SPLITS > 1, no GLU, no CONV): each program
+    only stores its partial sums; the launch that reads the product adds them (`Partials`), so no program waits on
+    the counter, fences its stores or reads the others' partials."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -371,22 +374,23 @@ def _skinny_kernel(
         tl.store(P + ps * part + offs_p, acc, mask=mask_y)
         if GLU:
             tl.store(P + ps * part + offs_p + NC, acc_u, mask=mask_y)
-        done = tl.atomic_add(C + pid, 1, sem="acq_rel")  # releases this program's partials, acquires the others'
-        if done == SPLITS - 1:
-            total = tl.load(P + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLITS):
-                total += tl.load(P + s * part + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
-            if GLU:
-                total_u = tl.load(P + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
+        if not DEFER:  # else the launch that reads the product adds them (`Partials`)
+            done = tl.atomic_add(C + pid, 1, sem="acq_rel")  # releases this program's partials, acquires the others'
+            if done == SPLITS - 1:
+                total = tl.load(P + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
                 for s in tl.static_range(1, SPLITS):
-                    total_u += tl.load(P + s * part + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
-                tl.store(Y + offs_y, _silu_mul(total, total_u, Y.dtype.element_ty), mask=mask_y)
-            else:
-                tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
-            if CONV:
-                _conv_epilogue(total.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, CS, CW, CPages,
-                               COutPages, Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
-            tl.atomic_xchg(C + pid, 0)
+                    total += tl.load(P + s * part + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
+                if GLU:
+                    total_u = tl.load(P + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLITS):
+                        total_u += tl.load(P + s * part + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
+                    tl.store(Y + offs_y, _silu_mul(total, total_u, Y.dtype.element_ty), mask=mask_y)
+                else:
+                    tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
+                if CONV:
+                    _conv_epilogue(total.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, CS, CW, CPages,
+                                   COutPages, Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
+                tl.atomic_xchg(C + pid, 0)
 
 
 @triton.jit
@@ -476,7 +480,8 @@ def skinny_linear(
     prefetch: bool = False,
     norm_tile: int = 0,
     conv_early: bool = False,
-) -> torch.Tensor:
+    defer: bool = False,
+) -> torch.Tensor | Partials:
     """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
     that many parts, each its own program (more programs in flight for outputs of few columns), added in a fixed
@@ -496,7 +501,8 @@ def skinny_linear(
     of squares read in tiles of norm_tile columns (a power of 2 dividing K; 0: block_k). conv_early (with conv, no
     K split): the conv's state rows and weights read before the product and before the PDL wait, so the caller
     promises that the launch just before does not write those rows (in a decode graph an earlier step did);
-    ignored without conv."""
+    ignored without conv. defer (splits > 1, no glu, no conv): returns the K split's partial sums unadded
+    (`Partials`, for kernels.norm.add_rms_norm to add); out is not written."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -507,11 +513,13 @@ def skinny_linear(
     if glu:
         assert dot and N % 2 == 0 and conv is None, "glu: tensor cores, [gate | up] weights, no conv"
     cols = N // 2 if glu else N
-    if out is None:
-        out = torch.empty(M, cols, device=x.device, dtype=x.dtype)
+    if out is None:  # with defer nothing is written to it
+        out = x if defer else torch.empty(M, cols, device=x.device, dtype=x.dtype)
     if not dot:
         assert M == 1
     grid = (triton.cdiv(cols, block_n), splits)
+    if defer:
+        assert splits > 1 and not glu and conv is None, "defer: a K split, no glu, no conv"
     if splits > 1:
         assert grid[0] <= MAX_COLUMN_BLOCKS and out.stride(1) == 1
         part, counters = torch.empty(splits, M, N, device=x.device, dtype=torch.float32), _counters(x.device)
@@ -554,10 +562,32 @@ def skinny_linear(
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
         KM1=3 if conv is None else cw.shape[1] - 1, CONV_EARLY=conv_early and conv is not None, UNROLL=unroll,
         K_FIRST=block_k if preload else 0,
-        K_SPLIT=K // splits if unroll else 0, GLU=glu, PREFETCH=prefetch, NORM_TILE=norm_tile, num_warps=num_warps,
-        num_stages=num_stages, **launch(x),
+        K_SPLIT=K // splits if unroll else 0, GLU=glu, PREFETCH=prefetch, NORM_TILE=norm_tile, DEFER=defer,
+        num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
-    return out
+    return Partials(part, x.dtype) if defer else out
+
+
+class Partials:
+    """A product not added up yet: a K-split skinny_linear's partial sums [splits, M, N] float32 (`parts`), which
+    the launch reading the product adds in split order and rounds to `dtype`, as the split's last program would
+    have before storing it (kernels.norm.add_rms_norm takes them for x), so the product's bits are the same."""
+
+    __slots__ = ("parts", "dtype")
+
+    def __init__(self, parts: torch.Tensor, dtype: torch.dtype):
+        self.parts, self.dtype = parts, dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts.shape[1:]
+
+    def sum(self) -> torch.Tensor:
+        """The product as skinny_linear stores it (for checks; decode graphs let add_rms_norm add the parts)."""
+        total = self.parts[0].clone()
+        for p in self.parts[1:]:
+            total += p
+        return total.to(self.dtype)
 
 
 FUSED = ("norm", "sigmoid", "conv")  # settings' flags for fused work whose inputs the caller passes
@@ -565,8 +595,11 @@ FUSED = ("norm", "sigmoid", "conv")  # settings' flags for fused work whose inpu
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, conv: tuple | None = None, **fused) -> torch.Tensor:
     """skinny_linear with `settings` less their FUSED flags and the fused inputs given; conv in the launch where the
-    settings say conv, else `_conv_after` it."""
+    settings say conv, else `_conv_after` it. TRITON_PD_DEFER=0 drops the defer flag (the split launch adds its
+    partial sums itself), for comparisons."""
     plain = {k: v for k, v in settings.items() if k not in FUSED}
+    if plain.get("defer") and os.environ.get("TRITON_PD_DEFER", "1") == "0":  # for comparisons: the launch adds
+        del plain["defer"]
     if conv is not None and settings.get("conv"):
         return skinny_linear(x, w, **plain, conv=conv, **fused)
     return _conv_after(skinny_linear(x, w, **plain, **fused), conv)
@@ -625,6 +658,7 @@ def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     One skinny_linear launch, the residual stream written to a new tensor, where `settings` say norm (one row);
     else kernels.norm.add_rms_norm (the residual updated in place) and `linear`. conv: as for `linear`."""
     if settings is not None and settings.get("norm"):
+        assert not isinstance(x, Partials), "norm in the launch: the product before it added up (no defer)"
         res_out = torch.empty_like(x) if residual is not None else x
         return _skinny(x, w, settings, conv, norm=(residual, weight, eps, res_out)), res_out
     from kernels.norm import add_rms_norm
@@ -686,10 +720,10 @@ def graph_time(fn, reps: int = 20) -> float:
 class TuneCache:
     """`tune`'s picks kept in a JSON file, keyed by everything a pick depends on (`_tune_key`: the GPU's name,
     torch's and triton's versions, the weights' dtype, shape and count, the rows, the prologue, the conv channels
-    and the epilogue), for one version of the kernels' code: the file names the hash of this module's and
-    kernels.pdl's source (`code_hash`), and a file of other code counts as empty and is replaced at the first
-    write, so any edit of a kernel or of the candidates tunes afresh and stale picks do not pile up. The file is
-    `TRITON_PD_TUNE_CACHE` ("off": no cache), by default linear-tune.json in triton-pd's cache folder
+    and the epilogue), for one version of the kernels' code: the file names the hash of this module's,
+    kernels.pdl's and kernels.norm's source (`code_hash`), and a file of other code counts as empty and is replaced
+    at the first write, so any edit of a kernel or of the candidates tunes afresh and stale picks do not pile up.
+    The file is `TRITON_PD_TUNE_CACHE` ("off": no cache), by default linear-tune.json in triton-pd's cache folder
     (`TRITON_PD_CACHE`, else ~/.cache/triton-pd). Processes that share it merge their entries under a lock and
     replace the file whole, so a reader never sees half of one. A file that cannot be read or written leaves
     tuning as it is without a cache (one warning)."""
@@ -769,10 +803,11 @@ def tune_cache() -> TuneCache:
 
 
 def code_hash(files: tuple[str, ...] | None = None) -> str:
-    """The hash of the source of `files`, by default this module and kernels.pdl: the version of the kernels
-    `tune` times (kernels.delta_tune passes its own)."""
+    """The hash of the source of `files`, by default this module, kernels.pdl and kernels.norm (timed after the
+    products that an add + RMSNorm reads): the version of the kernels `tune` times (kernels.delta_tune passes its
+    own)."""
     code = hashlib.sha256()
-    for module in files or (__file__, pdl_module.__file__):
+    for module in files or (__file__, pdl_module.__file__, norm_module.__file__):
         code.update(Path(module).read_bytes())
     return code.hexdigest()[:16]
 
@@ -797,7 +832,10 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     first that many outputs of each row go through a conv step after, on a state page of its own (timed as its own
     launch after cuBLAS, fused into skinny_linear: flag conv). epilogue "glu" (more than one row; weights
     [gate | up]): the result is silu(gate) * up, kernels.act.silu_mul after cuBLAS, fused into skinny_linear (flag
-    glu: the launch gives the [rows, N / 2] product, see `glu_after`). At one row the candidates include
+    glu: the launch gives the [rows, N / 2] product, see `glu_after`); epilogue "norm": the product is added to
+    a residual stream by kernels.norm.add_rms_norm, whose launch is timed after every candidate, and the two fastest
+    settings with K split are timed again with their partials left for that launch to add (flag defer; the pick
+    then gives a `Partials`, see skinny_linear). At one row the candidates include
     whole-range tiles (`whole_range_candidates`, outputs of up to WHOLE_RANGE_MAX_N columns), and the three
     fastest candidates with a loop over K are timed again with the loop unrolled, then the fastest with its first
     weight tile loaded before the wait for the launch before (preload); at more rows the fastest candidate is
@@ -817,6 +855,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         return None, {}
     dev, dt = weights[0].device, weights[0].dtype
     glu = epilogue == "glu" and rows > 1
+    norm_after = epilogue == "norm"
     x = torch.randn(rows, 2 * K if prologue == "silu" else K, device=dev, dtype=dt)
     out = torch.empty(rows, N // 2 if glu else N, device=dev, dtype=dt)
     gate = torch.randn(rows, K, device=dev, dtype=dt)
@@ -828,9 +867,16 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         pages = torch.arange(rows, dtype=torch.int32, device=dev)
         conv = (torch.randn(C, 4, device=dev, dtype=dt), state, pages, pages, torch.empty(rows, C, device=dev))
 
-    def apply(w, settings, res=res, conv=conv):  # res grows by x per unfused norm
+    # epilogue "norm": the residual stream the product is added to, its norm's weight and output
+    stream, nw_after = torch.randn(rows, N, device=dev, dtype=dt), torch.randn(N, device=dev, dtype=dt) * 0.1
+    normed = torch.empty_like(stream)
+
+    def after(y, stream=stream):  # stream grows by y per call
+        return norm_module.add_rms_norm(y, stream, nw_after, 1e-6, out=normed, offset=True) if norm_after else y
+
+    def apply(w, settings, res=res, conv=conv, stream=stream):  # res grows by x per unfused norm
         y = prologue_linear(prologue, x, w, settings, gate, (res, nw, 1e-6), conv)
-        return glu_after(y, settings) if glu else y
+        return glu_after(y, settings) if glu else after(y, stream)
 
     def search() -> tuple[dict | None, dict]:
         times = {"cublas": graph_time(lambda: [apply(w, None) for w in weights], 10) / len(weights)}
@@ -859,7 +905,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         def run(s):
             if pflag and not s.get(pflag):
                 return [apply(w, dict(s, out=out)) for w in weights]
-            return [_skinny(x, w, dict(s, out=out), **extra) for w in weights]
+            return [after(_skinny(x, w, dict(s, out=out), **extra)) for w in weights]
 
         best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
         if pflag and rows > 1:
@@ -869,6 +915,11 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
                 ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
             best, times = fastest(ahead, run, len(weights), best, time_of(best, times), times)
             settings += ahead
+        if norm_after:
+            # the two fastest with K split, again with their partial sums left for the norm's launch to add (defer)
+            deferred = [dict(s, defer=True) for s in by_time(settings, times, lambda s: s.get("splits", 1) > 1)[:2]]
+            best, times = fastest(deferred, run, len(weights), best, time_of(best, times), times)
+            settings += deferred
         if best is not None and rows == 1:
             # then the three fastest with a loop over K with the loop unrolled, and the best with its first weight
             # tile loaded before the PDL wait (each a compile: not crossed with every candidate)
@@ -903,7 +954,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     def results(settings) -> list[tuple[str, torch.Tensor]]:
         """The output (and the conv's), from fresh copies of what a call updates."""
         c = None if conv is None else (conv[0], state.clone(), pages, pages, torch.empty_like(conv[4]))
-        y = apply(weights[0], settings, res.clone(), c).float()
+        y = apply(weights[0], settings, res.clone(), c, stream.clone()).float()
         return [("", y)] + ([(" (conv outputs)", c[4])] if c is not None else [])
 
     if best is not None:

@@ -26,19 +26,27 @@ def _add_rms_norm_kernel(
     stride_o,
     N,
     eps,
+    part,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     OFFSET: tl.constexpr,
+    PARTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One row. PARTS > 0: X holds that many float32 partial sums of the row, `part` elements apart, added in
+    order and rounded to Out's dtype (kernels.linear.Partials), else X is the row itself."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if PARTS > 0:
+        for s in tl.static_range(1, PARTS):
+            x += tl.load(X + s * part + row * stride_x + offs, mask=mask, other=0.0)
+        x = x.to(Out.dtype.element_ty)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(R + row * stride_r + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / N
@@ -46,28 +54,37 @@ def _add_rms_norm_kernel(
     if OFFSET:
         y = xf * tl.rsqrt(var + eps) * (1.0 + w)
     else:
-        y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32) * w
+        y = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32) * w
     tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor,
+    x,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     out: torch.Tensor | None = None,
     offset: bool = False,
 ) -> torch.Tensor:
-    """x, residual: [T, N] (residual updated in place to residual + x). Returns the normalised rows [T, N]."""
+    """x, residual: [T, N] (residual updated in place to residual + x). Returns the normalised rows [T, N]. x may
+    be a K-split product not added up yet (kernels.linear.Partials): its parts are added here, in split order,
+    and rounded to its dtype first, the bits its own launch would have stored."""
+    parts = getattr(x, "parts", None)
+    if parts is not None:
+        nparts, x, dtype = parts.shape[0], parts[0], x.dtype
+    else:
+        nparts, dtype = 0, x.dtype
     T, N = x.shape
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(T, N, dtype=dtype, device=x.device)
+    assert out.dtype == dtype, (out.dtype, dtype)
     if T == 0:
         return out
-    res = residual if residual is not None else x
+    res = residual if residual is not None else out
+    assert res.dtype == dtype, (res.dtype, dtype)
     _add_rms_norm_kernel[(T,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), OFFSET=offset,
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps, T * N if nparts else 0,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), OFFSET=offset, PARTS=nparts,
         num_warps=8 if N >= 2048 else 4, **launch(x),
     )  # fmt: skip
     return out

@@ -343,11 +343,17 @@ def main(argv=None) -> int:
                 sk = min((v for k, v in t.items() if k != "cublas" and isinstance(v, float)), default=None)
                 pre = min((v for k, v in t.items() if "'preload': True" in k and isinstance(v, float)), default=None)
                 ahead = min((v for k, v in t.items() if "'prefetch': True" in k and isinstance(v, float)), default=None)
+                split = min((v for k, v in t.items() if "'splits'" in k and "'defer'" not in k
+                             and isinstance(v, float)), default=None)  # fmt: skip
+                dfr = min((v for k, v in t.items() if "'defer': True" in k and isinstance(v, float)), default=None)
                 print(f"{name}, graph of {bs}, {n}: cuBLAS {t['cublas'] * 1e6:.1f} us, skinny best "
                       + (f"{sk * 1e6:.1f} us" if sk is not None else "-")
                       + (f" (preloading {pre * 1e6:.1f} us)" if pre is not None else "")
-                      + (f" (prefetching {ahead * 1e6:.1f} us)" if ahead is not None else ""), flush=True)  # fmt: skip
-        flags = ("splits", "gated", "sigmoid", "norm", "conv", "glu", "unroll", "preload", "prefetch")
+                      + (f" (prefetching {ahead * 1e6:.1f} us)" if ahead is not None else "")
+                      + (f" (K split {split * 1e6:.1f} us, partials added by the norm {dfr * 1e6:.1f} us)"
+                         if dfr is not None and split is not None else ""), flush=True)  # fmt: skip
+        flags = ("splits", "gated", "sigmoid", "norm", "conv", "glu", "unroll", "preload", "prefetch", "conv_early",
+                 "defer")  # fmt: skip
         for bs in sorted({bs for _, bs in choice} & set(a.batches)):
             fused = {n: "+".join(k for k in flags if c.get(k)) for (n, b), c in sorted(choice.items()) if b == bs}
             print(f"{name}, graph of {bs}: skinny_linear for " + ", ".join(f"{n} ({f or 'plain'})" for n, f in

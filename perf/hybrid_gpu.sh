@@ -3,13 +3,17 @@
 # every file of the run in OUT/files.tgz (logs, JSON rows, tuning caches), few files for a device tool that returns
 # only a few:
 #   bash perf/hybrid_gpu.sh OUT bench|seed|seed-mtp|seed-dense [PHASE]
-# bench: the gated delta step's, the conv epilogue's and the whole-model graphs' kernel tests, then
-#        perf.hybrid_bench's decode step at batch 1, 32 and 128 for random:qwen3-next-layout (with --profile) and
-#        random:qwen3.5-9b, tuned on the measured graph sizes (about 5 minutes on an H100, tuned cold), and the
-#        layout's batch 32 profiled again with PDL off; the device host's python3, no bundle;
+# bench: the gated delta step's, the conv epilogue's, the deferred partials' and the whole-model graphs' kernel
+#        tests, then perf.hybrid_bench's decode step at batch 1, 32 and 128 for random:qwen3-next-layout (with
+#        --profile) and random:qwen3.5-9b, tuned on the measured graph sizes (about 5 minutes on an H100, tuned
+#        cold), and the layout's steps again with TRITON_PD_DEFER=0 (the same picks, every K split added in its own
+#        launch); the device host's python3, no bundle. The kernel tests compile cold in every fresh machine and
+#        their 120 s ran out after 39-62 of them on an H100 (2026-12-06): run them as a command of their own where
+#        they must all run;
 # seed:  a seed phase with random:qwen3.5-9b and a 65,536-token host tier, rotate against plain in one run, through
 #        the offline bundle (`triton-pd bundle .bundle`, carried): about 5 minutes for 3x5500, 3 for 4x4000;
-# seed-mtp: seed with --speculative mtp on both servers (the MTP head's verify steps), phase limit 95 s (not yet run);
+# seed-mtp: seed with --speculative mtp on both servers (the MTP head's verify steps), phase limit 95 s: about 6
+#        minutes for 3x5500 and 4 for 4x4000 on an H100;
 # seed-dense: the same as seed with the dense random:llama3.1-8b and the server's host tier, about 4 and 3 minutes.
 # PHASE: the seed phase (seed_stalls --phases): 3x5500 (default) or 4x4000.
 # The tuning caches (linear-tune.json, delta-tune.json) start from perf/tune_cache/'s and go in the archive unless
@@ -42,18 +46,18 @@ trap pack EXIT
 nvidia-smi --query-gpu=name --format=csv,noheader
 case "$WHAT" in
   bench)
-    step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_hybrid.py \
+    step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_hybrid.py tests/kernels/test_gpu_model.py \
       tests/kernels/test_kernels.py -k "gated_delta_step or tune_step or step_candidates or fused_prologues or \
-      verify_and_mtp or tune_kernels or conv_epilogue"
+      verify_and_mtp or tune_kernels or conv_epilogue or deferred or norm_epilogue or add_rms_norm"
     step layout 200 python3 -m perf.hybrid_bench --models random:qwen3-next-layout --batches 1 32 128 --prefill 0 \
       --reps 20 --eager-batches --profile --time-limit 185 --out "$W/layout.md"
     step qwen35 185 python3 -m perf.hybrid_bench --models random:qwen3.5-9b --batches 1 32 128 --prefill 0 \
       --reps 20 --eager-batches --time-limit 170 --out "$W/qwen35.md"
-    # the layout's batch 32 again with PDL off (the picks tuned above reused; 31 s on an H100): --profile's
-    # per-kernel times without the early starts that make a launch count its wait for the one before, so they add
-    # up to the step. Last, and the steps' limits add up to 585 s, under a device command's 600
-    step layout_nopdl 80 env TRITON_PD_PDL=0 python3 -m perf.hybrid_bench --models random:qwen3-next-layout \
-      --batches 32 --prefill 0 --reps 20 --profile --time-limit 70 --out "$W/layout_nopdl.md"
+    # the layout again with every K split's partials added in the split launch (the picks tuned above reused):
+    # what leaving them to the add + RMSNorm launch saved, in the same run. Last, and the steps' limits add up to
+    # 585 s, under a device command's 600
+    step layout_nodefer 80 env TRITON_PD_DEFER=0 python3 -m perf.hybrid_bench --models random:qwen3-next-layout \
+      --batches 1 32 128 --prefill 0 --reps 20 --time-limit 70 --out "$W/layout_nodefer.md"
     ;;
   seed)
     step seed 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed \

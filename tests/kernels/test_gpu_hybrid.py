@@ -483,14 +483,16 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
         assert exact < 2e-2 and default <= 2.5 * exact + 1e-3, errs
 
 
-def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, conv_early: bool = False):
+def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, conv_early: bool = False, defer: bool = False):
     """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
     into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the
     conv step into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate into o
     and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and 128). rows_fused: at more
     than one row too, the norms and the conv step (each row on its own state page) fused, and gate_up giving
     silu(gate) * up itself (glu) with down reading it plain. conv_early: in_proj's conv with its state rows read
-    before the product, with no K split."""
+    before the product, with no K split. defer: out, o and down split K in two (tiles of 16) and leave their
+    partial sums to the add + RMSNorm launch after them, which GpuHybrid._lin undoes at one row, where the norms
+    are fused into the next projections."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
     choice = {}
     for bs in sizes:
@@ -507,6 +509,9 @@ def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, conv_early: bool 
         if bs > 1 and rows_fused:
             choice[("gate_up", bs)] = dict(choice[("gate_up", bs)], glu=True)
             choice[("down", bs)] = base
+        if defer:
+            for name in ("out", "o", "down"):
+                choice[(name, bs)] = dict(choice[(name, bs)], block_k=16, splits=2, defer=True)
         # an MoE layer's router: at one row its whole K (64) as one tile read before the PDL wait
         choice[("router", bs)] = dict(one, block_k=64, preload=True) if bs == 1 else base
     return choice
@@ -522,8 +527,8 @@ CONV_IN_DELTA = {1: dict(block_v=8, split=2, conv=True), 2: dict(block_v=8, ahea
 @pytest.mark.parametrize(
     "cfg,rows_fused,delta",
     [(DENSE_TINY, False, None), (MOE_FOLDED, False, None), (DENSE_TINY, True, None), (DENSE_TINY, False, "conv"),
-     (DENSE_TINY, True, "early")],
-    ids=["dense", "moe", "rows", "conv-in-delta", "conv-early"],
+     (DENSE_TINY, True, "early"), (DENSE_TINY, False, "defer")],
+    ids=["dense", "moe", "rows", "conv-in-delta", "conv-early", "defer"],
 )  # fmt: skip
 def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused, delta, monkeypatch):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
@@ -533,10 +538,20 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     cuBLAS and the conv step in the delta step's launch (`CONV_IN_DELTA`, set before the capture, with tuning off
     so that it stays), as tuning can choose: every delta step the graphs' bodies run (each step's on the CPU, the
     captures' on a GPU) has the conv. conv-early: as rows, in_proj's conv reading its state rows first
-    (`fused_prologues(conv_early=True)`)."""
+    (`fused_prologues(conv_early=True)`). defer: out's, o's and down's K split partials added by the add + RMSNorm
+    launch after them at more than one row (`fused_prologues(defer=True)`), which the graphs' bodies then call with
+    kernels.linear.Partials."""
     sizes = (1, 2, 4)
     conv_in_delta = delta == "conv"
-    choice = None if conv_in_delta else fused_prologues(rows_fused=rows_fused, conv_early=delta == "early")
+    choice = None if conv_in_delta else fused_prologues(rows_fused=rows_fused, conv_early=delta == "early",
+                                                        defer=delta == "defer")  # fmt: skip
+    deferred = []
+    if delta == "defer":
+        from kernels import norm as kn
+
+        add_rms_norm = kn.add_rms_norm
+        monkeypatch.setattr(kn, "add_rms_norm", lambda x, *a, **kw: deferred.append(type(x).__name__) or
+                            add_rms_norm(x, *a, **kw))  # fmt: skip
     r, gpu = build(cfg, sizes=() if conv_in_delta else sizes, linear_choice=choice)
     fused_convs = []
     if conv_in_delta:
@@ -557,6 +572,8 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
         dec = seqs.step([0] if step % 2 == 0 else [0, 1, 2])
         torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
     assert gpu.stats["graph_steps"] == 4
+    if delta == "defer":  # the bodies of the graphs of 2 and 4 rows (each step's on the CPU, the captures' on a GPU)
+        assert "Partials" in deferred and "Tensor" in deferred, deferred
     if conv_in_delta:
         linear_layers = sum(not L["full"] for L in gpu.layers)
         assert len(fused_convs) >= len(sizes) * linear_layers and all(c is not None for c in fused_convs)
@@ -596,6 +613,44 @@ def test_tune_kernels_moves_the_conv_out_of_in_proj_only_where_the_delta_step_wi
     assert gpu.linear_choice == {("in_proj", 1): alt[1], ("in_proj", 2): dict(fused, conv=False)}
     assert gpu.delta_choice == {1: dict(block_v=16, conv=True), 2: dict(block_v=16, conv=False),
                                 4: dict(block_v=16, conv=True)}  # fmt: skip
+
+
+def test_tune_linear_leaves_partials_to_the_norm_only_where_no_projection_fuses_it(monkeypatch):
+    """GpuHybrid._tune_linear (timings stood in for) tunes the norm's readers (in_proj, qkv, gate_up) before the
+    products that norm reads (out, o, down), and tunes those with the "norm" epilogue (their K split's partials
+    may be left to the norm's launch) only at a graph size where no reader's pick computes the norm itself; at run
+    time `_lin` drops a defer flag at such a size (a pick made elsewhere) and keeps it at the others."""
+    from types import SimpleNamespace
+
+    _, gpu = build(DENSE_TINY)
+    names = {id(ws[0]): name for name, ws in gpu._tune_groups().items()}
+    calls = []
+    plain = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=True)
+
+    def tune(ws, rows, prologue=None, conv_channels=0, epilogue=None):
+        name = names[id(ws[0])]
+        calls.append((rows, name, epilogue))
+        if name in ("in_proj", "qkv", "gate_up"):  # the norm fused at one row
+            return dict(plain, norm=True) if rows == 1 else plain, {}
+        return dict(plain, splits=2, defer=True) if epilogue == "norm" else plain, {}
+
+    monkeypatch.setattr(gpu, "k_lin", SimpleNamespace(tune=tune, tune_cache=lambda: SimpleNamespace(hits=0, path=None)))
+    gpu.linear_choice = {}
+    gpu._tune_linear([1, 4])
+    for rows in (1, 4):
+        order = [n for r, n, _ in calls if r == rows]
+        assert max(order.index(n) for n in ("in_proj", "qkv", "gate_up")) < min(order.index(n) for n in ("out", "o"))
+        epilogue = {n: e for r, n, e in calls if r == rows}
+        assert epilogue["gate_up"] == "glu"
+        assert epilogue["out"] == epilogue["o"] == epilogue["down"] == (None if rows == 1 else "norm"), epilogue
+    assert not gpu.linear_choice[("out", 1)].get("defer") and gpu.linear_choice[("out", 4)]["defer"]
+    # a deferring pick at a size whose gate_up fuses the norm (a pick from elsewhere) runs without defer
+    gpu.linear_choice[("out", 1)] = dict(plain, splits=2, defer=True)
+    seen = []
+    monkeypatch.setattr(gpu, "k_lin", SimpleNamespace(linear=lambda x, w, c, conv=None: seen.append(c)))
+    for rows in (1, 4):
+        gpu._lin(rows)(None, {"out": None}, "out")
+    assert [bool(c.get("defer")) for c in seen] == [False, True], seen
 
 
 @WHOLE_MODEL

@@ -95,10 +95,12 @@ def skinny_everywhere(sizes=(1, 2, 4, 8)):
     return {(n, bs): one if bs == 1 else more for n in ("qkv", "o", "gate_up", "down") for bs in sizes}
 
 
-def split_and_gated(sizes=(1, 2, 4, 8)):
-    """skinny_everywhere with K cut in two parts, and silu(gate) * up fused into the down projection's launch."""
+def split_and_gated(sizes=(1, 2, 4, 8), defer: bool = False):
+    """skinny_everywhere with K cut in two parts, and silu(gate) * up fused into the down projection's launch.
+    defer: o's and down's partial sums left to the add + RMSNorm launch after them (kernels.linear.Partials)."""
     choice = {k: dict(v, splits=2) for k, v in skinny_everywhere(sizes).items()}
-    return {(n, bs): dict(v, gated=True) if n == "down" else v for (n, bs), v in choice.items()}
+    choice = {(n, bs): dict(v, gated=True) if n == "down" else v for (n, bs), v in choice.items()}
+    return {(n, bs): dict(v, defer=True) if defer and n in ("o", "down") else v for (n, bs), v in choice.items()}
 
 
 @pytest.mark.parametrize(
@@ -107,15 +109,17 @@ def split_and_gated(sizes=(1, 2, 4, 8)):
         (tiny(head_dim=64), None),
         (tiny(head_dim=64), skinny_everywhere()),
         (tiny(head_dim=64), split_and_gated()),
+        (tiny(head_dim=64), split_and_gated(defer=True)),
         (tiny(qk_norm=True, tie_word_embeddings=True), skinny_everywhere()),
         (tiny(attention_bias=True), None),
     ],
-    ids=["llama", "llama-skinny", "llama-split-gated", "qk-norm-tied-skinny", "qkv-bias"],
+    ids=["llama", "llama-skinny", "llama-split-gated", "llama-split-deferred", "qk-norm-tied-skinny", "qkv-bias"],
 )
 def test_decode_graphs_match_reference(cfg, linear_choice):
     """Graph replay, padded up to a captured size, gives the reference logits for batch sizes 1 to 7 (off CUDA the
     same replay path runs eagerly): the fused rotary embedding + KV store in the attention kernel, q/k norms,
-    a q|k|v bias, and the projections on skinny_linear where the choice says so (K split, silu fused into down)."""
+    a q|k|v bias, and the projections on skinny_linear where the choice says so (K split, silu fused into down,
+    o's and down's partial sums added by the add + RMSNorm launch after them)."""
     ref, kv_ref, gpu, _ = pair(cfg, slots=1500, graphs=(1, 2, 4, 8), linear_choice=linear_choice)
     assert gpu.linear_choice == (linear_choice or gpu.linear_choice)
     assert gpu.graph_sizes == [1, 2, 4, 8]

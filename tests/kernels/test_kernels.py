@@ -384,6 +384,41 @@ def test_skinny_linear_prefetch_gives_the_same_bits(M, splits, prologue, extra):
         linear.skinny_linear(x[:, :K].contiguous(), w, prefetch=True, block_n=32, block_k=128)
 
 
+@pytest.mark.parametrize(
+    "M,N,splits,prologue,offset",
+    [(1, 96, 2, None, True), (3, 80, 2, "sigmoid", True), (32, 160, 4, None, False), (40, 64, 2, "gated", True)],
+)
+def test_skinny_linear_deferred_partials_give_the_added_bits(M, N, splits, prologue, offset):
+    """defer: a K split's partial sums come back unadded (Partials) and add_rms_norm adds them in split order: the
+    same normalised rows and residual stream, bit for bit, as the split launch that adds them itself followed by
+    add_rms_norm; Partials.sum() is that launch's product. No counter is touched, so the next split launch on the
+    stream still finds them at 0."""
+    from kernels import linear
+
+    K = 512
+    gen = torch.Generator().manual_seed(M * N + splits)
+    x = torch.randn(M, 2 * K if prologue == "gated" else K, generator=gen).to(DEVICE, BF16)
+    gate = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    res = torch.randn(M, N, generator=gen).to(DEVICE, BF16)
+    nw = (0.1 * torch.randn(N, generator=gen)).to(DEVICE, BF16)
+    settings = dict(block_n=32, block_k=128, num_stages=3, splits=splits, dot=M > 1, gated=prologue == "gated")
+    fused = dict(sigmoid_gate=gate) if prologue == "sigmoid" else {}
+    added = linear.skinny_linear(x, w, **settings, **fused)
+    parts = linear.skinny_linear(x, w, **settings, **fused, defer=True)
+    assert isinstance(parts, linear.Partials) and tuple(parts.shape) == (M, N) and parts.parts.shape[0] == splits
+    assert torch.equal(parts.sum(), added)
+    r1, r2 = res.clone(), res.clone()
+    want = norm.add_rms_norm(added, r1, nw, 1e-6, offset=offset)
+    got = norm.add_rms_norm(parts, r2, nw, 1e-6, offset=offset)
+    assert got.dtype == added.dtype and torch.equal(got, want) and torch.equal(r2, r1)
+    assert torch.equal(linear.skinny_linear(x, w, **settings, **fused), added)  # counters left at 0
+    with pytest.raises(AssertionError, match="defer: a K split"):
+        linear.skinny_linear(x, w, **dict(settings, splits=1), **fused, defer=True)
+    with pytest.raises(AssertionError, match="no defer"):
+        linear.normed_linear(parts, res, nw, 1e-6, w[:, :N].contiguous(), dict(settings, norm=True))
+
+
 @pytest.mark.parametrize("M,splits", [(1, 1), (1, 2), (3, 1), (20, 2)])
 def test_skinny_linear_sigmoid_gate(M, splits):
     """x * sigmoid(gate) computed as it is read, the gate a strided view (a gated attention output's gate columns
@@ -586,6 +621,31 @@ def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
     want = linear.glu_after(linear.normed_linear(x, res.clone(), nw, 1e-6, ws[0], None)[0], None)
     assert got.shape == (rows, 512)
     close(got, want)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
+@pytest.mark.parametrize("rows,prologue", [(1, None), (32, None), (32, "sigmoid")])
+def test_tune_with_the_norm_epilogue_times_deferred_partials(rows, prologue):
+    """tune of a product that an add + RMSNorm reads next (epilogue "norm"): it timed K-split settings with their
+    partials left to the norm's launch (defer), and whatever it picks, the product then add_rms_norm give the
+    unfused launches' rows and residual stream; a deferring pick hands the norm Partials."""
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(rows + 3)
+    ws = [(torch.randn(1024, 2048, generator=gen) / 45).to(DEVICE, BF16) for _ in range(4)]
+    choice, times = linear.tune(ws, rows, prologue, epilogue="norm")
+    assert any("'defer': True" in k and isinstance(t, float) for k, t in times.items()), list(times)
+    assert not any(isinstance(t, str) and "wrong" in t for t in times.values()), times
+    x, gate = (torch.randn(rows, 2048, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    res, nw = torch.randn(rows, 1024, generator=gen).to(DEVICE, BF16), (torch.randn(1024) * 0.1).to(DEVICE, BF16)
+    y = linear.prologue_linear(prologue, x, ws[0], choice, gate)
+    assert isinstance(y, linear.Partials) == bool((choice or {}).get("defer")), choice
+    r1, r2 = res.clone(), res.clone()
+    close(
+        norm.add_rms_norm(y, r1, nw, 1e-6, offset=True),
+        norm.add_rms_norm(linear.prologue_linear(prologue, x, ws[0], None, gate), r2, nw, 1e-6, offset=True),
+    )
+    close(r1, r2)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")

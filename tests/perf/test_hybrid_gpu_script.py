@@ -32,7 +32,7 @@ def test_the_kernel_tests_it_selects_exist():
     files = m.group(1).split()
     tests = [t for f in files for t in re.findall(r"^def (test_\w+)", (ROOT / f).read_text(), re.M)]
     names = " ".join(m.group(2).split()).split(" or ")
-    assert len(files) == 2 and len(names) >= 7
+    assert len(files) >= 2 and len(names) >= 7
     for name in names:
         assert any(name in t for t in tests), f"-k {name!r} selects no test in {files}"
 

@@ -42,9 +42,11 @@ class DecodeGraphs:
     # (kernels.linear.tune's prologues): the down projection's silu(gate) * up
     PROLOGUES = {"down": "silu"}
     CONV_CHANNELS: dict[str, int] = {}  # projection -> its outputs that a conv step reads after (hybrid in_proj)
-    # projection -> what a skinny_linear launch can compute after it (kernels.linear.tune's epilogues): "glu", an
-    # MLP's silu(gate) * up after gate_up, where the down projection then reads a plain input (tuned after gate_up)
-    EPILOGUES: dict[str, str] = {}
+    # projection -> what a skinny_linear launch can compute after it, or leave to the launch after it
+    # (kernels.linear.tune's epilogues): "glu", an MLP's silu(gate) * up after gate_up, where the down projection
+    # then reads a plain input (tuned after gate_up); "norm", a product that an add + RMSNorm launch reads next, which
+    # may add a K split's partial sums itself (the pick's flag defer: the projection gives kernels.linear.Partials)
+    EPILOGUES: dict[str, str] = {"o": "norm", "down": "norm"}
 
     def _init_graphs(self, max_batch: int, max_ctx: int, scratch_slot: int, linear_choice) -> None:
         self.table = SlotTable(2 * max_batch + 1, max_ctx, scratch_slot, self.device)
@@ -182,8 +184,16 @@ class DecodeGraphs:
         """After every capture: warm the eager path (subclasses)."""
 
     def _tune_groups(self) -> dict[str, list[torch.Tensor]]:
-        """{projection name: its weight in every layer} for `_tune_linear` (subclasses)."""
+        """{projection name: its weight in every layer} for `_tune_linear` (subclasses), in the order they are
+        tuned: a projection whose pick depends on another's after it (`_norm_fused`, gate_up's glu for down)."""
         return {}
+
+    def _norm_fused(self, rows: int) -> bool:
+        """Whether a projection of the graph of `rows` rows computes the add + RMSNorm of its input as it reads it
+        (its choice says norm): then the products that norm reads are added up in their own launches, none leaving
+        its partial sums to a norm launch (defer)."""
+        readers = [n for n, p in self.PROLOGUES.items() if p == "norm"]
+        return any((self.linear_choice.get((n, rows)) or {}).get("norm") for n in readers)
 
     def _tune_kernels(self, sizes: list[int]) -> None:
         """After `_tune_linear`, where it runs: the choices of a subclass's other kernels for each graph size."""
@@ -262,11 +272,14 @@ class DecodeGraphs:
                 prologue = self.PROLOGUES.get(name)
                 if name == "down" and (self.linear_choice.get(("gate_up", bs)) or {}).get("glu"):
                     prologue = None  # gate_up's launch gives silu(gate) * up (`EPILOGUES`): down reads it plain
+                epilogue = self.EPILOGUES.get(name)
+                if epilogue == "norm" and self._norm_fused(bs):
+                    epilogue = None  # the norm is computed in the next projection's launch, from the product
                 if self.deterministic:  # tiles of kernels.invariant: any choice, the same bits
                     choice, self.linear_times[(name, bs)] = self.k_inv.tune(ws, bs)
                 else:  # an input computed as a skinny launch reads it (`PROLOGUES`) is timed that way
                     choice, self.linear_times[(name, bs)] = self.k_lin.tune(
-                        ws, bs, prologue, self.CONV_CHANNELS.get(name, 0), self.EPILOGUES.get(name)
+                        ws, bs, prologue, self.CONV_CHANNELS.get(name, 0), epilogue
                     )
                 self.linear_choice[(name, bs)] = choice
             cached = f", {cache.hits - hits} of them from {cache.path}" if cache is not None and cache.path else ""

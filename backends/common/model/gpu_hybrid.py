@@ -62,7 +62,9 @@ class GpuHybrid(DecodeGraphs):
     # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
     # norms before in_proj / qkv / gate_up, the attention output's sigmoid gate, the MLP's silu(gate) * up
     PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu"}
-    EPILOGUES = {"gate_up": "glu"}  # or silu(gate) * up after gate_up, at more than one row
+    # gate_up: or silu(gate) * up after it, at more than one row; out, o, down: their product goes to the add + RMSNorm
+    # of the residual stream (in a launch of its own, or in the next projection's where its choice says norm)
+    EPILOGUES = {"gate_up": "glu", "out": "norm", "o": "norm", "down": "norm"}
 
     def __init__(
         self,
@@ -184,6 +186,13 @@ class GpuHybrid(DecodeGraphs):
         up after the product, so down takes that as its input."""
         names = ("in_proj", "out", "qkv", "o", "gate_up", "down", "router")
         choice = {n: self.linear_choice.get((n, rows)) for n in names}
+        if self._norm_fused(rows):
+            # a projection computes the norm of out's, o's or down's product as it reads it: that product is added
+            # up in its own launch (a `defer` pick, tuned where no norm was fused, would leave its partial sums to
+            # the add + RMSNorm launch; `_tune_linear` tunes them after the norm's readers)
+            for n in ("out", "o", "down"):
+                if (choice[n] or {}).get("defer"):
+                    choice[n] = {k: v for k, v in choice[n].items() if k != "defer"}
         eps = self.cfg.rms_norm_eps
 
         def lin(x, L, name, gated=False, gate=None, conv=None):
@@ -501,7 +510,8 @@ class GpuHybrid(DecodeGraphs):
         lin = [L for L in self.layers if not L["full"]]
         dense = [L for L in self.layers if not L["moe"]]
         moe = [L for L in self.layers if L["moe"]]
-        groups = {"in_proj": lin, "out": lin, "qkv": full, "o": full, "gate_up": dense, "down": dense,
+        # the norm's readers first (out, o and down are tuned knowing whether a norm launch reads their product)
+        groups = {"in_proj": lin, "qkv": full, "gate_up": dense, "out": lin, "o": full, "down": dense,
                   "router": moe}  # fmt: skip
         return {name: [L[name] for L in ls] for name, ls in groups.items() if ls}
 
