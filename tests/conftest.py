@@ -2,8 +2,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Triton's interpreter computes tl.dot with numpy's matmul, whose OpenBLAS picks its x86 kernels by CPU: the FMA
+# kernels (Haswell, Zen) round a row differently by its position in the tile, the AVX ones (Sandybridge) do not, so
+# the CPU tests of batch invariance (tests/kernels/test_invariant.py) hold bit for bit on any host only with these.
+# Set before numpy is first imported (torch imports it); a value given outside is kept.
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton's interpreter for the kernel tests that run on the CPU: it must be on before triton is first
