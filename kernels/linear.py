@@ -1,7 +1,8 @@
 """y = x @ w.T for a few rows of x (decode at small batch), in Triton: one program per BLOCK_N output columns reads
-its rows of w once, in BLOCK_K pieces, for every row of x. No split over K, so no second pass to reduce partial
-sums (cuBLAS splits K for some of these shapes and adds a reduce kernel). Rows up to 128 (tensor-core tiles of 16,
-32, 64 or 128 rows); more go to cuBLAS."""
+its rows of w once, in BLOCK_K pieces, for every row of x; or, for outputs of few columns, K split in parts, each
+its own program, whose partial sums the last program of a column block adds in the same launch (no reduce kernel
+after it, as cuBLAS adds for some of these shapes) or the launch that reads the product adds (`Partials`). Rows up
+to 128 (tensor-core tiles of 16, 32, 64 or 128 rows); more go to cuBLAS."""
 
 from __future__ import annotations
 
