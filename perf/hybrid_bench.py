@@ -172,6 +172,12 @@ def kernels_by_grid(trace: dict, reps: int) -> list[tuple[str, tuple, float, int
     return rows
 
 
+def fastest_where(times: dict, keep) -> float | None:
+    """The shortest time among tune's `times` ({description: seconds, or an error}) whose description `keep`
+    accepts, or None."""
+    return min((v for k, v in times.items() if keep(k) and isinstance(v, float)), default=None)
+
+
 def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
     """(graph replay, overlapped loop step, eager step or None) seconds for a batch of B sequences."""
     from backends.common.model.batch import Span
@@ -340,12 +346,11 @@ def main(argv=None) -> int:
         )
         for (n, bs), t in sorted(times.items()):  # cuBLAS against the fastest skinny setting, per projection
             if bs in a.batches and isinstance(t.get("cublas"), float):
-                sk = min((v for k, v in t.items() if k != "cublas" and isinstance(v, float)), default=None)
-                pre = min((v for k, v in t.items() if "'preload': True" in k and isinstance(v, float)), default=None)
-                ahead = min((v for k, v in t.items() if "'prefetch': True" in k and isinstance(v, float)), default=None)
-                split = min((v for k, v in t.items() if "'splits'" in k and "'defer'" not in k
-                             and isinstance(v, float)), default=None)  # fmt: skip
-                dfr = min((v for k, v in t.items() if "'defer': True" in k and isinstance(v, float)), default=None)
+                sk = fastest_where(t, lambda k: k != "cublas")
+                pre = fastest_where(t, lambda k: "'preload': True" in k)
+                ahead = fastest_where(t, lambda k: "'prefetch': True" in k)
+                split = fastest_where(t, lambda k: "'splits'" in k and "'defer'" not in k)
+                dfr = fastest_where(t, lambda k: "'defer': True" in k)
                 print(f"{name}, graph of {bs}, {n}: cuBLAS {t['cublas'] * 1e6:.1f} us, skinny best "
                       + (f"{sk * 1e6:.1f} us" if sk is not None else "-")
                       + (f" (preloading {pre * 1e6:.1f} us)" if pre is not None else "")

@@ -190,8 +190,8 @@ class GpuHybrid(DecodeGraphs):
             # a projection computes the norm of out's, o's or down's product as it reads it: that product is added
             # up in its own launch (a `defer` pick, tuned where no norm was fused, would leave its partial sums to
             # the add + RMSNorm launch; `_tune_linear` tunes them after the norm's readers)
-            for n in ("out", "o", "down"):
-                if (choice[n] or {}).get("defer"):
+            for n, epilogue in self.EPILOGUES.items():
+                if epilogue == "norm" and (choice[n] or {}).get("defer"):
                     choice[n] = {k: v for k, v in choice[n].items() if k != "defer"}
         eps = self.cfg.rms_norm_eps
 
