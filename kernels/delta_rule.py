@@ -386,19 +386,28 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
 @triton.jit
 def _conv_step_kernel(
     X, W, S, Out, Pages, OutPages, stride_x, stride_o, s_page, C,
-    KM1: tl.constexpr, BLOCK: tl.constexpr,
+    KM1: tl.constexpr, BLOCK: tl.constexpr, PRELOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """Depthwise causal conv over one new input per sequence, then SiLU. X [B, >= C] (the projection's first C
     columns), W [C, KM1 + 1], S: conv state rows [pages, C, KM1] (page stride s_page), read at Pages[b] and the
     new state written at OutPages[b]; Out [B, C] float32. Every load comes before any store, so the loads are not
-    ordered behind the stores."""
-    enter(PDL)
+    ordered behind the stores. PRELOAD: the state rows, the weights and the pages are read before waiting for the
+    launch before this one (the rows were written by an earlier launch than that: the caller's promise)."""
     b, cb = tl.program_id(0), tl.program_id(1)
     offs = cb * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
+    if PRELOAD:
+        page = tl.load(Pages + b).to(tl.int64)
+        out_page = tl.load(OutPages + b).to(tl.int64)
+        prev, w = conv_load(offs, mask, W, S, page, s_page, KM1)
+    enter(PDL)
     x = tl.load(X + b.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    y = conv_channels(x, offs, mask, W, S, Pages + b, OutPages + b, s_page, KM1)
+    if PRELOAD:
+        y, full = conv_math(x, prev, w, KM1)
+        conv_write(full, offs, mask, S, out_page, s_page, KM1)
+    else:
+        y = conv_channels(x, offs, mask, W, S, Pages + b, OutPages + b, s_page, KM1)
     tl.store(Out + b.to(tl.int64) * stride_o + offs, y, mask=mask)
 
 
@@ -483,11 +492,19 @@ def conv_rows_finish(x, prev, w, out_page, offs_m, mask_m, offs_n, mask, S, s_pa
 
 
 def conv_step(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, pages: torch.Tensor, out=None, out_pages=None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    pages: torch.Tensor,
+    out=None,
+    out_pages=None,
+    preload: bool = False,
 ):
     """x: [B, >= C] (its first C columns are the conv inputs, any dtype); weight [C, K] with K a power of two;
     conv_state [pages, C, K-1] float32, a view with unit stride inside a page, read at rows `pages` [B] and
-    updated at rows `out_pages` (default: `pages`, in place). Returns float32 [B, C]."""
+    updated at rows `out_pages` (default: `pages`, in place). Returns float32 [B, C]. preload: the state rows are
+    read before the wait for the launch just before (kernels.pdl), which therefore must not write them (x's
+    projection does not; in a decode graph an earlier step did)."""
     B = x.shape[0]
     C, K = weight.shape
     assert conv_state.stride(2) == 1 and conv_state.stride(1) == K - 1 and x.stride(1) == 1 and K & (K - 1) == 0
@@ -499,7 +516,7 @@ def conv_step(
     _conv_step_kernel[(B, triton.cdiv(C, block))](
         x, weight, conv_state, out, pages, pages if out_pages is None else out_pages, x.stride(0), out.stride(0),
         conv_state.stride(0), C,
-        KM1=K - 1, BLOCK=block, num_warps=4, **launch(x),
+        KM1=K - 1, BLOCK=block, PRELOAD=preload, num_warps=4, **launch(x),
     )  # fmt: skip
     return out
 

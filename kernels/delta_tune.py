@@ -104,7 +104,7 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
                                                preload=preload, counters=counters, conv=(cw, convs[j]),
                                                **s)  # fmt: skip
         if conv_launch:
-            delta_rule.conv_step(proj, cw, convs[j], pages, out=mixed)
+            delta_rule.conv_step(proj, cw, convs[j], pages, out=mixed, preload=preload)
         return delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssms[j], pages, HK, 1e-6, out=out,
                                            preload=preload, counters=counters, **s)  # fmt: skip
 

@@ -89,7 +89,23 @@ SPLIT_CANDIDATES = {
     ],
 }
 
+# K split with the product as w @ x.T (`_swap_kernel`), for outputs of few columns: at 32 rows these read
+# random:qwen3-next-layout's [2048, 4096] and [2048, 5632] weights at 0.78-0.83 of copy bandwidth against 0.68-0.73
+# for SPLIT_CANDIDATES (an H100, perf/results/swap_h100/). Without a K split the swap form was as fast as the
+# candidates above alone and slower in the decode step (qwen3.5-9b's in_proj and qkv at 32 rows), so it is not tried
+SWAP_CANDIDATES = {
+    "many rows": [
+        dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True, splits=4, swap=True),
+        dict(block_n=64, block_k=128, num_warps=4, num_stages=3, dot=True, splits=8, swap=True),
+    ],
+}
 
+
+# above this many rows a skinny_linear pick must beat cuBLAS by this fraction of cuBLAS's time in `tune`: on an H100
+# (perf/results/swap_h100/) the layout's in_proj and down at 128 rows picked skinny_linear by 0-0.8% in tune and
+# made the decode step 2.6% slower than with cuBLAS for them (12.89 against 12.57 ms)
+CUBLAS_MARGIN_ROWS = 64
+CUBLAS_MARGIN = 0.03
 SPLIT_MAX_N = 4096  # `tune` tries K split for outputs of at most this many columns
 # `tune` tries whole-range tiles (one row) for outputs of at most this many columns: on an H200 they were picked for
 # an MoE router (257 columns) and for none of random:qwen3-next-layout's projections of 2,048 columns and more
@@ -395,6 +411,70 @@ def _skinny_kernel(
 
 
 @triton.jit
+def _swap_kernel(
+    X, W, Y, P, C, M, N, k_split, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, GLU: tl.constexpr,
+    PRELOAD: tl.constexpr, K_FIRST: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """skinny_linear's `swap` form: the product taken as y.T = w @ x.T, each program's BLOCK_N rows of w the left
+    operand of the tensor cores' product (the side whose tile has 64 or more rows on Hopper's warpgroup MMA) and
+    x.T's BLOCK_M columns the right one, so a few rows of x fill the narrow side of the tile. Program (column
+    block, K split); SPLITS, GLU, PRELOAD and DEFER as in `_skinny_kernel` (GLU without a K split)."""
+    pid, ps = tl.program_id(0), tl.program_id(1)
+    if GLU:
+        NC = N // 2
+    else:
+        NC = N
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NC
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_k = ps * k_split + tl.arange(0, BLOCK_K)
+    w_ptr = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptr = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T's tile [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if GLU:
+        u_ptr = w_ptr + NC.to(tl.int64) * stride_wn
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if PRELOAD:
+        w0 = tl.load(w_ptr, mask=mask_n[:, None], other=0.0)
+        if GLU:
+            u0 = tl.load(u_ptr, mask=mask_n[:, None], other=0.0)
+    enter(PDL)
+    if PRELOAD:
+        xt = tl.load(x_ptr, mask=mask_m[None, :], other=0.0)
+        acc += tl.dot(w0, xt)
+        if GLU:
+            acc_u += tl.dot(u0, xt)
+    for k0 in range(K_FIRST, k_split, BLOCK_K):
+        w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
+        xt = tl.load(x_ptr + k0, mask=mask_m[None, :], other=0.0)
+        acc += tl.dot(w, xt)
+        if GLU:
+            u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
+            acc_u += tl.dot(u, xt)
+    offs_y = offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask_y = mask_m[None, :] & mask_n[:, None]
+    if SPLITS == 1:
+        if GLU:
+            tl.store(Y + offs_y, _silu_mul(acc, acc_u, Y.dtype.element_ty), mask=mask_y)
+        else:
+            tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
+    else:
+        part = M * N  # P is [SPLITS, M, N], as `_skinny_kernel` leaves it
+        offs_p = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(P + ps * part + offs_p, acc, mask=mask_y)
+        if not DEFER:
+            done = tl.atomic_add(C + pid, 1, sem="acq_rel")  # releases this program's partials, acquires the others'
+            if done == SPLITS - 1:
+                total = tl.load(P + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLITS):
+                    total += tl.load(P + s * part + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
+                tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
+                tl.atomic_xchg(C + pid, 0)
+
+
+@triton.jit
 def _silu_mul(g, u, dtype):
     """silu(g) * u of float32 products g, u rounded to dtype as stored, with kernels.act.silu_mul's roundings."""
     g = g.to(dtype).to(tl.float32)
@@ -482,6 +562,7 @@ def skinny_linear(
     norm_tile: int = 0,
     conv_early: bool = False,
     defer: bool = False,
+    swap: bool = False,
 ) -> torch.Tensor | Partials:
     """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -503,7 +584,9 @@ def skinny_linear(
     K split): the conv's state rows and weights read before the product and before the PDL wait, so the caller
     promises that the launch just before does not write those rows (in a decode graph an earlier step did);
     ignored without conv. defer (splits > 1, no glu, no conv): returns the K split's partial sums unadded
-    (`Partials`, for kernels.norm.add_rms_norm to add); out is not written."""
+    (`Partials`, for kernels.norm.add_rms_norm to add); out is not written. swap (tensor cores; with splits,
+    glu, preload and defer only, glu without splits): the product as w @ x.T (`_swap_kernel`, whose block_n is the
+    tile side that wants 64 rows or more), the same result up to the order of the float32 sums."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -552,6 +635,17 @@ def skinny_linear(
         assert cpages.numel() >= M and cout_pages.numel() >= M and mixed.shape[0] >= M
         assert cw.shape[0] <= N and cw.is_contiguous()
         assert not conv_early or splits == 1, "conv_early: no K split"
+    if swap:
+        assert dot and not (gated or sigmoid_gate is not None or norm is not None or conv is not None or unroll
+                            or prefetch), "swap: tensor cores, no prologue, no conv"  # fmt: skip
+        assert not (glu and splits > 1), "swap: glu without a K split"
+        _swap_kernel[grid](
+            x, w, out, part, counters, M, N, K // splits, x.stride(0), w.stride(0), out.stride(0),
+            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, GLU=glu,
+            PRELOAD=preload, K_FIRST=block_k if preload else 0, DEFER=defer, num_warps=num_warps,
+            num_stages=num_stages, **launch(x),
+        )  # fmt: skip
+        return Partials(part, x.dtype) if defer else out
     _skinny_kernel[grid](
         x, w, out, part, counters, g, res, res_out, nw, M, N, K, K // splits, x.stride(0), w.stride(0),
         out.stride(0), g.stride(0), eps,
@@ -607,12 +701,13 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, conv: tuple | None
 
 
 def _conv_after(y: torch.Tensor, conv: tuple | None) -> torch.Tensor:
-    """y, after kernels.delta_rule.conv_step of its first columns into conv's mixed (in a launch of its own)."""
+    """y, after kernels.delta_rule.conv_step of its first columns into conv's mixed (in a launch of its own, which
+    reads its state rows before the wait for y's launch: a projection writes no conv state)."""
     if conv is not None:
         from kernels.delta_rule import conv_step
 
         weight, state, pages, out_pages, mixed = conv
-        conv_step(y, weight, state, pages, out=mixed, out_pages=out_pages)
+        conv_step(y, weight, state, pages, out=mixed, out_pages=out_pages, preload=True)
     return y
 
 
@@ -839,18 +934,19 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     then gives a `Partials`, see skinny_linear). At one row the candidates include
     whole-range tiles (`whole_range_candidates`, outputs of up to WHOLE_RANGE_MAX_N columns), and the three
     fastest candidates with a loop over K are timed again with the loop unrolled, then the fastest with its first
-    weight tile loaded before the wait for the launch before (preload); at more rows the fastest candidate is
-    timed again with preload, whether or not it beat cuBLAS, and with a prologue each candidate is also timed
-    without it fused (the prologue's own launch first, and the conv's after where there is one; a pick without
-    the flag runs so), and the two fastest with it fused are timed again with prefetch (the norm's fastest also
-    with its sum of squares in tiles of 256 columns). With conv channels, the pick if it does the conv (else the
-    fastest setting that does, with no K split) is timed again with the conv's state rows read before the product
-    (conv_early). The pick is checked against the unfused launches' result
+    weight tile loaded before the wait for the launch before (preload); at more rows the candidates include K
+    split with the product as w @ x.T from 17 rows (SWAP_CANDIDATES, flag swap, after the prologue's own launch
+    and before the conv's), the fastest candidate is timed again with preload, whether or not it beat cuBLAS, and with a
+    prologue each candidate is also timed without it fused (the prologue's own launch first, and the conv's after
+    where there is one; a pick without the flag runs so), and the two fastest with it fused are timed again with
+    prefetch (the norm's fastest also with its sum of squares in tiles of 256 columns). With conv channels, the
+    pick if it does the conv (else the fastest setting that does, with no K split) is timed again with the conv's
+    state rows read before the product (conv_early). The pick is checked against the unfused launches' result
     (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
     {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit weights
     only: the kernel's float32 products would round through TF32. The pick and its times are kept in the tuning
     cache (`TuneCache`), so the next process on this GPU with the same code and shapes skips the timing (the pick is
-    still checked)."""
+    still checked). Above CUBLAS_MARGIN_ROWS rows a pick must beat cuBLAS by CUBLAS_MARGIN."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
@@ -899,6 +995,10 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
             settings += [dict(s, **{k: v for k, v in flag.items() if k != pflag}) for s in base]
             if conv is not None:  # and the conv step as its own launch after (no flag of either)
                 settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in base]
+        # K split with the product as w @ x.T, after the prologue's launch and before the conv's (it fuses neither)
+        swap = SWAP_CANDIDATES.get(_kind(rows), []) if N <= SPLIT_MAX_N and not glu else []
+        settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in swap
+                     if K % (s["block_k"] * s["splits"]) == 0]  # fmt: skip
         extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
         if conv is not None:
             extra = dict(extra, conv=conv)
@@ -946,6 +1046,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
             if early is not None:
                 best, times = fastest([dict(early, conv_early=True)], run, len(weights), best, time_of(best, times),
                                       times)  # fmt: skip
+        if best is not None and rows > CUBLAS_MARGIN_ROWS and times[str(best)] > times["cublas"] * (1 - CUBLAS_MARGIN):
+            best = None  # within the margin of cuBLAS: cuBLAS
         return best, times
 
     key = _tune_key(weights, rows, prologue, conv_channels, epilogue)

@@ -45,8 +45,10 @@ def rnd(*shape, g, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
 
 
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("B,C,K", [(3, 40, 4), (2, 1100, 4)])
-def test_conv_step_equals_reference(B, C, K):
+def test_conv_step_equals_reference(B, C, K, preload):
+    """With preload the state rows are read before the PDL wait: the same outputs and state."""
     g = gen(0)
     x, w = rnd(B, C + 7, g=g).to(DTYPE), rnd(C, K, g=g).to(DTYPE)
     buf = rnd(5, 3 + C * (K - 1) + 2, g=g)
@@ -55,7 +57,7 @@ def test_conv_step_equals_reference(B, C, K):
     ref_state = conv[pages.long()].clone()
     ref = dr.conv_step(x[:, :C].float(), ref_state, w.float())
     before = buf.clone()
-    out = kd.conv_step(x, w, conv, pages)
+    out = kd.conv_step(x, w, conv, pages, preload=preload)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv[pages.long()], ref_state)
     untouched = [p for p in range(5) if p not in pages.tolist()]

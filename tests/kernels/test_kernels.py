@@ -307,6 +307,39 @@ def test_skinny_linear_split_and_gated(M, N, K, dot, splits, gated):
 
 
 @pytest.mark.parametrize(
+    "M,N,K,splits,glu,defer",
+    [(32, 200, 512, 1, False, False), (17, 96, 512, 4, False, False), (128, 130, 1024, 2, False, True),
+     (40, 140, 256, 1, True, False), (2, 64, 512, 2, False, False)],
+)  # fmt: skip
+def test_skinny_linear_swap(M, N, K, splits, glu, defer):
+    """The product as w @ x.T (swap): near the reference and the other form's result, the same bits with the first
+    weight tile preloaded and on a second launch (the split's counters left at 0); with defer, the partials add up
+    to the bits the launch stores; glu gives silu(gate) * up; a prologue or glu with a K split is refused."""
+    from kernels import act, linear
+
+    gen = torch.Generator().manual_seed(M * N + splits)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
+    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
+    settings = dict(block_n=64, block_k=128, num_warps=4, num_stages=3, dot=True, splits=splits, glu=glu)
+    got = linear.skinny_linear(x, w, swap=True, **settings)
+    want = (x.float() @ w.float().T).to(BF16)
+    if glu:
+        want = act.silu_mul(want)
+    close(got, want)
+    close(got, linear.skinny_linear(x, w, **settings))
+    assert torch.equal(linear.skinny_linear(x, w, swap=True, preload=True, **settings), got)
+    assert torch.equal(linear.skinny_linear(x, w, swap=True, **settings), got)
+    assert all(int(c.count_nonzero()) == 0 for c in linear._COUNTERS.values())
+    if defer:
+        parts = linear.skinny_linear(x, w, swap=True, defer=True, **settings)
+        assert isinstance(parts, linear.Partials) and torch.equal(parts.sum(), got)
+    with pytest.raises(AssertionError, match="swap"):
+        linear.skinny_linear(x, w, swap=True, sigmoid_gate=x, **settings)
+    with pytest.raises(AssertionError, match="glu without a K split"):
+        linear.skinny_linear(x, w[: N - N % 2], swap=True, **dict(settings, glu=True, splits=2))
+
+
+@pytest.mark.parametrize(
     "M,splits,prologue", [(3, 1, None), (40, 2, "gated"), (20, 2, "sigmoid"), (64, 1, None), (128, 2, None)]
 )
 def test_skinny_linear_preload_on_tensor_cores(M, splits, prologue):
@@ -712,3 +745,24 @@ def test_tune_drops_a_fast_setting_that_gives_a_wrong_result(monkeypatch):
     choice, times = linear.tune(ws, 4)
     assert choice is None
     assert any(isinstance(t, str) and t.startswith("wrong result") for t in times.values()), times
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="16-bit weights (tune leaves float32 to cuBLAS)")
+@pytest.mark.parametrize("rows,skinny,picked", [(128, 0.98, False), (128, 0.95, True), (32, 0.99, True)])
+def test_tune_keeps_cublas_unless_beaten_by_its_margin_above_64_rows(monkeypatch, rows, skinny, picked):
+    """Above CUBLAS_MARGIN_ROWS rows a skinny_linear setting must be CUBLAS_MARGIN faster than cuBLAS to be picked;
+    at fewer rows any faster setting is."""
+    from kernels import linear
+
+    gen = torch.Generator().manual_seed(rows)
+    ws = [(torch.randn(256, 512, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
+    calls = []  # cuBLAS is timed first, every skinny setting after it alike
+
+    def timed(fn, reps=20):
+        calls.append(fn)
+        return 1.0 if len(calls) == 1 else skinny
+
+    monkeypatch.setattr(linear, "graph_time", timed)
+    choice, times = linear.tune(ws, rows)
+    assert (choice is not None) == picked, (choice, times)
+    assert times["cublas"] == 1.0 / len(ws)  # seconds per weight

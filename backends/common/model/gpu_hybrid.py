@@ -262,8 +262,8 @@ class GpuHybrid(DecodeGraphs):
             proj = lin(x, L, "in_proj", conv=(L["conv"], conv, inp[5], inp[5], mixed))  # [n, conv_dim | z | b | a]
         else:
             proj = lin(x, L, "in_proj")
-            for p, w in zip(parts, writes):
-                self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w)
+            for i, (p, w) in enumerate(zip(parts, writes)):  # the drafts' rows read what the launch before wrote
+                self.k_dr.conv_step(proj[p], L["conv"], conv, inp[5, p], out=mixed[p], out_pages=w, preload=i == 0)
         for i, (p, w) in enumerate(zip(parts, writes)):  # the drafts' rows read what the launch before wrote
             settings = dict(tuned, preload=i == 0) if tuned else self.k_dr.step_settings(p.stop - p.start, i == 0)
             self.k_dr.gated_delta_step(
