@@ -394,13 +394,9 @@ def _skinny_kernel(
         if not DEFER:  # else the launch that reads the product adds them (`Partials`)
             done = tl.atomic_add(C + pid, 1, sem="acq_rel")  # releases this program's partials, acquires the others'
             if done == SPLITS - 1:
-                total = tl.load(P + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLITS):
-                    total += tl.load(P + s * part + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
+                total = _sum_parts(P, offs_p, mask_y, part, SPLITS)
                 if GLU:
-                    total_u = tl.load(P + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLITS):
-                        total_u += tl.load(P + s * part + offs_p + NC, mask=mask_y, other=0.0, cache_modifier=".cg")
+                    total_u = _sum_parts(P + NC, offs_p, mask_y, part, SPLITS)
                     tl.store(Y + offs_y, _silu_mul(total, total_u, Y.dtype.element_ty), mask=mask_y)
                 else:
                     tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
@@ -467,11 +463,19 @@ def _swap_kernel(
         if not DEFER:
             done = tl.atomic_add(C + pid, 1, sem="acq_rel")  # releases this program's partials, acquires the others'
             if done == SPLITS - 1:
-                total = tl.load(P + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLITS):
-                    total += tl.load(P + s * part + offs_p, mask=mask_y, other=0.0, cache_modifier=".cg")
+                total = _sum_parts(P, offs_p, mask_y, part, SPLITS)
                 tl.store(Y + offs_y, total.to(Y.dtype.element_ty), mask=mask_y)
                 tl.atomic_xchg(C + pid, 0)
+
+
+@triton.jit
+def _sum_parts(P, offs_p, mask, part, SPLITS: tl.constexpr):
+    """The K split's float32 partial sums at offs_p (parts `part` elements apart) added in split order, read from
+    L2 (.cg: this SM may hold stale lines of them from an earlier launch)."""
+    total = tl.load(P + offs_p, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(P + s * part + offs_p, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -975,6 +979,9 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         y = prologue_linear(prologue, x, w, settings, gate, (res, nw, 1e-6), conv)
         return glu_after(y, settings) if glu else after(y, stream)
 
+    def fits(s):  # K cut in block_k tiles of every split
+        return K % (s["block_k"] * s.get("splits", 1)) == 0
+
     def search() -> tuple[dict | None, dict]:
         times = {"cublas": graph_time(lambda: [apply(w, None) for w in weights], 10) / len(weights)}
         pflag = PROLOGUE_FLAGS.get(prologue)
@@ -986,7 +993,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         # K split only where the column blocks are few (each candidate is a compile at capture time)
         base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
         base += whole_range_candidates(K) if rows == 1 and N <= WHOLE_RANGE_MAX_N else []
-        base = [s for s in base if K % (s["block_k"] * s.get("splits", 1)) == 0]
+        base = [s for s in base if fits(s)]
         settings = [dict(s, **flag) for s in base]
         # more rows: the prologue also as its own launch before skinny_linear (the flag left out), since at 16 rows and
         # more a prologue computed in the product's loop can cost more than its launch (x passes through registers
@@ -997,8 +1004,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
                 settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in base]
         # K split with the product as w @ x.T, after the prologue's launch and before the conv's (it fuses neither)
         swap = SWAP_CANDIDATES.get(_kind(rows), []) if N <= SPLIT_MAX_N and not glu else []
-        settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in swap
-                     if K % (s["block_k"] * s["splits"]) == 0]  # fmt: skip
+        settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in swap if fits(s)]
         extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
         if conv is not None:
             extra = dict(extra, conv=conv)
