@@ -25,14 +25,31 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _gate(g_ptr, mask, dtype):
+    """Sigmoid of the gate at g_ptr rounded to dtype as torch.sigmoid rounds it (in float32)."""
+    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32)
+    return (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gated(out, sig, dtype, GATE: tl.constexpr):
+    """The attention output in the output's dtype; with GATE times `_gate`'s sigmoid, the product rounded (a gated
+    attention output, Qwen3-Next and Qwen3.5: torch.sigmoid, then the product)."""
+    out = out.to(dtype)
+    if GATE:
+        out = (out.to(tl.float32) * sig).to(dtype)
+    return out
+
+
+@triton.jit
 def _decode_kernel(
-    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter, KNew, VNew, Cos, Sin, OutSlots,
+    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter, KNew, VNew, Cos, Sin, OutSlots, Gate,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t, stride_h,
-    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_c,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_c, stride_gt,
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, GATE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)
@@ -105,7 +122,12 @@ def _decode_kernel(
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     if NUM_SPLITS == 1:
         o_ptr = O + qrow * stride_t + heads[:, None] * stride_h + offs_d[None, :]
-        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_g[:, None])
+        sig = 0.0
+        if GATE:
+            sig = _gate(Gate + qrow * stride_gt + heads[:, None] * D + offs_d[None, :], mask_g[:, None],
+                        O.dtype.element_ty)  # fmt: skip
+        out = _gated(out, sig, O.dtype.element_ty, GATE)
+        tl.store(o_ptr, out, mask=mask_g[:, None])
     else:
         lse = tl.where(end > start, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
         tl.store(
@@ -114,6 +136,13 @@ def _decode_kernel(
             mask=mask_g[:, None],
         )
         tl.store(MidL + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+        offs_mg = tl.arange(0, MERGE_G)
+        hm = kvh * GROUP + offs_mg
+        # the gate read by every split before the count, so the merging one has it when it gets there
+        sig = 0.0
+        if GATE:
+            sig = _gate(Gate + qrow * stride_gt + hm[:, None] * D + offs_d[None, :], (offs_mg < GROUP)[:, None],
+                        O.dtype.element_ty)  # fmt: skip
         # the last split to finish for this (sequence, kv head) merges all of them (no second kernel): every thread's
         # stores are ordered before the counter's release by the barrier, as in CUTLASS's semaphore
         tl.debug_barrier()
@@ -121,9 +150,7 @@ def _decode_kernel(
         if done == NUM_SPLITS - 1:
             # one load of every split's partial for the group's heads: [MERGE_G, BLOCK_S, D], from L2 (.cg: this SM
             # may hold stale lines of these addresses from an earlier launch)
-            offs_mg = tl.arange(0, MERGE_G)
             offs_s = tl.arange(0, BLOCK_S)
-            hm = kvh * GROUP + offs_mg
             mask_gs = (offs_mg < GROUP)[:, None] & (offs_s < NUM_SPLITS)[None, :]
             ls = tl.load(MidL + b * stride_lb + hm[:, None] * stride_lh + offs_s[None, :], mask=mask_gs,
                          other=float("-inf"), cache_modifier=".cg")  # fmt: skip
@@ -135,7 +162,8 @@ def _decode_kernel(
             )  # fmt: skip
             res = tl.sum(part * w[:, :, None], 1)
             o_ptr = O + qrow * stride_t + hm[:, None] * stride_h + offs_d[None, :]
-            tl.store(o_ptr, res.to(O.dtype.element_ty), mask=(offs_mg < GROUP)[:, None])
+            res = _gated(res, sig, O.dtype.element_ty, GATE)
+            tl.store(o_ptr, res, mask=(offs_mg < GROUP)[:, None])
             tl.store(Counter + b * tl.num_programs(1) + kvh, 0)  # ready for the next launch (graph replays)
 
 
@@ -182,6 +210,7 @@ def decode_attention(
     rope: tuple | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
     table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written.
@@ -191,7 +220,10 @@ def decode_attention(
     rope = (k, v, cos, sin, out_slots) fuses the rotary embedding and the KV store of the new token into the
     kernel (what `rope.rope_store_kv_` would do first): q and k ([T, Hkv, D], as the projection left them) are
     rotated at position seq_lens[b] - 1 with cos/sin [max_position, D/2]; the rotated k and v go into the pool at
-    out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated."""
+    out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated.
+
+    gate [T, H * D] (unit stride along its row, rows as q's): the output is attention * sigmoid(gate), what
+    `out * torch.sigmoid(gate)` would give after it (a gated attention's output, in the same launch)."""
     B = rows.shape[0]
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
@@ -214,15 +246,18 @@ def decode_attention(
     else:
         rope_args = (q, q, q, q, rows)  # unused
         rope_strides = (0, 0, 0, 0, 0)
+    if gate is not None:
+        assert gate.shape[-1] == H * D and gate.stride(-1) == 1, "gate: [T, H * D], unit stride along a row"
     _decode_kernel[(B, Hkv, splits)](
         q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l, out, counters, *rope_args,
+        q if gate is None else gate,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
-        out.stride(0), out.stride(1), *rope_strides,
+        out.stride(0), out.stride(1), *rope_strides, 0 if gate is None else gate.stride(0),
         scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
-        FUSE_ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages, **launch(q),
+        FUSE_ROPE=rope is not None, GATE=gate is not None, num_warps=num_warps, num_stages=num_stages, **launch(q),
     )  # fmt: skip
     return out
 

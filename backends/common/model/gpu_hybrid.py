@@ -8,7 +8,7 @@ One graph step, per layer (a graph node each, no host work):
     linear attention   add+RMSNorm | in_proj | conv step (state in place) | gated delta step (gates, L2 norms,
                        delta rule on the state page in place, gated RMSNorm) | out_proj
     full attention     add+RMSNorm | q|gate|k|v proj | q/k RMSNorm + partial rope + K/V store | split-KV decode
-                       attention over the slot table | sigmoid gate | o_proj
+                       attention over the slot table, times the output's sigmoid gate | o_proj
     MLP                add+RMSNorm | gate|up | SiLU*up | down
     MoE MLP            add+RMSNorm | router|shared gate | softmax+top-k | align | grouped gate|up+SiLU*up |
                        grouped down | fixed-order combine (kernels.moe; the shared expert is one more pair)
@@ -18,6 +18,7 @@ padding rows use a scratch KV slot and a scratch state page that no request owns
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -60,8 +61,10 @@ class _Norm:
 
 class GpuHybrid(DecodeGraphs):
     # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
-    # norms before in_proj / qkv / gate_up, the attention output's sigmoid gate, the MLP's silu(gate) * up
-    PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "o": "sigmoid", "down": "silu"}
+    # norms before in_proj / qkv / gate_up, the MLP's silu(gate) * up. The attention output's sigmoid gate is
+    # applied as the decode attention stores its output; TRITON_PD_ATTN_GATE=0 (for comparisons) gives it to o's
+    # launch instead ("o": "sigmoid", or its own two launches where o's pick does not fuse it)
+    PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "down": "silu"}
     # gate_up: or silu(gate) * up after it, at more than one row; out, o, down: their product goes to the add + RMSNorm
     # of the residual stream (in a launch of its own, or in the next projection's where its choice says norm)
     EPILOGUES = {"gate_up": "glu", "out": "norm", "o": "norm", "down": "norm"}
@@ -81,6 +84,9 @@ class GpuHybrid(DecodeGraphs):
         """eager: the model whose weights (fused) this shares; scratch_slot: a KV slot and pad_page: a state page
         outside the scheduler's, for padding rows. linear_choice: as for GpuLlama."""
         from kernels import act, attention, delta_rule, delta_tune, linear, norm, rope
+
+        if os.environ.get("TRITON_PD_ATTN_GATE", "1") == "0":
+            self.PROLOGUES = dict(self.PROLOGUES, o="sigmoid")
 
         self.k_attn, self.k_norm, self.k_rope, self.k_act, self.k_lin, self.k_dr = (
             attention, norm, rope, act, linear, delta_rule,
@@ -284,11 +290,13 @@ class GpuHybrid(DecodeGraphs):
             qkv, H, Hkv, L["q_norm"], L["k_norm"], cfg.rms_norm_eps, inp[1], self.cos, self.sin, k_pool, v_pool,
             inp[2],
         )  # fmt: skip
+        gate = qkv[:, H * D : 2 * H * D]  # the output's sigmoid gate: in the attention's store (`PROLOGUES`)
+        in_o = self.PROLOGUES.get("o") == "sigmoid"
         attn = self.k_attn.decode_attention(
             q, k_pool, v_pool, self.table.table, inp[3], inp[4], self.eager.scale, q_idx=self.qidx[:bs],
-            counters=self.attn_counters, **self.k_attn.decode_settings(bs, Hkv, D),
+            counters=self.attn_counters, gate=None if in_o else gate, **self.k_attn.decode_settings(bs, Hkv, D),
         )  # fmt: skip
-        return lin(attn.view(-1, H * D), L, "o", gate=qkv[:, H * D : 2 * H * D])  # the output's sigmoid gate
+        return lin(attn.view(-1, H * D), L, "o", gate=gate if in_o else None)
 
     # ----- speculative verification in graphs -----
     # A verification graph of bs sequences has 2 * bs query rows: column i is sequence i's input token, column
