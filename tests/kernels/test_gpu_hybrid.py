@@ -486,15 +486,16 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
 
 
 def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, conv_early: bool = False, defer: bool = False):
-    """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
-    into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the
-    conv step into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate into o
-    and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and 128). rows_fused: at more
-    than one row too, the norms and the conv step (each row on its own state page) fused, and gate_up giving
-    silu(gate) * up itself (glu) with down reading it plain. conv_early: in_proj's conv with its state rows read
-    before the product, with no K split. defer: out, o and down split K in two (tiles of 16) and leave their
-    partial sums to the add + RMSNorm launch after them, which GpuHybrid._lin undoes at one row, where the norms
-    are fused into the next projections."""
+    """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms into
+    in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the conv step
+    into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate into o (which runs it
+    only under TRITON_PD_ATTN_GATE=0: by default the decode attention applies it as it stores its output, and o's flag
+    is dropped for want of a gate) and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and
+    128). rows_fused: at more than one row too, the norms and the conv step (each row on its own state page) fused, and
+    gate_up giving silu(gate) * up itself (glu) with down reading it plain. conv_early: in_proj's conv with its state
+    rows read before the product, with no K split. defer: out, o and down split K in two (tiles of 16) and leave their
+    partial sums to the add + RMSNorm launch after them, which GpuHybrid._lin undoes at one row, where the norms are
+    fused into the next projections."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
     choice = {}
     for bs in sizes:
@@ -534,7 +535,7 @@ CONV_IN_DELTA = {1: dict(block_v=8, split=2, conv=True), 2: dict(block_v=8, ahea
 )  # fmt: skip
 def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused, delta, monkeypatch):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
-    sigmoid gate and silu fused; with rows_fused the norms, the conv step and gate_up's glu too) with every
+    silu fused; with rows_fused the norms, the conv step and gate_up's glu too) with every
     projection on skinny_linear (an MoE layer's router too): logits and state pages equal the PyTorch model's, and
     the residual stream the fused norms write comes out as the unfused path's. conv-in-delta: the projections on
     cuBLAS and the conv step in the delta step's launch (`CONV_IN_DELTA`, set before the capture, with tuning off
@@ -542,8 +543,12 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     captures' on a GPU) has the conv. conv-early: as rows, in_proj's conv reading its state rows first
     (`fused_prologues(conv_early=True)`). defer: out's, o's and down's K split partials added by the add + RMSNorm
     launch after them at more than one row (`fused_prologues(defer=True)`), which the graphs' bodies then call with
-    kernels.linear.Partials."""
+    kernels.linear.Partials. The attention output's sigmoid gate: in the decode attention's store, except in
+    "dense", which runs with TRITON_PD_ATTN_GATE=0 (the gate fused into o's launch)."""
     sizes = (1, 2, 4)
+    gate_in_o = cfg is DENSE_TINY and not rows_fused and delta is None  # "dense"
+    if gate_in_o:
+        monkeypatch.setenv("TRITON_PD_ATTN_GATE", "0")
     conv_in_delta = delta == "conv"
     choice = None if conv_in_delta else fused_prologues(rows_fused=rows_fused, conv_early=delta == "early",
                                                         defer=delta == "defer")  # fmt: skip
@@ -555,6 +560,7 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
         monkeypatch.setattr(kn, "add_rms_norm", lambda x, *a, **kw: deferred.append(type(x).__name__) or
                             add_rms_norm(x, *a, **kw))  # fmt: skip
     r, gpu = build(cfg, sizes=() if conv_in_delta else sizes, linear_choice=choice)
+    assert (gpu.PROLOGUES.get("o") == "sigmoid") == gate_in_o
     fused_convs = []
     if conv_in_delta:
         monkeypatch.setenv("TRITON_PD_LINEAR_TUNE", "0")  # cuBLAS projections, and the delta step as chosen here
