@@ -753,17 +753,19 @@ def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, s
 
 
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
-                  settings: dict | None, conv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  settings: dict | None, conv: tuple | None = None,
+                  preload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(rmsnorm(x + residual) * (1 + weight) @ w.T, the residual stream x + residual (x itself without a residual)).
     One skinny_linear launch, the residual stream written to a new tensor, where `settings` say norm (one row);
-    else kernels.norm.add_rms_norm (the residual updated in place) and `linear`. conv: as for `linear`."""
+    else kernels.norm.add_rms_norm (the residual updated in place; preload as there) and `linear`. conv: as for
+    `linear`."""
     if settings is not None and settings.get("norm"):
         assert not isinstance(x, Partials), "norm in the launch: the product before it added up (no defer)"
         res_out = torch.empty_like(x) if residual is not None else x
         return _skinny(x, w, settings, conv, norm=(residual, weight, eps, res_out)), res_out
     from kernels.norm import add_rms_norm
 
-    y = linear(add_rms_norm(x, residual, weight, eps, offset=True), w, settings, conv)
+    y = linear(add_rms_norm(x, residual, weight, eps, offset=True, preload=preload), w, settings, conv)
     return y, (x if residual is None else residual)
 
 

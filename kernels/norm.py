@@ -31,26 +31,35 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     OFFSET: tl.constexpr,
     PARTS: tl.constexpr,
+    PRELOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One row. PARTS > 0: X holds that many float32 partial sums of the row, `part` elements apart, added in
-    order and rounded to Out's dtype (kernels.linear.Partials), else X is the row itself."""
-    enter(PDL)
+    order and rounded to Out's dtype (kernels.linear.Partials), else X is the row itself. PRELOAD: the residual
+    row and the weight are read before the wait for the launch before (which wrote neither: the caller's
+    promise), so only x's read is left after it."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    if PRELOAD:
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+    enter(PDL)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if PARTS > 0:
         for s in tl.static_range(1, PARTS):
             x += tl.load(X + s * part + row * stride_x + offs, mask=mask, other=0.0)
         x = x.to(Out.dtype.element_ty)
     if HAS_RES:
-        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+        if not PRELOAD:
+            r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(R + row * stride_r + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / N
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    if not PRELOAD:
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     if OFFSET:
         y = xf * tl.rsqrt(var + eps) * (1.0 + w)
     else:
@@ -65,10 +74,13 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor | None = None,
     offset: bool = False,
+    preload: bool = False,
 ) -> torch.Tensor:
     """x, residual: [T, N] (residual updated in place to residual + x). Returns the normalised rows [T, N]. x may
     be a K-split product not added up yet (kernels.linear.Partials): its parts are added here, in split order,
-    and rounded to its dtype first, the bits its own launch would have stored."""
+    and rounded to its dtype first, the bits its own launch would have stored. preload: the residual and the
+    weight are read before the programmatic-dependent-launch wait; only where the launch just before this one
+    wrote neither (a decode graph's norm after the projection whose product x is)."""
     parts = getattr(x, "parts", None)
     if parts is not None:
         nparts, x, dtype = parts.shape[0], parts[0], x.dtype
@@ -84,7 +96,7 @@ def add_rms_norm(
     assert res.dtype == dtype, (res.dtype, dtype)
     _add_rms_norm_kernel[(T,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps, T * N if nparts else 0,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), OFFSET=offset, PARTS=nparts,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), OFFSET=offset, PARTS=nparts, PRELOAD=preload,
         num_warps=8 if N >= 2048 else 4, **launch(x),
     )  # fmt: skip
     return out

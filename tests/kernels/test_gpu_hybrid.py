@@ -308,14 +308,17 @@ def test_qk_norm_partial_rope_store(H, HKV, D, R):
 
 @pytest.mark.parametrize("with_res", [False, True])
 def test_offset_add_rms_norm(with_res):
+    """The offset norm against the PyTorch model's, the residual updated in place; with the residual and the weight
+    read before the PDL wait (preload) the same bits."""
     g = gen(3)
     x, res, w = rnd(5, 96, g=g).to(DTYPE), rnd(5, 96, g=g).to(DTYPE), rnd(96, g=g, scale=0.1).to(DTYPE)
-    r2 = res.clone()
+    r2, r3 = res.clone(), res.clone()
     out = norm.add_rms_norm(x, r2 if with_res else None, w, 1e-6, offset=True)
     h = (x.float() + res.float()).to(DTYPE) if with_res else x
     torch.testing.assert_close(out.float(), offset_rms_norm(h, w, 1e-6).float(), **TOL)
+    assert torch.equal(norm.add_rms_norm(x, r3 if with_res else None, w, 1e-6, offset=True, preload=True), out)
     if with_res:
-        assert torch.equal(r2, h)
+        assert torch.equal(r2, h) and torch.equal(r3, h)
 
 
 @pytest.mark.parametrize("HV,DV", [(4, 16), (3, 24)] + ([(32, 128)] if DEVICE == "cuda" else []))

@@ -204,7 +204,7 @@ class GpuHybrid(DecodeGraphs):
         def lin(x, L, name, gated=False, gate=None, conv=None):
             c = choice[name]
             if isinstance(x, _Norm):  # the norm in the projection's launch where the choice says norm
-                y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c, conv)
+                y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c, conv, preload=True)
                 return y
             if gated:  # x is [gate | up]: silu(gate) * up goes in
                 return self.k_lin.gated_linear(x, L[name], c)
@@ -219,7 +219,7 @@ class GpuHybrid(DecodeGraphs):
         """A pending `_Norm` computed in a launch of its own (kernels.norm); a tensor as it is."""
         if not isinstance(x, _Norm):
             return x
-        out = self.k_norm.add_rms_norm(x.a, x.res, x.w, self.cfg.rms_norm_eps, offset=True)
+        out = self.k_norm.add_rms_norm(x.a, x.res, x.w, self.cfg.rms_norm_eps, offset=True, preload=True)
         x.h = x.a if x.res is None else x.res  # updated in place
         return out
 
