@@ -27,7 +27,7 @@ from perf.limits import report_writer, wall_clock_limit
 POINTERS_32 = {"Mixed", "ALog", "DtBias", "S", "Part", "CS"}
 POINTERS_16 = {"Proj", "NormW", "Out", "CW"}
 POINTERS_I32 = {"Pages", "OutPages", "Ctr", "KCtr"}
-FLOATS = {"eps", "q_scale"}
+FLOATS = {"eps", "q_scale", "scale_log2"}
 # the integer arguments a launch specialises as multiples of 16 at Qwen3-Next's shapes (strides, column offsets)
 ALIGNED_INTS = {"stride_m", "stride_p", "stride_out", "s_page", "s_head", "s_k", "z_off", "b_off", "a_off", "cs_page"}
 

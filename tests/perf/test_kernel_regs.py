@@ -43,3 +43,35 @@ def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_pat
     one = subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--skinny", "--rows", "1"], capture_output=True,
                          text=True, env=env, timeout=120)  # fmt: skip
     assert one.returncode == 2 and "--rows 2 or more" in one.stderr
+
+
+# the hybrid decode graph's gated decode attention (split-KV and not) and its norm reading the residual before the PDL
+# wait, compiled for sm_90 with perf.kernel_regs.resource_use: Triton's interpreter, which the other tests
+# run, accepts kernels that its compiler refuses (a helper returning a tensor in one branch and a float in another)
+COMPILE_HYBRID = """
+import json
+from kernels import attention, norm
+from perf.kernel_regs import resource_use
+
+attn = {n: "*bf16" for n in ("Q", "K", "V", "O", "KNew", "VNew", "Gate")}
+attn |= {n: "*fp32" for n in ("MidO", "MidL", "Cos", "Sin")}
+attn |= {n: "*i32" for n in ("Table", "Rows", "SeqLens", "QIdx", "Counter", "OutSlots")}
+use = {}
+for splits in (1, 8):
+    consts = dict(GROUP=8, BLOCK_G=16, D=256, BLOCK_N=32, NUM_SPLITS=splits, BLOCK_S=max(2, splits), MERGE_G=8,
+                  PREC="tf32", FUSE_ROPE=False, GATE=True, PDL=True)
+    use[f"attention {splits}"] = resource_use(attention._decode_kernel, consts, 4, 90, 2, attn, set())
+consts = dict(HAS_RES=True, BLOCK=2048, OFFSET=True, PARTS=4, PRELOAD=True, PDL=True)
+pointers = {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Out": "*bf16"}
+use["norm"] = resource_use(norm._add_rms_norm_kernel, consts, 8, 90, None, pointers, set())
+print(json.dumps(use))
+"""
+
+
+def test_the_hybrid_graphs_gated_attention_and_preloading_norm_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_HYBRID], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    use = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(use) == ["attention 1", "attention 8", "norm"]
+    assert all(0 < u["REG"] <= 255 for u in use.values()), use
