@@ -16,6 +16,14 @@ from kernels.pdl import enter, launch
 
 
 @triton.jit
+def _weight_and_residual(W, r_row, offs, mask, HAS_RES: tl.constexpr):
+    """The norm's weight (float32) and the residual row (its dtype; 0.0 without one)."""
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_row + offs, mask=mask, other=0.0) if HAS_RES else 0.0
+    return w, r
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     X,
     R,
@@ -42,24 +50,20 @@ def _add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     if PRELOAD:
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+        w, r = _weight_and_residual(W, R + row * stride_r, offs, mask, HAS_RES)
     enter(PDL)
+    if not PRELOAD:
+        w, r = _weight_and_residual(W, R + row * stride_r, offs, mask, HAS_RES)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if PARTS > 0:
         for s in tl.static_range(1, PARTS):
             x += tl.load(X + s * part + row * stride_x + offs, mask=mask, other=0.0)
         x = x.to(Out.dtype.element_ty)
     if HAS_RES:
-        if not PRELOAD:
-            r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(R + row * stride_r + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / N
-    if not PRELOAD:
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     if OFFSET:
         y = xf * tl.rsqrt(var + eps) * (1.0 + w)
     else:
