@@ -1,0 +1,183 @@
+"""Launch settings measured inside the hybrid decode step rather than alone: one model runner, its decode graph of
+one batch size recaptured for each variant and replayed, against the tuned picks recaptured first and last in the
+same run. `kernels.linear.tune` times a projection's candidates in a graph of that projection's launches only; a
+setting can rank differently among the other launches of a step (programmatic dependent launch, L2 traffic of the
+delta step's state), and this shows by how much.
+
+    python -m perf.instep_sweep [--model random:qwen3-next-layout] [--batch 32] --what gate_up|in_proj|attn|whatif
+                                [--attn-splits 4 8 16] [--reps 40] [--time-limit 240] [--out FILE.md]
+
+--what gate_up / in_proj: that projection's pick replaced by cuBLAS and by skinny_linear settings near it (fewer
+stages, preload, K split, the w @ x.T form without a split). --what attn: the decode attention's settings
+(`kernels.attention.decode_settings`) replaced by splits x key block x warps x stages. --what whatif: the step
+with one kind of launch left out (no add + RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode
+attention; each replaced by an empty output, so the tokens are garbage): how much that kind of launch costs the
+step, an upper bound on what fusing it away could save. Each variant's graph is replayed twice (`graph`, two
+numbers: the spread between them is the noise), and `loop` is the overlapped loop step as in perf.hybrid_bench.
+Picks come from the tuning cache (TRITON_PD_TUNE_CACHE); a variant the cache lacks is only compiled, not tuned."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import types
+
+import torch
+
+from perf.limits import report_writer, wall_clock_limit
+
+GLU = dict(dot=True, glu=True)
+DOT = dict(dot=True)
+PROJECTION_VARIANTS = {
+    "gate_up": {
+        "stages 3": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, **GLU),
+        "preload": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, preload=True, **GLU),
+        "block_n 32": dict(block_n=32, block_k=128, num_warps=4, num_stages=3, **GLU),
+        "block_k 64": dict(block_n=64, block_k=64, num_warps=4, num_stages=4, **GLU),
+        "block_k 64, stages 6": dict(block_n=64, block_k=64, num_warps=4, num_stages=6, **GLU),
+        "K split 2": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, splits=2, **GLU),
+        "K split 2, stages 2": dict(block_n=64, block_k=128, num_warps=4, num_stages=2, splits=2, **GLU),
+        "K split 2, block_n 32": dict(block_n=32, block_k=128, num_warps=4, num_stages=4, splits=2, **GLU),
+        "K split 4, block_k 64": dict(block_n=64, block_k=64, num_warps=4, num_stages=4, splits=4, **GLU),
+        "w @ x.T": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, **GLU),
+        "w @ x.T, stages 3": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, **GLU),
+        "w @ x.T, preload": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, preload=True, **GLU),
+    },
+    "in_proj": {
+        "preload": dict(block_n=32, block_k=128, num_warps=4, num_stages=5, preload=True, **DOT),
+        "block_n 64": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, **DOT),
+        "block_k 64, stages 6": dict(block_n=32, block_k=64, num_warps=4, num_stages=6, **DOT),
+        "w @ x.T": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, **DOT),
+        "w @ x.T, preload": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, preload=True, **DOT),
+        "w @ x.T, block_n 128": dict(block_n=128, block_k=64, num_warps=4, num_stages=4, swap=True, **DOT),
+        "w @ x.T, K split 2": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, splits=2, **DOT),
+        "K split 2": dict(block_n=32, block_k=128, num_warps=4, num_stages=4, splits=2, **DOT),
+    },
+}
+ATTN_TILES = ((32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2), (32, 8, 2), (16, 4, 3))  # block_n, warps, stages
+
+
+def _empty_norm(x, residual, weight, eps, out=None, offset=False, preload=False):
+    parts = getattr(x, "parts", None)
+    if parts is not None:
+        return torch.empty(parts.shape[1:], dtype=x.dtype, device=parts.device)
+    return torch.empty_like(x) if out is None else out
+
+
+def _empty_conv(y, weight, state, pages, out=None, out_pages=None, preload=False):
+    return out
+
+
+def _empty_rope(qkv, num_heads, num_kv_heads, *args, **kwargs):
+    head_dim = qkv.shape[1] // (2 * num_heads + 2 * num_kv_heads)  # rows of q | gate | k | v
+    return torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+
+
+def _empty_attention(q, *args, out=None, **kwargs):
+    return torch.empty_like(q) if out is None else out
+
+
+def variants(what: str, batch: int, attn_splits: list[int]) -> dict[str, tuple]:
+    """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linear", (projection, settings or None for
+    cuBLAS)); ("attn", settings); ("leave out", (module, function name, its stand-in))."""
+    from kernels import attention, delta_rule, norm, rope
+
+    out: dict[str, tuple] = {"tuned picks": ("pick", None)}
+    if what in PROJECTION_VARIANTS:
+        out["cuBLAS"] = ("linear", (what, None))
+        out.update({k: ("linear", (what, s)) for k, s in PROJECTION_VARIANTS[what].items()})
+    elif what == "attn":
+        for sp in attn_splits:
+            for bn, nw, ns in ATTN_TILES:
+                out[f"splits {sp}, block_n {bn}, {nw} warps, {ns} stages"] = (
+                    "attn", dict(num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns))  # fmt: skip
+    elif what == "whatif":
+        out.update({
+            "no add + RMSNorm": ("leave out", (norm, "add_rms_norm", _empty_norm)),
+            "no conv step": ("leave out", (delta_rule, "conv_step", _empty_conv)),
+            "no q/k norm + rope + K/V store": ("leave out", (rope, "qk_norm_rope_store_kv_", _empty_rope)),
+            "no decode attention": ("leave out", (attention, "decode_attention", _empty_attention)),
+        })  # fmt: skip
+    out["tuned picks, again"] = ("pick", None)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:qwen3-next-layout")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--what", required=True, choices=[*PROJECTION_VARIANTS, "attn", "whatif"])
+    ap.add_argument("--attn-splits", type=int, nargs="+", default=[4, 8, 16], help="--what attn: the splits tried")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=40, help="graph replays and loop steps timed per variant")
+    ap.add_argument("--time-limit", type=float, default=240)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("instep_sweep: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from backends.common.engine.runner import ModelRunner
+    from kernels import attention
+    from perf.hybrid_bench import copy_bandwidth, randomise, time_decode
+
+    B = a.batch
+    lines = [f"# Launch settings inside the decode step: {a.model}, batch {B}, on {torch.cuda.get_device_name()}", ""]
+    write = report_writer(lines, a.out)
+    timer = wall_clock_limit(a.time_limit, write, [])
+    t0 = time.perf_counter()
+    runner = ModelRunner(a.model, "bfloat16", "cuda", B * (a.context + a.reps + 8) + 64, max_batch=B,
+                         state_pages=B + 2, graph_sizes=(B,))  # fmt: skip
+    randomise(runner)
+    model = runner.model
+    picks = dict(model.linear_choice)
+    lines += [
+        f"Copy bandwidth {copy_bandwidth() / 1e9:,.0f} GB/s; load + capture {time.perf_counter() - t0:.0f} s. "
+        f"Command: `python -m perf.instep_sweep {' '.join(argv if argv is not None else sys.argv[1:])}`.",
+        "",
+        "Tuned picks at this batch: "
+        + "; ".join(f"{n}: {c}" for (n, bs), c in sorted(picks.items()) if bs == B),
+        "",
+        "| variant | graph step (two timings) | loop step |",
+        "|---|---:|---:|",
+    ]  # fmt: skip
+    write()
+    settings = attention.decode_settings
+    timing = types.SimpleNamespace(context=a.context, reps=a.reps, eager_batches=[], profile=False)
+    gen = torch.Generator().manual_seed(0)
+    for name, (kind, arg) in variants(a.what, B, a.attn_splits).items():
+        choice = dict(picks)
+        if kind == "linear":
+            projection, s = arg
+            if s is None:  # cuBLAS
+                choice.pop((projection, B), None)
+            else:
+                choice[(projection, B)] = s
+        if kind == "attn":
+            attention.decode_settings = lambda *_, s=arg: dict(s)
+        if kind == "leave out":
+            module, fn, stand_in = arg
+            original = getattr(module, fn)
+            setattr(module, fn, stand_in)
+        model.linear_choice, model.linear_fixed = choice, True  # recaptured with these picks, not tuned
+        try:
+            model.capture([B])
+            t1, loop, _ = time_decode(runner, B, timing, gen)
+            t2, _, _ = time_decode(runner, B, timing, gen)
+            lines.append(f"| {name} | {t1 * 1e3:.3f} / {t2 * 1e3:.3f} ms | {loop * 1e3:.3f} ms |")
+        except Exception as e:  # a setting that does not compile or fit: recorded, the sweep goes on
+            lines.append(f"| {name} | failed: {e!r:.160} | |")
+            torch.cuda.synchronize()
+        finally:
+            attention.decode_settings = settings
+            if kind == "leave out":
+                setattr(module, fn, original)
+        write()
+    timer.cancel()
+    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
