@@ -8,6 +8,9 @@ APT_PACKAGES := libb64-0d libpython3.11
 
 .PHONY: setup test lint serve clean test-fast
 
+# pytest workers of `make test` (pytest-xdist): the tests that start a tritonserver run one after another in one
+# of them (tests/conftest.py), the in-process tests on all of them
+TEST_WORKERS ?= 2
 # extra flags for `make serve`, e.g. make serve SERVE_ARGS="--kv-tokens 2048 --http-port 9000"
 SERVE_ARGS ?=
 
@@ -36,7 +39,7 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 # the edit loop: every in-process test, no tritonserver (2 min 47 s on 2 cores); `make test` runs them all
 test-fast: setup

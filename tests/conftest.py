@@ -7,6 +7,9 @@ import os
 # the CPU tests of batch invariance (tests/kernels/test_invariant.py) hold bit for bit on any host only with these.
 # Set before numpy is first imported (torch imports it); a value given outside is kept.
 os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores: one thread each
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,7 +19,16 @@ if not torch.cuda.is_available():
     # imported, or triton.language's own helpers stay compiled-only and every interpreted kernel fails
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, torch.get_num_threads()))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`), every test that starts a tritonserver runs in one worker, one after
+    another (`--dist loadgroup`), as in a serial run, while the other worker takes the in-process tests."""
+    for item in items:
+        if item.get_closest_marker("server"):
+            item.add_marker(pytest.mark.xdist_group("server"))
 
 
 @pytest.fixture(scope="session")
