@@ -65,7 +65,7 @@ def _empty_norm(x, residual, weight, eps, out=None, offset=False, preload=False)
     return torch.empty_like(x) if out is None else out
 
 
-def _empty_conv(y, weight, state, pages, out=None, out_pages=None, preload=False):
+def _empty_conv(x, weight, conv_state, pages, out=None, out_pages=None, preload=False):
     return out
 
 
@@ -78,7 +78,7 @@ def _empty_attention(q, *args, out=None, **kwargs):
     return torch.empty_like(q) if out is None else out
 
 
-def variants(what: str, batch: int, attn_splits: list[int]) -> dict[str, tuple]:
+def variants(what: str, attn_splits: list[int]) -> dict[str, tuple]:
     """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linear", (projection, settings or None for
     cuBLAS)); ("attn", settings); ("leave out", (module, function name, its stand-in))."""
     from kernels import attention, delta_rule, norm, rope
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     settings = attention.decode_settings
     timing = types.SimpleNamespace(context=a.context, reps=a.reps, eager_batches=[], profile=False)
     gen = torch.Generator().manual_seed(0)
-    for name, (kind, arg) in variants(a.what, B, a.attn_splits).items():
+    for name, (kind, arg) in variants(a.what, a.attn_splits).items():
         choice = dict(picks)
         if kind == "linear":
             projection, s = arg
