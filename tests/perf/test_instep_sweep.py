@@ -19,6 +19,20 @@ def test_every_sweep_starts_and_ends_with_the_picks():
         assert kinds[0] == kinds[-1] == "pick" and "pick" not in kinds[1:-1], (what, kinds)
     attn = [arg for kind, arg in variants("attn", [4, 8]).values() if kind == "attn"]
     assert len(attn) == 2 * len(ATTN_TILES) and {s["num_splits"] for s in attn} == {4, 8}
+    both = [arg for kind, arg in variants("attn", [4, 8], (0, 3)).values() if kind == "attn"]
+    assert len(both) == 4 * len(ATTN_TILES) and sum(s["preload"] == 3 for s in both) == 2 * len(ATTN_TILES)
+
+
+def test_attention_variants_are_decode_attention_settings():
+    """Every setting the attention sweep swaps in is a keyword of kernels.attention.decode_attention, as is each of
+    decode_settings' (which the sweep replaces)."""
+    from kernels import attention
+
+    accepted = set(inspect.signature(attention.decode_attention).parameters)
+    for kind, arg in variants("attn", [2, 8], (0, 1, 2, 3)).values():
+        if kind == "attn":
+            assert set(arg) <= accepted, set(arg) - accepted
+    assert set(attention.decode_settings(32, 2, 256)) <= accepted
 
 
 def test_each_stand_in_takes_the_arguments_of_the_kernel_it_replaces():
