@@ -42,18 +42,6 @@ def _gated(out, sig, dtype, GATE: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, mask_n, m, l_sum, scale_log2, PREC: tl.constexpr):
-    """The online softmax over one block of keys k ([BLOCK_N, D], rows where mask_n) for the queries q [G, D]:
-    (p, the rescale alpha of what came before, the new running max and sum)."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G, N], in log2 units
-    s = tl.where(mask_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_sum * alpha + tl.sum(p, 1)
-
-
-@triton.jit
 def _decode_kernel(
     Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter, KNew, VNew, Cos, Sin, OutSlots, Gate,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
@@ -62,10 +50,9 @@ def _decode_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, GATE: tl.constexpr,
-    PRELOAD: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    if PRELOAD == 0:
-        enter(PDL)
+    enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -78,28 +65,11 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
-    kend = end
-    if FUSE_ROPE:
-        kend = tl.minimum(end, seq_len - 1)  # the new token comes from registers (below), not from the pool
-    if PRELOAD > 0:
-        # before the wait, the first key block's table entries (PRELOAD 1), its K rows too (2), and its V rows (3),
-        # all but the sequence's last FRESH positions (which the launch just before may write: the caller's
-        # promise), read after it
-        offs_0 = start + tl.arange(0, BLOCK_N)
-        mask_0 = offs_0 < kend
-        old_0 = mask_0 & (offs_0 < seq_len - FRESH)
-        slots_0 = tl.load(Table + row * stride_tr + offs_0, mask=mask_0, other=0).to(tl.int64)
-        k_at = K + slots_0[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-        v_at = V + slots_0[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
-        if PRELOAD >= 2:
-            k_0 = tl.load(k_at, mask=old_0[:, None], other=0.0)
-        if PRELOAD >= 3:
-            v_0 = tl.load(v_at, mask=old_0[:, None], other=0.0)
-        enter(PDL)
     mask_g = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     q_ptr = Q + qrow * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_ptr + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    kend = end
     if FUSE_ROPE:
         # rotate q here (half-split layout: element d pairs with d +- D/2), and leave the new token (position
         # seq_len - 1) out of the loop: the split that owns it rotates its k, stores k and v into the pool and
@@ -112,33 +82,25 @@ def _decode_kernel(
         sn = tl.where(offs_d < HALF, -sn, sn)
         q_sw = tl.load(q_ptr + offs_sw[None, :], mask=mask_g[:, None], other=0.0)
         q = (q.to(tl.float32) * c[None, :] + q_sw.to(tl.float32) * sn[None, :]).to(Q.dtype.element_ty)
+        kend = tl.minimum(end, seq_len - 1)
 
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    first = start
-    if PRELOAD > 0:
-        if start < kend:  # the preloaded block: what was not read before the wait read now
-            if PRELOAD >= 2:
-                fresh = mask_0 & (offs_0 >= seq_len - FRESH)
-                k_0 = tl.where(fresh[:, None], tl.load(k_at, mask=fresh[:, None], other=0.0), k_0)
-            else:
-                k_0 = tl.load(k_at, mask=mask_0[:, None], other=0.0)
-            if PRELOAD >= 3:
-                v_0 = tl.where(fresh[:, None], tl.load(v_at, mask=fresh[:, None], other=0.0), v_0)
-            else:
-                v_0 = tl.load(v_at, mask=mask_0[:, None], other=0.0)
-            p, alpha, m, l_sum = _scores(q, k_0, mask_0, m, l_sum, scale_log2, PREC)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v_0.dtype), v_0, input_precision=PREC)
-        first = start + BLOCK_N
-    for n0 in range(first, kend, BLOCK_N):
+    for n0 in range(start, kend, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kend
         slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        p, alpha, m, l_sum = _scores(q, k, mask_n, m, l_sum, scale_log2, PREC)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G, N], in log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
 
     if FUSE_ROPE:
         if (start <= seq_len - 1) & (seq_len - 1 < end):
@@ -249,8 +211,6 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     gate: torch.Tensor | None = None,
-    preload: int = 0,
-    fresh: int = 2,
 ) -> torch.Tensor:
     """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
     table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written.
@@ -263,15 +223,7 @@ def decode_attention(
     out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated.
 
     gate [T, H * D] (unit stride along its row, rows as q's): the output is attention * sigmoid(gate), what
-    `out * torch.sigmoid(gate)` would give after it (a gated attention's output, in the same launch).
-
-    preload (0-3): each program reads part of its first block of keys before waiting for the launch before it
-    (programmatic dependent launch): 1 the slot table's entries, 2 also the K rows, 3 also the V rows, all but
-    each sequence's last `fresh` positions, which it reads after the wait: the caller's promise that the launch
-    just before wrote no other K/V rows and no table entry (in a decode graph the table row was written at the
-    step's start and the pool by earlier steps; the rope launch just before stores the new token, or a
-    verification graph's input token and draft: `fresh` 2). The K and V tiles held across the wait cost
-    registers (sm_90, 4 warps, 256-dim heads in blocks of 32: 136 registers a thread without, 176 with both)."""
+    `out * torch.sigmoid(gate)` would give after it (a gated attention's output, in the same launch)."""
     B = rows.shape[0]
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
@@ -284,7 +236,6 @@ def decode_attention(
     if counters is None:
         counters = torch.zeros(B * Hkv, device=q.device, dtype=torch.int32)
     assert counters.numel() >= B * Hkv
-    assert fresh >= 0 and 0 <= preload <= 3, ("fresh", fresh, "preload", preload)
     mid_o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     mid_l = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
     if rope is not None:
@@ -306,8 +257,7 @@ def decode_attention(
         scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
-        FUSE_ROPE=rope is not None, GATE=gate is not None, PRELOAD=int(preload), FRESH=fresh, num_warps=num_warps,
-        num_stages=num_stages, **launch(q),
+        FUSE_ROPE=rope is not None, GATE=gate is not None, num_warps=num_warps, num_stages=num_stages, **launch(q),
     )  # fmt: skip
     return out
 

@@ -5,17 +5,17 @@ setting can rank differently among the other launches of a step (programmatic de
 delta step's state), and this shows by how much.
 
     python -m perf.instep_sweep [--model random:qwen3-next-layout] [--batch 32] --what gate_up|in_proj|attn|whatif
-                                [--attn-splits 4 8 16] [--attn-preload 0 3] [--attn-tiles 32,4,2 ...]
-                                [--reps 40] [--time-limit 240]
-                                [--out FILE.md]
+                                [--attn-splits 4 8 16] [--attn-tiles 32,4,2 ...] [--reps 40]
+                                [--time-limit 240] [--out FILE.md]
 
 --what gate_up / in_proj: that projection's pick replaced by cuBLAS and by skinny_linear settings near it (fewer
 stages, preload, K split, the w @ x.T form without a split). --what attn: the decode attention's settings
-(`kernels.attention.decode_settings`) replaced by splits x key block x warps x stages x preload. --what whatif: the step
-with one kind of launch left out (no add + RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode
-attention; each replaced by an empty output, so the tokens are garbage): how much that kind of launch costs the
-step, an upper bound on what fusing it away could save. Each variant's graph is replayed twice (`graph`, two
-numbers: the spread between them is the noise), and `loop` is the overlapped loop step as in perf.hybrid_bench.
+(`kernels.attention.decode_settings`) replaced by splits x (key block, warps, stages) (--attn-tiles, default
+ATTN_TILES). --what whatif: the step with one kind of launch left out (no add + RMSNorm, no conv step, no q/k
+norm + rope + K/V store, no decode attention; each replaced by an empty output, so the tokens are garbage): how
+much that kind of launch costs the step, an upper bound on what fusing it away could save. Each variant's graph
+is replayed twice (`graph`, two numbers: the spread between them is the noise), and `loop` is the overlapped loop
+step as in perf.hybrid_bench.
 Picks come from the tuning cache (TRITON_PD_TUNE_CACHE); a variant the cache lacks is only compiled, not tuned."""
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def _empty_attention(q, *args, out=None, **kwargs):
     return torch.empty_like(q) if out is None else out
 
 
-def variants(what: str, attn_splits: list[int], attn_preload: tuple[int, ...] = (0,),
-             attn_tiles: tuple[tuple[int, int, int], ...] = ATTN_TILES) -> dict[str, tuple]:  # fmt: skip
+def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, int, int], ...] = ATTN_TILES
+             ) -> dict[str, tuple]:  # fmt: skip
     """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linear", (projection, settings or None for
     cuBLAS)); ("attn", settings); ("leave out", (module, function name, its stand-in))."""
     from kernels import attention, delta_rule, norm, rope
@@ -92,9 +92,9 @@ def variants(what: str, attn_splits: list[int], attn_preload: tuple[int, ...] = 
         out["cuBLAS"] = ("linear", (what, None))
         out.update({k: ("linear", (what, s)) for k, s in PROJECTION_VARIANTS[what].items()})
     elif what == "attn":
-        for sp, (bn, nw, ns), pre in itertools.product(attn_splits, attn_tiles, attn_preload):
-            name = f"splits {sp}, block_n {bn}, {nw} warps, {ns} stages, preload {pre}"
-            out[name] = ("attn", dict(num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns, preload=pre))
+        for sp, (bn, nw, ns) in itertools.product(attn_splits, attn_tiles):
+            name = f"splits {sp}, block_n {bn}, {nw} warps, {ns} stages"
+            out[name] = ("attn", dict(num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns))
     elif what == "whatif":
         out.update({
             "no add + RMSNorm": ("leave out", (norm, "add_rms_norm", _empty_norm)),
@@ -112,15 +112,6 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--what", required=True, choices=[*PROJECTION_VARIANTS, "attn", "whatif"])
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[4, 8, 16], help="--what attn: the splits tried")
-    ap.add_argument(
-        "--attn-preload",
-        type=int,
-        nargs="+",
-        choices=[0, 1, 2, 3],
-        default=[0, 3],
-        help="--what attn: decode_attention's preload levels tried (how much of the first key block is read before "
-        "the PDL wait: 0 none, 1 the table's entries, 2 and K, 3 and V)",
-    )
     ap.add_argument("--attn-tiles", nargs="+", default=None, metavar="BLOCK_N,WARPS,STAGES",
                     help="--what attn: the key blocks tried (default: ATTN_TILES)")  # fmt: skip
     ap.add_argument("--context", type=int, default=1024)
@@ -160,7 +151,7 @@ def main(argv=None) -> int:
     settings = attention.decode_settings
     timing = types.SimpleNamespace(context=a.context, reps=a.reps, eager_batches=[], profile=False)
     gen = torch.Generator().manual_seed(0)
-    for name, (kind, arg) in variants(a.what, a.attn_splits, tuple(a.attn_preload), tiles).items():
+    for name, (kind, arg) in variants(a.what, a.attn_splits, tiles).items():
         choice = dict(picks)
         if kind == "linear":
             projection, s = arg

@@ -68,8 +68,6 @@ class GpuHybrid(DecodeGraphs):
     # gate_up: or silu(gate) * up after it, at more than one row; out, o, down: their product goes to the add + RMSNorm
     # of the residual stream (in a launch of its own, or in the next projection's where its choice says norm)
     EPILOGUES = {"gate_up": "glu", "out": "norm", "o": "norm", "down": "norm"}
-    # how much of each program's first key block the decode attention reads before the PDL wait (its `preload`)
-    ATTN_PRELOAD = 3
 
     def __init__(
         self,
@@ -294,12 +292,9 @@ class GpuHybrid(DecodeGraphs):
         )  # fmt: skip
         gate = qkv[:, H * D : 2 * H * D]  # the output's sigmoid gate: in the attention's store (`PROLOGUES`)
         in_o = self.PROLOGUES.get("o") == "sigmoid"
-        # part of the first key block read before the PDL wait: the launch just before (the rope) writes only the
-        # new tokens' K/V (in a verification graph the input token's and the draft's, decode_attention's fresh 2)
-        settings = {"preload": self.ATTN_PRELOAD, **self.k_attn.decode_settings(bs, Hkv, D)}
         attn = self.k_attn.decode_attention(
             q, k_pool, v_pool, self.table.table, inp[3], inp[4], self.eager.scale, q_idx=self.qidx[:bs],
-            counters=self.attn_counters, gate=None if in_o else gate, **settings,
+            counters=self.attn_counters, gate=None if in_o else gate, **self.k_attn.decode_settings(bs, Hkv, D),
         )  # fmt: skip
         return lin(attn.view(-1, H * D), L, "o", gate=gate if in_o else None)
 
