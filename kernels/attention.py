@@ -50,15 +50,11 @@ def _decode_kernel(
     scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, GATE: tl.constexpr,
-    KVP: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (sequence, KVP kv heads, split). KVP > 1: one block of BLOCK_N positions holds each position's rows
-    of the KVP heads side by side (row r: position r // KVP, head r % KVP, so a slot's heads are read together)
-    and every query head scores only its own kv head's rows."""
     enter(PDL)
     b = tl.program_id(0)
-    pair = tl.program_id(1)
-    kvh = pair * KVP  # the program's first kv head
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(Rows + b).to(tl.int64)
@@ -69,7 +65,7 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
-    mask_g = offs_g < GROUP * KVP
+    mask_g = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     q_ptr = Q + qrow * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_ptr + offs_d[None, :], mask=mask_g[:, None], other=0.0)
@@ -91,32 +87,18 @@ def _decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    if KVP == 1:
-        rel = tl.arange(0, BLOCK_N)
-        k_head = kvh * stride_kh
-        v_head = kvh * stride_vh
-    else:
-        offs_r = tl.arange(0, KVP * BLOCK_N)
-        rel = offs_r // KVP
-        k_head = (kvh + offs_r % KVP)[:, None] * stride_kh
-        v_head = (kvh + offs_r % KVP)[:, None] * stride_vh
-        # each query row's kv head among the program's (padding rows: the last one's, so no row is all -inf)
-        own = tl.minimum(offs_g // GROUP, KVP - 1)[:, None] == (offs_r % KVP)[None, :]
     for n0 in range(start, kend, BLOCK_N):
-        offs_n = n0 + rel
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kend
         slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_ks + k_head + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G, N], in log2 units
-        if KVP == 1:
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-        else:
-            s = tl.where(mask_n[None, :] & own, s, float("-inf"))
+        s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vs + v_head + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
 
@@ -155,42 +137,34 @@ def _decode_kernel(
         )
         tl.store(MidL + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
         offs_mg = tl.arange(0, MERGE_G)
-        mask_mg = offs_mg < GROUP * KVP
         hm = kvh * GROUP + offs_mg
         # the gate read by every split before the count, so the merging one has it when it gets there
         sig = 0.0
         if GATE:
-            sig = _gate(Gate + qrow * stride_gt + hm[:, None] * D + offs_d[None, :], mask_mg[:, None],
+            sig = _gate(Gate + qrow * stride_gt + hm[:, None] * D + offs_d[None, :], (offs_mg < GROUP)[:, None],
                         O.dtype.element_ty)  # fmt: skip
         # the last split to finish for this (sequence, kv head) merges all of them (no second kernel): every thread's
         # stores are ordered before the counter's release by the barrier, as in CUTLASS's semaphore
         tl.debug_barrier()
-        done = tl.atomic_add(Counter + b * tl.num_programs(1) + pair, 1, sem="acq_rel")
+        done = tl.atomic_add(Counter + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
         if done == NUM_SPLITS - 1:
             # one load of every split's partial for the group's heads: [MERGE_G, BLOCK_S, D], from L2 (.cg: this SM
             # may hold stale lines of these addresses from an earlier launch)
             offs_s = tl.arange(0, BLOCK_S)
-            mask_gs = mask_mg[:, None] & (offs_s < NUM_SPLITS)[None, :]
+            mask_gs = (offs_mg < GROUP)[:, None] & (offs_s < NUM_SPLITS)[None, :]
             ls = tl.load(MidL + b * stride_lb + hm[:, None] * stride_lh + offs_s[None, :], mask=mask_gs,
                          other=float("-inf"), cache_modifier=".cg")  # fmt: skip
             w = tl.exp2(ls - tl.max(ls, 1)[:, None])
             w = w / tl.sum(w, 1)[:, None]
-            if KVP == 1:
-                part = tl.load(
-                    MidO + b * stride_ob + hm[:, None, None] * stride_oh + offs_s[None, :, None] * stride_os
-                    + offs_d[None, None, :], mask=mask_gs[:, :, None], other=0.0, cache_modifier=".cg",
-                )  # fmt: skip
-                res = tl.sum(part * w[:, :, None], 1)
-            else:  # split by split: [MERGE_G, BLOCK_S, D] of more heads would not fit in registers
-                res = tl.zeros([MERGE_G, D], dtype=tl.float32)
-                for sp in tl.static_range(NUM_SPLITS):
-                    part = tl.load(MidO + b * stride_ob + hm[:, None] * stride_oh + sp * stride_os + offs_d[None, :],
-                                   mask=mask_mg[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                    res += part * tl.sum(tl.where(offs_s[None, :] == sp, w, 0.0), 1)[:, None]
+            part = tl.load(
+                MidO + b * stride_ob + hm[:, None, None] * stride_oh + offs_s[None, :, None] * stride_os
+                + offs_d[None, None, :], mask=mask_gs[:, :, None], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            res = tl.sum(part * w[:, :, None], 1)
             o_ptr = O + qrow * stride_t + hm[:, None] * stride_h + offs_d[None, :]
             res = _gated(res, sig, O.dtype.element_ty, GATE)
-            tl.store(o_ptr, res, mask=mask_mg[:, None])
-            tl.store(Counter + b * tl.num_programs(1) + pair, 0)  # ready for the next launch (graph replays)
+            tl.store(o_ptr, res, mask=(offs_mg < GROUP)[:, None])
+            tl.store(Counter + b * tl.num_programs(1) + kvh, 0)  # ready for the next launch (graph replays)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -237,7 +211,6 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     gate: torch.Tensor | None = None,
-    kv_per_program: int = 1,
 ) -> torch.Tensor:
     """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
     table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written.
@@ -250,17 +223,11 @@ def decode_attention(
     out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated.
 
     gate [T, H * D] (unit stride along its row, rows as q's): the output is attention * sigmoid(gate), what
-    `out * torch.sigmoid(gate)` would give after it (a gated attention's output, in the same launch).
-
-    kv_per_program: each program takes that many kv heads (a divisor of Hkv; not with rope) and all their query
-    heads, reading a slot's rows of those heads together (one contiguous piece of the pool's row) instead of one
-    head's part of it; the output is the same up to the order of float32 sums."""
+    `out * torch.sigmoid(gate)` would give after it (a gated attention's output, in the same launch)."""
     B = rows.shape[0]
     _, H, D = q.shape
     Hkv = k_pool.shape[1]
     group = H // Hkv
-    kvp = kv_per_program
-    assert Hkv % kvp == 0 and (kvp == 1 or rope is None), ("kv_per_program", kvp, Hkv, rope is None)
     if q_idx is None:
         q_idx = torch.arange(B, device=q.device, dtype=torch.int32)
     if out is None:
@@ -281,17 +248,16 @@ def decode_attention(
         rope_strides = (0, 0, 0, 0, 0)
     if gate is not None:
         assert gate.shape[-1] == H * D and gate.stride(-1) == 1, "gate: [T, H * D], unit stride along a row"
-    _decode_kernel[(B, Hkv // kvp, splits)](
+    _decode_kernel[(B, Hkv, splits)](
         q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l, out, counters, *rope_args,
         q if gate is None else gate,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
         out.stride(0), out.stride(1), *rope_strides, 0 if gate is None else gate.stride(0),
         scale * _LOG2E,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group * kvp)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group * kvp),
-        PREC=_precision(q), FUSE_ROPE=rope is not None, GATE=gate is not None, KVP=kvp, num_warps=num_warps,
-        num_stages=num_stages, **launch(q),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
+        FUSE_ROPE=rope is not None, GATE=gate is not None, num_warps=num_warps, num_stages=num_stages, **launch(q),
     )  # fmt: skip
     return out
 

@@ -5,7 +5,7 @@ setting can rank differently among the other launches of a step (programmatic de
 delta step's state), and this shows by how much.
 
     python -m perf.instep_sweep [--model random:qwen3-next-layout] [--batch 32] --what gate_up|in_proj|attn|whatif
-                                [--attn-splits 4 8 16] [--attn-tiles 32,4,2[,1] ...] [--reps 40]
+                                [--attn-splits 4 8 16] [--attn-tiles 32,4,2 ...] [--reps 40]
                                 [--time-limit 240] [--out FILE.md]
 
 --what gate_up / in_proj: that projection's pick replaced by cuBLAS and by skinny_linear settings near it (fewer
@@ -81,7 +81,7 @@ def _empty_attention(q, *args, out=None, **kwargs):
     return torch.empty_like(q) if out is None else out
 
 
-def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, ...], ...] = ATTN_TILES
+def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, int, int], ...] = ATTN_TILES
              ) -> dict[str, tuple]:  # fmt: skip
     """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linear", (projection, settings or None for
     cuBLAS)); ("attn", settings); ("leave out", (module, function name, its stand-in))."""
@@ -92,13 +92,9 @@ def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, ...
         out["cuBLAS"] = ("linear", (what, None))
         out.update({k: ("linear", (what, s)) for k, s in PROJECTION_VARIANTS[what].items()})
     elif what == "attn":
-        for sp, (bn, nw, ns, *kvp) in itertools.product(attn_splits, attn_tiles):
+        for sp, (bn, nw, ns) in itertools.product(attn_splits, attn_tiles):
             name = f"splits {sp}, block_n {bn}, {nw} warps, {ns} stages"
-            settings = dict(num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
-            if kvp and kvp[0] != 1:  # kv heads per program
-                name += f", {kvp[0]} kv heads a program"
-                settings["kv_per_program"] = kvp[0]
-            out[name] = ("attn", settings)
+            out[name] = ("attn", dict(num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns))
     elif what == "whatif":
         out.update({
             "no add + RMSNorm": ("leave out", (norm, "add_rms_norm", _empty_norm)),
@@ -116,9 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--what", required=True, choices=[*PROJECTION_VARIANTS, "attn", "whatif"])
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[4, 8, 16], help="--what attn: the splits tried")
-    ap.add_argument("--attn-tiles", nargs="+", default=None, metavar="BLOCK_N,WARPS,STAGES[,KV_HEADS]",
-                    help="--what attn: the key blocks tried (default: ATTN_TILES), optionally with the kv heads "
-                    "a program takes (decode_attention's kv_per_program)")  # fmt: skip
+    ap.add_argument("--attn-tiles", nargs="+", default=None, metavar="BLOCK_N,WARPS,STAGES",
+                    help="--what attn: the key blocks tried (default: ATTN_TILES)")  # fmt: skip
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=40, help="graph replays and loop steps timed per variant")
     ap.add_argument("--time-limit", type=float, default=240)

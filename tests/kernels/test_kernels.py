@@ -44,20 +44,15 @@ def close(a, b, atol=2e-2, rtol=2e-2):
 
 
 @pytest.mark.parametrize(
-    "lens,heads,kv_heads,d,splits,kvp",
+    "lens,heads,kv_heads,d,splits",
     [
-        ([1, 7, 64, 300], 8, 2, 64, None, 1),
-        ([1024] * 3, 32, 8, 128, 8, 1),
-        ([5, 129, 1000], 9, 3, 64, 1, 1),
-        ([33], 4, 4, 128, 16, 1),
-        ([1, 7, 64, 300], 16, 2, 64, 4, 2),
-        ([5, 129, 40], 12, 4, 64, 1, 4),
-        ([2, 300], 24, 4, 128, 3, 2),
+        ([1, 7, 64, 300], 8, 2, 64, None),
+        ([1024] * 3, 32, 8, 128, 8),
+        ([5, 129, 1000], 9, 3, 64, 1),
+        ([33], 4, 4, 128, 16),
     ],
 )
-def test_decode_attention(lens, heads, kv_heads, d, splits, kvp):
-    """Against the reference, with the split count given or the default, one program per kv head or per kvp of
-    them (query heads padded to 16 rows or filling them)."""
+def test_decode_attention(lens, heads, kv_heads, d, splits):
     gen = torch.Generator().manual_seed(len(lens) * 7 + heads)
     num_slots = sum(lens) + 16
     k_pool, v_pool = make_pool(num_slots, kv_heads, d, gen)
@@ -71,7 +66,7 @@ def test_decode_attention(lens, heads, kv_heads, d, splits, kvp):
     ref = reference.decode_attention(q, k_pool, v_pool, table, rows, seq, scale)
     for _ in range(2):  # the same counters twice, as graph replays use them: the merging split leaves them zeroed
         got = attention.decode_attention(
-            q, k_pool, v_pool, table, rows, seq, scale, num_splits=splits, counters=counters, kv_per_program=kvp
+            q, k_pool, v_pool, table, rows, seq, scale, num_splits=splits, counters=counters
         )
         close(got, ref)
         assert not counters.any()
@@ -119,12 +114,12 @@ def test_decode_attention_fused_rope_store(lens, heads, kv_heads, d, splits):
     assert not counters.any()
 
 
-@pytest.mark.parametrize("splits,kvp", [(1, 1), (4, 1), (4, 2)])
-def test_decode_attention_sigmoid_gate(splits, kvp):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_sigmoid_gate(splits):
     """gate= multiplies each query row's output by sigmoid of its gate columns (a strided view inside a q|gate|k|v
     projection, rows picked by q_idx) as the store writes it: what the ungated launch followed by torch.sigmoid and
     the product gives, to bf16 rounding of the sigmoid, with other rows untouched and the counters left zeroed."""
-    gen = torch.Generator().manual_seed(11 + splits + kvp)
+    gen = torch.Generator().manual_seed(11 + splits)
     lens, H, Hkv, D = [3, 40, 200], 8, 2, 64
     k_pool, v_pool = make_pool(300, Hkv, D, gen)
     table = make_table(lens, 300, 256, gen)
@@ -138,7 +133,7 @@ def test_decode_attention_sigmoid_gate(splits, kvp):
     plain, gated = torch.zeros_like(q), torch.zeros_like(q)
     for out, g in ((plain, None), (gated, gate)):
         attention.decode_attention(q, k_pool, v_pool, table, rows, seq, 0.125, out=out, q_idx=q_idx, num_splits=splits,
-                                   counters=counters, gate=g, kv_per_program=kvp)  # fmt: skip
+                                   counters=counters, gate=g)  # fmt: skip
         assert not counters.any()
     idx = q_idx.long()
     want = plain[idx].view(3, H * D) * torch.sigmoid(gate[idx])
