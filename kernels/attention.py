@@ -187,10 +187,15 @@ def decode_settings(batch: int, num_kv_heads: int, head_dim: int = 128) -> dict:
     """Launch settings of `decode_attention` for a decode graph of `batch` sequences (keyword arguments). Heads of
     256 dims (Qwen3-Next, Qwen3.5) take smaller key blocks once there are 64 or more (sequence, kv head) pairs, and
     eight warps below that (perf/hybrid_sweep.py on an H200: 71 against 105 µs at batch 128 with 2 kv heads, 8.0
-    against 9.5 µs at batch 1)."""
+    against 9.5 µs at batch 1); from 64 to 127 pairs, 4 splits and 3 stages (one wave of programs at two an SM: at
+    the layout's batch 32 on an H100, 31.6 against 37.3 µs a layer alone and 0.04 ms off the decode step, where 256
+    pairs lost 0.14 ms with 3 stages: perf/results/attn_kvp_h100, attn_preload_h100, instep_h100)."""
     settings = {"num_splits": default_splits(batch, num_kv_heads), "block_n": 64, "num_warps": 4, "num_stages": 2}
+    pairs = batch * num_kv_heads
     if head_dim >= 256:
-        settings.update({"block_n": 32} if batch * num_kv_heads >= 64 else {"num_warps": 8})
+        settings.update({"block_n": 32} if pairs >= 64 else {"num_warps": 8})
+        if 64 <= pairs < 128:
+            settings.update({"num_splits": min(4, settings["num_splits"]), "num_stages": 3})
     return settings
 
 
