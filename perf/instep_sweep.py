@@ -4,18 +4,19 @@ same run. `kernels.linear.tune` times a projection's candidates in a graph of th
 setting can rank differently among the other launches of a step (programmatic dependent launch, L2 traffic of the
 delta step's state), and this shows by how much.
 
-    python -m perf.instep_sweep [--model random:qwen3-next-layout] [--batch 32] --what gate_up|in_proj|attn|whatif
-                                [--attn-splits 4 8 16] [--attn-tiles 32,4,2 ...] [--reps 40]
-                                [--time-limit 240] [--out FILE.md]
+    python -m perf.instep_sweep [--model random:qwen3-next-layout] [--batch 32]
+                                --what gate_up|in_proj|attn|attn_qk|whatif [--attn-splits 4 8 16]
+                                [--attn-tiles 32,4,2 ...] [--reps 40] [--time-limit 240] [--out FILE.md]
 
 --what gate_up / in_proj: that projection's pick replaced by cuBLAS and by skinny_linear settings near it (fewer
 stages, preload, K split, the w @ x.T form without a split). --what attn: the decode attention's settings
 (`kernels.attention.decode_settings`) replaced by splits x (key block, warps, stages) (--attn-tiles, default
-ATTN_TILES). --what whatif: the step with one kind of launch left out (no add + RMSNorm, no conv step, no q/k
-norm + rope + K/V store, no decode attention; each replaced by an empty output, so the tokens are garbage): how
-much that kind of launch costs the step, an upper bound on what fusing it away could save. Each variant's graph
-is replayed twice (`graph`, two numbers: the spread between them is the noise), and `loop` is the overlapped loop
-step as in perf.hybrid_bench.
+ATTN_TILES). --what attn_qk: the q/k norms, rope and K/V store in the attention's launch (TRITON_PD_ATTN_QK=1,
+`GpuHybrid.attn_qk`) against their own launch. --what whatif: the step with one kind of launch left out (no add +
+RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode attention; each replaced by an empty output, so
+the tokens are garbage): how much that kind of launch costs the step, an upper bound on what fusing it away could
+save. Each variant's graph is replayed twice (`graph`, two numbers: the spread between them is the noise), and
+`loop` is the overlapped loop step as in perf.hybrid_bench.
 Picks come from the tuning cache (TRITON_PD_TUNE_CACHE); a variant the cache lacks is only compiled, not tuned."""
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, int
         for sp, (bn, nw, ns) in itertools.product(attn_splits, attn_tiles):
             name = f"splits {sp}, block_n {bn}, {nw} warps, {ns} stages"
             out[name] = ("attn", dict(num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns))
+    elif what == "attn_qk":
+        out["q/k norms, rope and K/V store in the attention's launch"] = ("attr", ("attn_qk", True))
     elif what == "whatif":
         out.update({
             "no add + RMSNorm": ("leave out", (norm, "add_rms_norm", _empty_norm)),
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-next-layout")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--what", required=True, choices=[*PROJECTION_VARIANTS, "attn", "whatif"])
+    ap.add_argument("--what", required=True, choices=[*PROJECTION_VARIANTS, "attn", "attn_qk", "whatif"])
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[4, 8, 16], help="--what attn: the splits tried")
     ap.add_argument("--attn-tiles", nargs="+", default=None, metavar="BLOCK_N,WARPS,STAGES",
                     help="--what attn: the key blocks tried (default: ATTN_TILES)")  # fmt: skip
@@ -165,6 +168,10 @@ def main(argv=None) -> int:
             module, fn, stand_in = arg
             original = getattr(module, fn)
             setattr(module, fn, stand_in)
+        if kind == "attr":  # a setting of the model's graphs (GpuHybrid), restored after
+            attr, value = arg
+            before = getattr(model, attr)
+            setattr(model, attr, value)
         model.linear_choice, model.linear_fixed = choice, True  # recaptured with these picks, not tuned
         try:
             model.capture([B])
@@ -178,6 +185,8 @@ def main(argv=None) -> int:
             attention.decode_settings = settings
             if kind == "leave out":
                 setattr(module, fn, original)
+            if kind == "attr":
+                setattr(model, attr, before)
         write()
     timer.cancel()
     lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]

@@ -533,8 +533,8 @@ CONV_IN_DELTA = {1: dict(block_v=8, split=2, conv=True), 2: dict(block_v=8, ahea
 @pytest.mark.parametrize(
     "cfg,rows_fused,delta",
     [(DENSE_TINY, False, None), (MOE_FOLDED, False, None), (DENSE_TINY, True, None), (DENSE_TINY, False, "conv"),
-     (DENSE_TINY, True, "early"), (DENSE_TINY, False, "defer")],
-    ids=["dense", "moe", "rows", "conv-in-delta", "conv-early", "defer"],
+     (DENSE_TINY, True, "early"), (DENSE_TINY, False, "defer"), (DENSE_TINY, False, "qk")],
+    ids=["dense", "moe", "rows", "conv-in-delta", "conv-early", "defer", "qk-in-attention"],
 )  # fmt: skip
 def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused, delta, monkeypatch):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
@@ -547,7 +547,8 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     (`fused_prologues(conv_early=True)`). defer: out's, o's and down's K split partials added by the add + RMSNorm
     launch after them at more than one row (`fused_prologues(defer=True)`), which the graphs' bodies then call with
     kernels.linear.Partials. The attention output's sigmoid gate: in the decode attention's store, except in
-    "dense", which runs with TRITON_PD_ATTN_GATE=0 (the gate fused into o's launch)."""
+    "dense", which runs with TRITON_PD_ATTN_GATE=0 (the gate fused into o's launch). qk-in-attention: with
+    TRITON_PD_ATTN_QK=1 the decode graphs' attention takes the q/k norms, rope and K/V store."""
     sizes = (1, 2, 4)
     gate_in_o = cfg is DENSE_TINY and not rows_fused and delta is None  # "dense"
     if gate_in_o:
@@ -555,7 +556,14 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     conv_in_delta = delta == "conv"
     choice = None if conv_in_delta else fused_prologues(rows_fused=rows_fused, conv_early=delta == "early",
                                                         defer=delta == "defer")  # fmt: skip
-    deferred = []
+    deferred, qk = [], []
+    if delta == "qk":
+        monkeypatch.setenv("TRITON_PD_ATTN_QK", "1")
+        from kernels import attention as ka
+
+        decode_attention = ka.decode_attention
+        monkeypatch.setattr(ka, "decode_attention", lambda *a, **kw: qk.append(kw.get("qk_norm") is not None) or
+                            decode_attention(*a, **kw))  # fmt: skip
     if delta == "defer":
         from kernels import norm as kn
 
@@ -585,6 +593,8 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     assert gpu.stats["graph_steps"] == 4
     if delta == "defer":  # the bodies of the graphs of 2 and 4 rows (each step's on the CPU, the captures' on a GPU)
         assert "Partials" in deferred and "Tensor" in deferred, deferred
+    if delta == "qk":  # every decode graph's attention (the eager path's prefill calls none)
+        assert qk and all(qk), qk
     if conv_in_delta:
         linear_layers = sum(not L["full"] for L in gpu.layers)
         assert len(fused_convs) >= len(sizes) * linear_layers and all(c is not None for c in fused_convs)

@@ -797,3 +797,45 @@ def test_tune_keeps_cublas_unless_beaten_by_its_margin_above_64_rows(monkeypatch
     choice, times = linear.tune(ws, rows)
     assert (choice is not None) == picked, (choice, times)
     assert times["cublas"] == 1.0 / len(ws)  # seconds per weight
+
+
+@pytest.mark.parametrize(
+    "lens,heads,kv_heads,d,rot,splits", [([1, 7, 64, 300], 8, 2, 64, 16, 4), ([2, 129], 16, 2, 64, 64, 1)]
+)
+def test_decode_attention_fused_qk_norm_rope_store(lens, heads, kv_heads, d, rot, splits):
+    """rope=(...) with qk_norm=(q_w, k_w, eps) gives what rope.qk_norm_rope_store_kv_ (a gated full-attention
+    layer's per-head norms and partial rope, K/V store) followed by decode_attention gives: the same output and the
+    same K/V at the new slots, read from views into one q | gate | k | v projection that stays as it was."""
+    gen = torch.Generator().manual_seed(sum(lens) + rot)
+    num_slots = sum(lens) + 16
+    k_pool, v_pool = make_pool(num_slots, kv_heads, d, gen)
+    table = make_table(lens, num_slots, max(lens) + 8, gen)
+    B, eps = len(lens), 1e-6
+    qkv = torch.randn(B, (2 * heads + 2 * kv_heads) * d, generator=gen).to(DEVICE, BF16)
+    q_w, k_w = (
+        (0.1 * torch.randn(d, generator=gen)).to(DEVICE, BF16),
+        (0.1 * torch.randn(d, generator=gen)).to(DEVICE, BF16),
+    )
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = rope.rope_cache(inv_freq, 2048, DEVICE)
+    rows = torch.arange(1, B + 1, dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out_slots = table[rows.long(), (seq - 1).long()].clone()
+    scale = d**-0.5
+    kp2, vp2 = k_pool.clone(), v_pool.clone()
+    q2 = rope.qk_norm_rope_store_kv_(qkv, heads, kv_heads, q_w, k_w, eps, seq - 1, cos, sin, kp2, vp2, out_slots)
+    ref = attention.decode_attention(q2, kp2, vp2, table, rows, seq, scale, num_splits=splits)
+    k_pool[out_slots.long()] = 7.0  # garbage at the new slots until the fused kernel writes them
+    v_pool[out_slots.long()] = -7.0
+    before = qkv.clone()
+    k_off = 2 * heads * d
+    q = qkv[:, : heads * d].view(B, heads, d)
+    k = qkv[:, k_off : k_off + kv_heads * d].view(B, kv_heads, d)
+    v = qkv[:, k_off + kv_heads * d :].view(B, kv_heads, d)
+    counters = torch.zeros(B * kv_heads, dtype=torch.int32, device=DEVICE)
+    got = attention.decode_attention(q, k_pool, v_pool, table, rows, seq, scale, num_splits=splits, counters=counters,
+                                     rope=(k, v, cos, sin, out_slots), qk_norm=(q_w, k_w, eps))  # fmt: skip
+    tight = {} if DEVICE == "cuda" else dict(atol=1e-5, rtol=1e-5)  # float32 on the CPU: only the sums' order
+    close(got, ref, **tight)
+    close(k_pool, kp2, **tight)
+    assert torch.equal(v_pool, vp2) and torch.equal(qkv, before) and not counters.any()

@@ -14,7 +14,7 @@ from perf.instep_sweep import ATTN_TILES, PROJECTION_VARIANTS, variants
 
 
 def test_every_sweep_starts_and_ends_with_the_picks():
-    for what in [*PROJECTION_VARIANTS, "attn", "whatif"]:
+    for what in [*PROJECTION_VARIANTS, "attn", "attn_qk", "whatif"]:
         kinds = [kind for kind, _ in variants(what, [4, 8]).values()]
         assert kinds[0] == kinds[-1] == "pick" and "pick" not in kinds[1:-1], (what, kinds)
     attn = [arg for kind, arg in variants("attn", [4, 8]).values() if kind == "attn"]

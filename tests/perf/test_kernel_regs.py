@@ -45,22 +45,24 @@ def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_pat
     assert one.returncode == 2 and "--rows 2 or more" in one.stderr
 
 
-# the hybrid decode graph's gated decode attention (split-KV and not) and its norm reading the residual before the PDL
-# wait, compiled for sm_90 with perf.kernel_regs.resource_use: Triton's interpreter, which the other tests
-# run, accepts kernels that its compiler refuses (a helper returning a tensor in one branch and a float in another)
+# the hybrid decode graph's gated decode attention (split-KV and not; with the q/k norms, rope and K/V store) and its
+# norm reading the residual before the PDL wait, compiled for sm_90 with perf.kernel_regs.resource_use: Triton's
+# interpreter, which the other tests run, accepts kernels that its compiler refuses (a helper returning a tensor in
+# one branch and a float in another)
 COMPILE_HYBRID = """
 import json
 from kernels import attention, norm
 from perf.kernel_regs import resource_use
 
-attn = {n: "*bf16" for n in ("Q", "K", "V", "O", "KNew", "VNew", "Gate")}
+attn = {n: "*bf16" for n in ("Q", "K", "V", "O", "KNew", "VNew", "Gate", "QW", "KW")}
 attn |= {n: "*fp32" for n in ("MidO", "MidL", "Cos", "Sin")}
 attn |= {n: "*i32" for n in ("Table", "Rows", "SeqLens", "QIdx", "Counter", "OutSlots")}
 use = {}
-for splits in (1, 8):
+for splits, fused in ((1, False), (8, False), (8, True)):
     consts = dict(GROUP=8, BLOCK_G=16, D=256, BLOCK_N=32, NUM_SPLITS=splits, BLOCK_S=max(2, splits), MERGE_G=8,
-                  PREC="tf32", FUSE_ROPE=False, GATE=True, PDL=True)
-    use[f"attention {splits}"] = resource_use(attention._decode_kernel, consts, 4, 90, 2, attn, set())
+                  PREC="tf32", FUSE_ROPE=fused, GATE=True, QK_NORM=fused, R=64 if fused else 256, PDL=True)
+    use[f"attention {splits}" + (" qk" if fused else "")] = resource_use(attention._decode_kernel, consts, 4, 90, 2,
+                                                                          attn, set())
 consts = dict(HAS_RES=True, BLOCK=2048, OFFSET=True, PARTS=4, PRELOAD=True, PDL=True)
 pointers = {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Out": "*bf16"}
 use["norm"] = resource_use(norm._add_rms_norm_kernel, consts, 8, 90, None, pointers, set())
@@ -73,5 +75,5 @@ def test_the_hybrid_graphs_gated_attention_and_preloading_norm_compile_for_sm90(
     done = subprocess.run([sys.executable, "-c", COMPILE_HYBRID], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     use = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted(use) == ["attention 1", "attention 8", "norm"]
+    assert sorted(use) == ["attention 1", "attention 8", "attention 8 qk", "norm"]
     assert all(0 < u["REG"] <= 255 for u in use.values()), use

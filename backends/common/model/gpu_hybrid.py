@@ -87,6 +87,9 @@ class GpuHybrid(DecodeGraphs):
 
         if os.environ.get("TRITON_PD_ATTN_GATE", "1") == "0":
             self.PROLOGUES = dict(self.PROLOGUES, o="sigmoid")
+        # TRITON_PD_ATTN_QK=1: the plain decode graphs' q/k norms, rope and K/V store in the decode attention's
+        # launch (decode_attention(qk_norm=...)) instead of a launch of their own before it; off until timed on a GPU
+        self.attn_qk = os.environ.get("TRITON_PD_ATTN_QK", "0") == "1"
 
         self.k_attn, self.k_norm, self.k_rope, self.k_act, self.k_lin, self.k_dr = (
             attention, norm, rope, act, linear, delta_rule,
@@ -230,7 +233,7 @@ class GpuHybrid(DecodeGraphs):
         x = _Norm(F.embedding(ids, self.embed), None, self.layers[0]["ln1"])
         for i, L in enumerate(self.layers):
             if L["full"]:
-                a = self._full_attention(x, L, inp, rows, lin)
+                a = self._full_attention(x, L, inp, rows, lin, plain=halves is None)
             else:
                 a = self._linear_attention(x, L, inp, lin, halves)
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
@@ -279,22 +282,33 @@ class GpuHybrid(DecodeGraphs):
             )  # fmt: skip
         return lin(core, L, "out")
 
-    def _full_attention(self, x, L, inp, bs, lin):
-        """bs: the number of query rows (inp's columns)."""
+    def _full_attention(self, x, L, inp, bs, lin, plain: bool = False):
+        """bs: the number of query rows (inp's columns). plain: a decode graph's, one query row a sequence (with
+        `attn_qk` the q/k norms, rope and K/V store go into the attention's launch; not where a sequence has two
+        rows, a draft's reading the K/V its input row stores)."""
         cfg = self.cfg
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kl = L["kv_layer"]
         k_pool, v_pool = self.kv.k(kl), self.kv.v(kl)
         qkv = lin(x, L, "qkv")  # [B, q | gate | k | v]
-        q = self.k_rope.qk_norm_rope_store_kv_(
-            qkv, H, Hkv, L["q_norm"], L["k_norm"], cfg.rms_norm_eps, inp[1], self.cos, self.sin, k_pool, v_pool,
-            inp[2],
-        )  # fmt: skip
+        fused = {}
+        if plain and self.attn_qk:  # q, k and v as the projection left them, views into qkv
+            q = qkv[:, : H * D].view(-1, H, D)
+            k_new = qkv[:, 2 * H * D : (2 * H + Hkv) * D].view(-1, Hkv, D)
+            v_new = qkv[:, (2 * H + Hkv) * D : 2 * (H + Hkv) * D].view(-1, Hkv, D)
+            fused = dict(rope=(k_new, v_new, self.cos, self.sin, inp[2]),
+                         qk_norm=(L["q_norm"], L["k_norm"], cfg.rms_norm_eps))  # fmt: skip
+        else:
+            q = self.k_rope.qk_norm_rope_store_kv_(
+                qkv, H, Hkv, L["q_norm"], L["k_norm"], cfg.rms_norm_eps, inp[1], self.cos, self.sin, k_pool, v_pool,
+                inp[2],
+            )  # fmt: skip
         gate = qkv[:, H * D : 2 * H * D]  # the output's sigmoid gate: in the attention's store (`PROLOGUES`)
         in_o = self.PROLOGUES.get("o") == "sigmoid"
         attn = self.k_attn.decode_attention(
             q, k_pool, v_pool, self.table.table, inp[3], inp[4], self.eager.scale, q_idx=self.qidx[:bs],
-            counters=self.attn_counters, gate=None if in_o else gate, **self.k_attn.decode_settings(bs, Hkv, D),
+            counters=self.attn_counters, gate=None if in_o else gate, **fused,
+            **self.k_attn.decode_settings(bs, Hkv, D),
         )  # fmt: skip
         return lin(attn.view(-1, H * D), L, "o", gate=gate if in_o else None)
 
