@@ -85,7 +85,8 @@ def _empty_attention(q, *args, out=None, **kwargs):
 def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, int, int], ...] = ATTN_TILES
              ) -> dict[str, tuple]:  # fmt: skip
     """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linear", (projection, settings or None for
-    cuBLAS)); ("attn", settings); ("leave out", (module, function name, its stand-in))."""
+    cuBLAS)); ("attn", settings); ("attr", (a GpuHybrid attribute, its value)); ("leave out", (module, function
+    name, its stand-in))."""
     from kernels import attention, delta_rule, norm, rope
 
     out: dict[str, tuple] = {"tuned picks": ("pick", None)}
