@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import enter, launch
-from kernels.rope import _norm_partial_rope
+from kernels.rope import _norm_partial_rope, cos_sin
 
 _LOG2E = 1.4426950408889634
 
@@ -40,25 +40,6 @@ def _gated(out, sig, dtype, GATE: tl.constexpr):
     if GATE:
         out = (out.to(tl.float32) * sig).to(dtype)
     return out
-
-
-@triton.jit
-def _cos_sin(Cos, Sin, pos, stride_c, offs_d, D: tl.constexpr):
-    """The rotation at position pos over D dims (half-split: element d pairs with d +- D/2): cos, and sin signed for
-    the element it multiplies."""
-    HALF: tl.constexpr = D // 2
-    c = tl.load(Cos + pos * stride_c + offs_d % HALF)
-    sn = tl.load(Sin + pos * stride_c + offs_d % HALF)
-    return c, tl.where(offs_d < HALF, -sn, sn)
-
-
-@triton.jit
-def _rotate_q(q, q_ptr, offs_d, mask_g, Cos, Sin, pos, stride_c, D: tl.constexpr):
-    """The query rows q (loaded from q_ptr) rotated at position pos over all D dims."""
-    HALF: tl.constexpr = D // 2
-    c, sn = _cos_sin(Cos, Sin, pos, stride_c, offs_d, D)
-    q_sw = tl.load(q_ptr + ((offs_d + HALF) % D)[None, :], mask=mask_g[:, None], other=0.0)
-    return (q.to(tl.float32) * c[None, :] + q_sw.to(tl.float32) * sn[None, :]).to(q.dtype)
 
 
 @triton.jit
@@ -95,18 +76,16 @@ def _decode_kernel(
         # seq_len - 1) out of the loop: the split that owns it rotates its k, stores k and v into the pool and
         # adds it from registers below
         pos = (seq_len - 1).to(tl.int64)
+        c, sn = cos_sin(Cos, Sin, pos, stride_c, offs_d, R)  # R = D without QK_NORM
+        HALF: tl.constexpr = D // 2
         if QK_NORM:
             # a gated full-attention layer's q and k (kernels.rope.qk_norm_rope_store_kv_'s math, the same helper):
             # per-head RMSNorm with weight (1 + w), then the rotary embedding on the first R dims
-            HALF_R: tl.constexpr = R // 2
-            rmask = offs_d < R
-            c = tl.load(Cos + pos * stride_c + offs_d % HALF_R, mask=rmask, other=1.0)
-            sn = tl.load(Sin + pos * stride_c + offs_d % HALF_R, mask=rmask, other=0.0)
-            sn = tl.where(offs_d < HALF_R, -sn, sn)
             q = _norm_partial_rope(Q + qrow * stride_qt + kvh * GROUP * stride_qh, stride_qh, QW, GROUP, c, sn, eps,
                                    D, R, BLOCK_G).to(Q.dtype.element_ty)  # fmt: skip
         else:
-            q = _rotate_q(q, q_ptr, offs_d, mask_g, Cos, Sin, pos, stride_c, D)
+            q_sw = tl.load(q_ptr + ((offs_d + HALF) % D)[None, :], mask=mask_g[:, None], other=0.0)
+            q = (q.to(tl.float32) * c[None, :] + q_sw.to(tl.float32) * sn[None, :]).to(Q.dtype.element_ty)
         kend = tl.minimum(end, seq_len - 1)
 
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -134,8 +113,6 @@ def _decode_kernel(
                 k2 = _norm_partial_rope(kn_ptr, stride_knh, KW, 1, c, sn, eps, D, R, 2)
                 kn = tl.sum(tl.where((tl.arange(0, 2) == 0)[:, None], k2, 0.0), 0)
             else:
-                HALF: tl.constexpr = D // 2
-                c, sn = _cos_sin(Cos, Sin, pos, stride_c, offs_d, D)
                 kn = (
                     tl.load(kn_ptr + offs_d).to(tl.float32) * c
                     + tl.load(kn_ptr + (offs_d + HALF) % D).to(tl.float32) * sn

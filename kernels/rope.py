@@ -96,6 +96,17 @@ def rope_store_kv_(q, k, v, positions, cos, sin, k_pool, v_pool, slots):
 
 
 @triton.jit
+def cos_sin(Cos, Sin, pos, stride_c, offs_d, R: tl.constexpr):
+    """The rotation at position pos for dims offs_d, of which the first R rotate (half-split within them: d pairs
+    with d +- R/2): cos, and sin signed for the element it multiplies; 1 and 0 beyond R."""
+    HALF: tl.constexpr = R // 2
+    rmask = offs_d < R
+    c = tl.load(Cos + pos * stride_c + offs_d % HALF, mask=rmask, other=1.0)
+    sn = tl.load(Sin + pos * stride_c + offs_d % HALF, mask=rmask, other=0.0)
+    return c, tl.where(offs_d < HALF, -sn, sn)
+
+
+@triton.jit
 def _norm_partial_rope(src, stride_h, w_ptr, nh, c, sn, eps, D: tl.constexpr, R: tl.constexpr,
                        BLOCK_H: tl.constexpr):  # fmt: skip
     """nh heads at src: RMSNorm over D with weight (1 + w) (rounded to the activation dtype), then the rotary
@@ -126,12 +137,8 @@ def _qk_norm_rope_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
-    HALF: tl.constexpr = R // 2
     offs_d = tl.arange(0, D)
-    rmask = offs_d < R
-    c = tl.load(Cos + pos * stride_c + offs_d % HALF, mask=rmask, other=1.0)
-    sn = tl.load(Sin + pos * stride_c + offs_d % HALF, mask=rmask, other=0.0)
-    sn = tl.where(offs_d < HALF, -sn, sn)
+    c, sn = cos_sin(Cos, Sin, pos, stride_c, offs_d, R)
     row = QKV + t * stride_t
     offs_h = tl.arange(0, BLOCK_H)
     dt = QOut.dtype.element_ty
