@@ -34,6 +34,21 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def _sample(text: str, name: str, labels: dict) -> float:
+    """Sum of the samples of metric `name` in a Prometheus text scrape whose labels include `labels`; KeyError when
+    it has none."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -90,30 +105,33 @@ class ServerProcess:
         self.stop()
         raise ServerError(f"server not ready in {timeout:.0f} s; see {self.log.name}")
 
+    def _scrape(self) -> str:
+        with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=5) as r:
+            return r.read().decode()
+
     def metric(self, name: str, **labels) -> float:
         """Sum of a metric's samples whose labels include `labels`; KeyError when it has none."""
-        with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        total, found = 0.0, False
-        for line in text.splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-        if not found:
-            raise KeyError(name)
-        return total
+        return _sample(self._scrape(), name, labels)
+
+    def snapshot(self, specs: dict) -> dict[str, float]:
+        """Several metrics from one scrape: key -> metric name, or (name, labels); KeyError for one without a
+        sample, OSError when the endpoint does not answer. One scrape, so values that a backend sets together are
+        read together (separate scrapes may fall between two of its gauge updates)."""
+        text = self._scrape()
+        return {key: _sample(text, *(spec if isinstance(spec, tuple) else (spec, {}))) for key, spec in specs.items()}
 
     def read_metrics(self, specs: dict) -> dict[str, float]:
-        """Several metrics at once: key -> metric name, or (name, labels); 0 for a metric with no sample yet (a
-        counter nothing has touched) or when the endpoint does not answer."""
+        """As snapshot, but 0 for a metric with no sample yet (a counter nothing has touched), and for every one
+        when the endpoint does not answer."""
+        try:
+            text = self._scrape()
+        except OSError:
+            return dict.fromkeys(specs, 0.0)
         out = {}
         for key, spec in specs.items():
-            name, labels = spec if isinstance(spec, tuple) else (spec, {})
             try:
-                out[key] = self.metric(name, **labels)
-            except (KeyError, OSError):
+                out[key] = _sample(text, *(spec if isinstance(spec, tuple) else (spec, {})))
+            except KeyError:
                 out[key] = 0.0
         return out
 
@@ -227,6 +245,9 @@ class SplitDeployment:
 
     def metric(self, name: str, **labels) -> float:
         return self.decode.metric(name, **labels)
+
+    def snapshot(self, specs: dict) -> dict[str, float]:
+        return self.decode.snapshot(specs)
 
     def read_metrics(self, specs: dict) -> dict[str, float]:
         return self.decode.read_metrics(specs)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from backends.server_process import SplitDeployment
+import pytest
+
+from backends.server_process import ServerProcess, SplitDeployment
 
 
 class FakeServer:
@@ -27,3 +29,36 @@ def test_split_deployment_names_each_role_and_reads_decode_metrics():
         "decode:tritonserver": 4, "decode:pd_decode_0_0": 5, "master:tritonserver": 6, "master:pd_master_0_0": 8,
     }  # fmt: skip
     assert d.read_metrics({"used": "pd_kv_slots_used", "x": ("pd_absent", {})}) == {"used": 7.0, "x": 0.0}
+
+
+SCRAPE = """# HELP pd_kv_slots_used KV slots held by requests
+# TYPE pd_kv_slots_used gauge
+pd_kv_slots_used{model="pd_decode",version="1"} 3
+pd_recoveries_total{model="pd_decode",version="1",path="host"} 2
+pd_recoveries_total{model="pd_decode",version="1",path="prefill"} 5
+"""
+
+
+def test_snapshot_and_read_metrics_take_one_scrape(monkeypatch):
+    """Values a backend sets together are read from one scrape (separate scrapes may fall between two of its
+    updates); labels select samples and several matching ones add up; a metric without samples is a KeyError for
+    snapshot and 0 for read_metrics, and an endpoint that does not answer gives read_metrics zeros."""
+    s = object.__new__(ServerProcess)
+    scrapes = []
+    monkeypatch.setattr(s, "_scrape", lambda: scrapes.append(1) or SCRAPE, raising=False)
+    specs = {"used": "pd_kv_slots_used", "host": ("pd_recoveries_total", {"path": "host"})}
+    specs["all"] = "pd_recoveries_total"
+    assert s.snapshot(specs) == {"used": 3.0, "host": 2.0, "all": 7.0}
+    assert len(scrapes) == 1
+    with pytest.raises(KeyError):
+        s.snapshot({"x": "pd_kv_slots"})  # a prefix of a name is not that metric
+    assert s.read_metrics({"used": "pd_kv_slots_used", "x": "pd_absent"}) == {"used": 3.0, "x": 0.0}
+    assert len(scrapes) == 3
+
+    def down():
+        raise OSError("refused")
+
+    monkeypatch.setattr(s, "_scrape", down, raising=False)
+    assert s.read_metrics({"used": "pd_kv_slots_used"}) == {"used": 0.0}
+    with pytest.raises(OSError):
+        s.snapshot({"used": "pd_kv_slots_used"})

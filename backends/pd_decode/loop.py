@@ -571,15 +571,18 @@ class DecodeLoop:
             return
         self._last_gauges = now
         s = self.sched
+        # each set() is its own message to the server, and a scrape may fall between two: the pool's free and
+        # cached gauges go first, then the request counts and used slots that a reader waits on to reach 0, so a
+        # scrape that sees those at 0 also sees the free and cached counts of that moment or a later one
+        free, used, cached = s.accounting()
+        self.g["free"].set(free)
+        self.g["cached"].set(cached)
         n = s.counts()
         self.g["running"].set(n[ReqState.RUNNING])
         self.g["queued"].set(n[ReqState.WAITING] + n[ReqState.WAITING_KV])
         self.g["paused"].set(n[ReqState.PAUSED])
         self.g["recovering"].set(n[ReqState.RECOVERING])
-        free, used, cached = s.accounting()
         self.g["used"].set(used)
-        self.g["free"].set(free)
-        self.g["cached"].set(cached)
         self.g["epoch"].set(s.max_epoch)
         self.g["host_used"].set(s.host_accounting()[1])
         if s.host_pages is not None:

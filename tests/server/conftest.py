@@ -50,16 +50,24 @@ class Server(ServerProcess):
         Server.live.append(self)
 
     def assert_released(self, timeout: float) -> None:
-        """Decode holds no request in any state and no slot, and its pool accounting is exact."""
-        for name in (
-            "pd_decode_running_requests",
-            "pd_decode_queued_requests",
-            "pd_decode_paused_requests",
-            "pd_decode_recovering_requests",
-            "pd_kv_slots_used",
-        ):
-            assert self.wait_metric(name, lambda v: v == 0, timeout=timeout) == 0, name
-        assert self.metric("pd_kv_slots_free") + self.metric("pd_kv_slots_cached") == self.metric("pd_kv_slots_total")
+        """Decode holds no request in any state and no slot, its pool accounting is exact, and its idle invariant
+        checks never failed. Read from one scrape at a time, until all of it holds or `timeout` seconds pass: decode
+        sets its gauges one by one, so separate scrapes could pair a new `used` with an old `cached`."""
+        specs = {
+            **{n: f"pd_decode_{n}_requests" for n in ("running", "queued", "paused", "recovering")},
+            **{n: f"pd_kv_slots_{n}" for n in ("used", "free", "cached", "total")},
+            "violations": "pd_decode_invariant_violations_total",
+        }
+
+        def released(m: dict) -> bool:
+            held = [m[n] for n in ("running", "queued", "paused", "recovering", "used")]
+            return not any(held) and m["free"] + m["cached"] == m["total"] > 0
+
+        t0 = time.monotonic()
+        while not released(m := self.snapshot(specs)) and time.monotonic() - t0 < timeout:
+            time.sleep(0.05)
+        assert released(m), f"decode not released after {timeout} s: {m}"
+        assert m["violations"] == 0, "decode logged scheduler invariant violations"
 
     def wait_paused(self, timeout: float = 120) -> None:
         """Until decode has a request paused or recovering; the test fails after `timeout` seconds without one."""

@@ -67,8 +67,8 @@ def test_four_streams_on_512_slots_pause_and_recover_exactly(tight, expected):
     # every recovery's completion was re-delivered under its old epoch: dropped and counted
     recoveries = sum(tight.metric("pd_recoveries_total", path=p) for p in ("host", "prefill"))
     assert tight.metric("pd_stale_messages_total") >= recoveries
-    assert tight.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
-    assert tight.metric("pd_kv_slots_free") + tight.metric("pd_kv_slots_cached") == POOL
+    tight.assert_released(timeout=2.0)
+    assert tight.metric("pd_kv_slots_total") == POOL
     assert tight.wait_metric("pd_host_kv_slots_used", lambda v: v == 0) == 0  # every host copy freed
 
 
