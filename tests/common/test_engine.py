@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from backends.common.core.request import SamplingParams
@@ -29,6 +31,26 @@ def assert_idle(engine: Engine):
     free, used, cached = engine.scheduler.accounting()
     assert used == 0 and free + cached == engine.scheduler.pool.num_slots
     assert engine.scheduler.radix.protected_size == 0
+
+
+@contextlib.contextmanager
+def borrowed(engine: Engine, scheduler, overlap: bool = False):
+    """The session engine's runner, and so its KV buffer, under another scheduler (overlap: launches deferred as
+    the GPU path's CUDA graphs do, DeferredLaunch). That scheduler hands out slots that the engine's radix cache
+    may hold, so the cache is emptied before and after, whatever the test does: a cached prompt left in an
+    overwritten slot changed a later test's greedy answer in the same worker (test_min_tokens_and_stop_ids after
+    test_preemption_under_tiny_pool_keeps_tokens)."""
+    engine.scheduler.radix.clear()
+    e = Engine.__new__(Engine)
+    e.__dict__.update(engine.__dict__)
+    e.scheduler, e.overlap, e._pending, e.num_overlapped = scheduler, overlap, None, 0
+    if overlap:
+        e.runner = DeferredLaunch(engine.runner)
+    try:
+        yield e
+    finally:
+        scheduler.radix.clear()
+        engine.scheduler.radix.clear()
 
 
 @pytest.mark.parametrize("kind,text", PROMPTS)
@@ -69,17 +91,14 @@ def test_batched_ragged_shared_prefix_equals_alone(engine):
     prompts = _batch_prompts(engine)
     lens = [5 + 3 * i for i in range(8)]  # ragged output lengths too
     alone = [engine.generate([p], greedy(n))[0].output_ids for p, n in zip(prompts, lens)]
-    engine.scheduler.radix.clear()
-    small = Engine.__new__(Engine)  # same runner, a scheduler that admits a few prompt tokens per step
-    small.__dict__.update(engine.__dict__)
     from backends.common.core.scheduler import Scheduler
 
-    small.scheduler = Scheduler(engine.scheduler.pool, max_batch=8, chunk_size=64, max_batch_tokens=64)
-    batched = small.generate(prompts, [greedy(n) for n in lens])
-    assert [o.output_ids for o in batched] == alone
-    assert small.scheduler.num_cached_tokens > 0  # later prompts were served through the radix cache
-    assert_idle(small)
-    small.scheduler.radix.clear()
+    # same runner, a scheduler that admits a few prompt tokens per step
+    with borrowed(engine, Scheduler(engine.scheduler.pool, max_batch=8, chunk_size=64, max_batch_tokens=64)) as small:
+        batched = small.generate(prompts, [greedy(n) for n in lens])
+        assert [o.output_ids for o in batched] == alone
+        assert small.scheduler.num_cached_tokens > 0  # later prompts were served through the radix cache
+        assert_idle(small)
 
 
 def test_chunked_prefill_and_prefix_hit_equal_whole_prefill(engine):
@@ -108,16 +127,14 @@ def test_preemption_under_tiny_pool_keeps_tokens(engine):
     with room for all (which equals each prompt alone: test_batched_ragged_shared_prefix_equals_alone)."""
     prompts = _batch_prompts(engine)[:4]
     expected = [o.output_ids for o in engine.generate(prompts, greedy(32))]
-    tiny = Engine.__new__(Engine)
-    tiny.__dict__.update(engine.__dict__)
     from backends.common.core.kv_pool import KVPool
     from backends.common.core.scheduler import Scheduler
 
-    tiny.scheduler = Scheduler(KVPool(160), max_batch=4, chunk_size=64, max_batch_tokens=256)
-    got = tiny.generate(prompts, greedy(32))
-    assert [o.output_ids for o in got] == expected
-    assert tiny.scheduler.num_preemptions > 0
-    assert_idle(tiny)
+    with borrowed(engine, Scheduler(KVPool(160), max_batch=4, chunk_size=64, max_batch_tokens=256)) as tiny:
+        got = tiny.generate(prompts, greedy(32))
+        assert [o.output_ids for o in got] == expected
+        assert tiny.scheduler.num_preemptions > 0
+        assert_idle(tiny)
 
 
 def test_seeded_sampling_batch_invariant_and_reproducible(engine):
@@ -205,15 +222,6 @@ class DeferredLaunch:
         return handle
 
 
-def _clone(engine, scheduler, overlap: bool) -> Engine:
-    e = Engine.__new__(Engine)
-    e.__dict__.update(engine.__dict__)
-    e.scheduler, e.overlap, e._pending, e.num_overlapped = scheduler, overlap, None, 0
-    if overlap:
-        e.runner = DeferredLaunch(engine.runner)
-    return e
-
-
 @pytest.mark.parametrize("pool", [8192, 100], ids=["roomy", "preempting"])
 def test_overlapped_steps_equal_synchronous(engine, pool):
     """Launching step n+1 before reading step n's tokens changes nothing: same tokens and finish reasons with stop
@@ -234,18 +242,16 @@ def test_overlapped_steps_equal_synchronous(engine, pool):
     ]
     results = []
     for overlap in (False, True):
-        engine.scheduler.radix.clear()
-        e = _clone(engine, Scheduler(KVPool(pool), max_batch=4, chunk_size=64, max_batch_tokens=96), overlap)
-        reqs = [e.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
-        for _ in range(8):
-            e.step()
-        reqs.append(e.add_request(prompts[4], params[4]))  # arrives while steps are in flight
-        while e.has_work():
-            e.step()
-        assert all(r.finished and PENDING not in r.output_ids for r in reqs)
-        results.append([(r.output_ids, r.finish_reason) for r in reqs])
-        assert_idle(e)
-        e.scheduler.radix.clear()
+        with borrowed(engine, Scheduler(KVPool(pool), max_batch=4, chunk_size=64, max_batch_tokens=96), overlap) as e:
+            reqs = [e.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+            for _ in range(8):
+                e.step()
+            reqs.append(e.add_request(prompts[4], params[4]))  # arrives while steps are in flight
+            while e.has_work():
+                e.step()
+            assert all(r.finished and PENDING not in r.output_ids for r in reqs)
+            results.append([(r.output_ids, r.finish_reason) for r in reqs])
+            assert_idle(e)
         if overlap:  # a tight pool mostly runs synchronously: the next step might need to preempt
             assert e.num_overlapped > (10 if pool == 8192 else 0) and e.runner.launched > e.num_overlapped
             assert (e.scheduler.num_preemptions > 0) == (pool == 100)
