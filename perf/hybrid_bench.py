@@ -11,9 +11,10 @@ the experts a batch of B is expected to route to, `weights_read_per_step`) + the
 full-attention layers' K/V of every context token + each sequence's state page read and written, over the
 device-to-device copy bandwidth measured here. Only the measured batch sizes are captured in graphs (and tuned at
 capture): a batch of B replays the graph of B either way, and a server's other sizes would only make the capture
-longer (`--all-graph-sizes` captures them all). `graph` is the GPU time of one replay (CUDA events over repeated
-replays); `loop` is the wall time per step of overlapped greedy steps as the engine and decode run them (step n+1
-launched before step n's tokens are read, ids of -1), host work included. K/V and state are random, not zeros.
+longer (`--all-graph-sizes` captures them all). `graph` is the GPU time of one replay (CUDA events around each of
+`--series` back-to-back series of `--reps` replays; the median series, every series listed below the table);
+`loop` is the wall time per step of overlapped greedy steps as the engine and decode run them (step n+1 launched
+before step n's tokens are read, ids of -1), host work included. K/V and state are random, not zeros.
 
 Prefill: one prompt in one forward pass (eager path: the projections in cuBLAS, the chunked delta rule in Triton,
 full attention in the paged Triton flash kernel), after a warm-up prompt; model FLOPs = 2 x matmul parameters x
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -54,15 +56,22 @@ def matmul_rate(n: int = 8192) -> float:
 
 def cuda_time(fn, reps: int) -> float:
     """Seconds per call of fn, by CUDA events around `reps` calls (after one untimed call)."""
+    return cuda_series(fn, reps, 1)[0]
+
+
+def cuda_series(fn, reps: int, series: int) -> list[float]:
+    """Seconds per call of fn in each of `series` back-to-back series of `reps` calls, CUDA events around each
+    series (after one untimed call)."""
     fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(series + 1)]
     torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
+    events[0].record()
+    for e in events[1:]:
+        for _ in range(reps):
+            fn()
+        e.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+    return [a.elapsed_time(b) / 1e3 / reps for a, b in zip(events, events[1:])]
 
 
 def weights_read_per_step(runner, batch: int = 1) -> tuple[int, int]:
@@ -178,8 +187,10 @@ def fastest_where(times: dict, keep) -> float | None:
     return min((v for k, v in times.items() if keep(k) and isinstance(v, float)), default=None)
 
 
-def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
-    """(graph replay, overlapped loop step, eager step or None) seconds for a batch of B sequences."""
+def time_decode(runner, B: int, a, gen, series: list | None = None) -> tuple[float, float, float | None]:
+    """(graph replay, overlapped loop step, eager step or None) seconds for a batch of B sequences. The graph
+    replay is the median of `a.series` (1 when absent) back-to-back series of `a.reps` replays, each series' time
+    appended to `series` when given."""
     from backends.common.model.batch import Span
 
     model = runner.model
@@ -190,7 +201,10 @@ def time_decode(runner, B: int, a, gen) -> tuple[float, float, float | None]:
                 for i, (sl, pg, key) in enumerate(seqs)]  # fmt: skip
 
     runner.forward(spans(0))  # fills the slot table rows, one replay
-    t_graph = cuda_time(model.graphs[model.graph_size(B)].replay, a.reps)
+    times = cuda_series(model.graphs[model.graph_size(B)].replay, a.reps, getattr(a, "series", 1))
+    t_graph = statistics.median(times)
+    if series is not None:
+        series.extend(times)
     torch.cuda.synchronize()
     t = time.perf_counter()
     handle = runner.launch_greedy(spans(0))
@@ -235,6 +249,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30, help="graph replays and loop steps timed per batch")
+    ap.add_argument("--series", type=int, default=3,
+                    help="back-to-back series of --reps graph replays; the graph step is their median, and each "
+                         "series' time is printed below the table (the first after the warm-up replay ran slower "
+                         "than the next by up to 0.09 ms in perf/results/instep_h100)")  # fmt: skip
     ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 32], help="also time the eager path")
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens of the prefill measurement (0: none)")
     ap.add_argument("--profile", action="store_true",
@@ -276,7 +294,7 @@ def main(argv=None) -> int:
         "| tokens/s (loop) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    prefill_lines, spec_lines = [], []
+    prefill_lines, spec_lines, series_lines = [], [], []
     gen = torch.Generator().manual_seed(0)
     for spec in a.models:
         t0 = time.perf_counter()
@@ -296,11 +314,14 @@ def main(argv=None) -> int:
         state_page = runner.state.bytes_per_page
         name = spec.removeprefix("random:")
         for B in a.batches:
-            t_graph, t_loop, t_eager = time_decode(runner, B, a, gen)
+            times: list[float] = []
+            t_graph, t_loop, t_eager = time_decode(runner, B, a, gen, times)
+            series_lines.append(f"{name} batch {B}: " + " / ".join(f"{t * 1e3:.3f}" for t in times) + " ms")
             w_bytes, _ = weights_read_per_step(runner, B)
             roof = (w_bytes + B * (a.context * kv_token + 2 * state_page)) / bw
-            rows.append(dict(model=name, batch=B, graph_s=t_graph, loop_s=t_loop, eager_s=t_eager, roofline_s=roof,
-                             weight_bytes=w_bytes, state_bytes=state_page, kv_bytes_per_token=kv_token))  # fmt: skip
+            rows.append(dict(model=name, batch=B, graph_s=t_graph, graph_series_s=times, loop_s=t_loop,
+                             eager_s=t_eager, roofline_s=roof, weight_bytes=w_bytes, state_bytes=state_page,
+                             kv_bytes_per_token=kv_token))  # fmt: skip
             eager = f"{t_eager * 1e3:.1f} ms" if t_eager is not None else "-"
             lines.append(
                 f"| {name} | {B} | {t_graph * 1e3:.2f} ms | {t_loop * 1e3:.2f} ms | {roof * 1e3:.2f} ms | "
@@ -393,6 +414,9 @@ def main(argv=None) -> int:
         write()
         del runner
         torch.cuda.empty_cache()
+    if series_lines:
+        lines += ["", f"Graph step, each of {a.series} series of {a.reps} replays (first to last; the table gives "
+                  "their median):", "", *(f"- {x}" for x in series_lines)]  # fmt: skip
     if spec_lines:
         lines += ["", "Speculative step (`--speculative`): each sequence verifies its input token and one draft "
                   "(2 query rows), then the MTP head drafts from both; two tokens per sequence when the draft is "
