@@ -216,6 +216,28 @@ def _row_step(acc2, w, X, G, R, NW, offs_k, k, K, rstd, dtype, GATED: tl.constex
 
 
 @triton.jit
+def _one_pass_norm(x, a, NW, RO, offs_m, mask_m, offs_k, k, stride_rm, first, dtype, HAS_RES: tl.constexpr):
+    """NORM_LATE's step of the norm on one input tile (tensor cores): x + r (HAS_RES; rounded as kernels.norm
+    rounds it), written to RO by the first program; returns the tile times (1 + w) as the product's input and its
+    rows' sums of squares (the rows' rstd scales the product after the loop)."""
+    if HAS_RES:
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(dtype)
+        if first:
+            tl.store(RO + offs_m[:, None] * stride_rm + (k + offs_k)[None, :], x, mask=mask_m[:, None])
+    xf = x.to(tl.float32)
+    w = tl.load(NW + k + offs_k).to(tl.float32)
+    return (xf * (1.0 + w)[None, :]).to(dtype), tl.sum(xf * xf, 1)
+
+
+@triton.jit
+def _one_pass_input(X, R, NW, RO, offs_m, mask_m, offs_k, k, stride_xm, K, first, dtype, HAS_RES: tl.constexpr):
+    """`_one_pass_norm` of the input tile at columns offs_k + k, loaded here (`_prologue_raw`)."""
+    x, a = _prologue_raw(X, X, R, offs_m, offs_k, k, mask_m, True, stride_xm, 0, stride_xm, K, False, False, True,
+                         HAS_RES)  # fmt: skip
+    return _one_pass_norm(x, a, NW, RO, offs_m, mask_m, offs_k, k, stride_xm, first, dtype, HAS_RES)
+
+
+@triton.jit
 def _skinny_kernel(
     X, W, Y, P, C, G, R, RO, NW, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_gm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
@@ -223,7 +245,7 @@ def _skinny_kernel(
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, s_mix, CC, cs_page,
     KM1: tl.constexpr, CONV_EARLY: tl.constexpr,
     UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr, DEFER: tl.constexpr,
+    PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr, DEFER: tl.constexpr, NORM_LATE: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -248,7 +270,10 @@ def _skinny_kernel(
     in flight during the product; without it each step waits for its own input's loads, since an input computed
     in registers is not among the loads the compiler pipelines. DEFER (SPLITS > 1, no GLU, no CONV): each program
     only stores its partial sums; the launch that reads the product adds them (`Partials`), so no program waits on
-    the counter, fences its stores or reads the others' partials."""
+    the counter, fences its stores or reads the others' partials. NORM_LATE (NORM, DOT, SPLITS == 1): the norm in
+    one pass, no sum of squares first: the product is of (x + R) * (1 + NW) (`_one_pass_norm`), each row's sum of
+    squares taken from the same tiles, and the row's rstd multiplies the float32 product after the loop (before
+    GLU), so the input is read once; rounded at other points than the unfused launches, so not the same bits."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -271,7 +296,10 @@ def _skinny_kernel(
                                           cs_page, KM1, DOT)  # fmt: skip
     enter(PDL)
     rstd = 0.0
-    if NORM:
+    if NORM_LATE:
+        first = (pid == 0) & (ps == 0)
+        ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    elif NORM:
         if DOT:  # each row's sum of squares over all K columns in tiles of BLOCK_K; the first program writes RO
             offs_r = tl.arange(0, BLOCK_M)
             mask_r = offs_r < M
@@ -322,8 +350,13 @@ def _skinny_kernel(
         if GLU:
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the up half's
         if PRELOAD:
-            x = _prologue(X, G, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
-                          W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+            if NORM_LATE:
+                x, sq = _one_pass_input(X, R, NW, RO, offs_m, mask_m, offs_k, 0, stride_xm, K, first,
+                                        W.dtype.element_ty, HAS_RES)  # fmt: skip
+                ssq += sq
+            else:
+                x = _prologue(X, G, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
+                              W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
             acc += tl.dot(x, tl.trans(w0))
             if GLU:
                 acc_u += tl.dot(x, tl.trans(u0))
@@ -336,21 +369,36 @@ def _skinny_kernel(
                     u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
                 xn, an = _prologue_raw(X, G, R, offs_m, offs_k, k0 + BLOCK_K, mask_m, _before(k0 + BLOCK_K, k_split),
                                        stride_xm, stride_gm, stride_xm, K, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
-                x = _prologue_math(xr, ar, NW, offs_k, k0, rstd, W.dtype.element_ty, True, GATED, SIGMOID, NORM,
-                                   HAS_RES)  # fmt: skip
+                if NORM_LATE:
+                    x, sq = _one_pass_norm(xr, ar, NW, RO, offs_m, mask_m, offs_k, k0, stride_xm, first,
+                                           W.dtype.element_ty, HAS_RES)  # fmt: skip
+                    ssq += sq
+                else:
+                    x = _prologue_math(xr, ar, NW, offs_k, k0, rstd, W.dtype.element_ty, True, GATED, SIGMOID, NORM,
+                                       HAS_RES)  # fmt: skip
                 acc += tl.dot(x, tl.trans(w))
                 if GLU:
                     acc_u += tl.dot(x, tl.trans(u))
                 xr, ar = xn, an
         else:
             for k0 in range(K_FIRST, k_split, BLOCK_K):
-                x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
-                              W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+                if NORM_LATE:
+                    x, sq = _one_pass_input(X, R, NW, RO, offs_m, mask_m, offs_k, k0, stride_xm, K, first,
+                                            W.dtype.element_ty, HAS_RES)  # fmt: skip
+                    ssq += sq
+                else:
+                    x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
+                                  W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 acc += tl.dot(x, tl.trans(w))
                 if GLU:
                     u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
                     acc_u += tl.dot(x, tl.trans(u))
+        if NORM_LATE:  # each row's rstd, from the sums of squares of the tiles the loop read
+            late = tl.rsqrt(ssq / K + eps)
+            acc = acc * late[:, None]
+            if GLU:
+                acc_u = acc_u * late[:, None]
         offs_y = offs_m[:, None] * stride_ym + offs_n[None, :]
         offs_p = offs_m[:, None] * N + offs_n[None, :]
         mask_y = mask_m[:, None] & mask_n[None, :]
@@ -567,6 +615,7 @@ def skinny_linear(
     conv_early: bool = False,
     defer: bool = False,
     swap: bool = False,
+    norm_late: bool = False,
 ) -> torch.Tensor | Partials:
     """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -590,7 +639,9 @@ def skinny_linear(
     ignored without conv. defer (splits > 1, no glu, no conv): returns the K split's partial sums unadded
     (`Partials`, for kernels.norm.add_rms_norm to add); out is not written. swap (tensor cores; with splits,
     glu, preload and defer only, glu without splits): the product as w @ x.T (`_swap_kernel`, whose block_n is the
-    tile side that wants 64 rows or more), the same result up to the order of the float32 sums."""
+    tile side that wants 64 rows or more), the same result up to the order of the float32 sums. norm_late (with
+    norm, tensor cores, no K split): the norm in one pass over the input, each row's rstd applied to the product
+    (within bf16 rounding of the two-pass norm, not its bits)."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -627,6 +678,8 @@ def skinny_linear(
             assert res_out.is_contiguous()
             assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()), "norm: residual_out is its own"
             res = residual
+    if norm_late:
+        assert norm is not None and dot and splits == 1, "norm_late: the norm fused, tensor cores, no K split"
     if unroll:
         assert not dot, "unroll: one row"
     if prefetch:
@@ -662,7 +715,7 @@ def skinny_linear(
         KM1=3 if conv is None else cw.shape[1] - 1, CONV_EARLY=conv_early and conv is not None, UNROLL=unroll,
         K_FIRST=block_k if preload else 0,
         K_SPLIT=K // splits if unroll else 0, GLU=glu, PREFETCH=prefetch, NORM_TILE=norm_tile, DEFER=defer,
-        num_warps=num_warps, num_stages=num_stages, **launch(x),
+        NORM_LATE=norm_late, num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return Partials(part, x.dtype) if defer else out
 
@@ -696,7 +749,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, conv: tuple | None
     """skinny_linear with `settings` less their FUSED flags and the fused inputs given; conv in the launch where the
     settings say conv, else `_conv_after` it. TRITON_PD_DEFER=0 drops the defer flag (the split launch adds its
     partial sums itself), for comparisons."""
-    plain = {k: v for k, v in settings.items() if k not in FUSED}
+    plain = {k: v for k, v in settings.items() if k not in FUSED and (k != "norm_late" or "norm" in fused)}
     if plain.get("defer") and os.environ.get("TRITON_PD_DEFER", "1") == "0":  # for comparisons: the launch adds
         del plain["defer"]
     if conv is not None and settings.get("conv"):
@@ -945,7 +998,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     and before the conv's), the fastest candidate is timed again with preload, whether or not it beat cuBLAS, and with a
     prologue each candidate is also timed without it fused (the prologue's own launch first, and the conv's after
     where there is one; a pick without the flag runs so), and the two fastest with it fused are timed again with
-    prefetch (the norm's fastest also with its sum of squares in tiles of 256 columns). With conv channels, the
+    prefetch (the norm's fastest also with its sum of squares in tiles of 256 columns; and the norm's two fastest
+    without K split also in one pass, norm_late, the first of them with prefetch too). With conv channels, the
     pick if it does the conv (else the fastest setting that does, with no K split) is timed again with the conv's
     state rows read before the product (conv_early). The pick is checked against the unfused launches' result
     (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
@@ -1022,6 +1076,10 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
             ahead = [dict(s, prefetch=True) for s in by_time(settings, times, lambda s: s.get(pflag))[:2]]
             if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
                 ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
+            if prologue == "norm":  # and the two fastest without a K split with the norm in one pass (norm_late)
+                whole = by_time(settings, times, lambda s: s.get(pflag) and s.get("splits", 1) == 1)[:2]
+                ahead += [dict(s, norm_late=True) for s in whole] + [dict(s, norm_late=True, prefetch=True)
+                                                                     for s in whole[:1]]  # fmt: skip
             best, times = fastest(ahead, run, len(weights), best, time_of(best, times), times)
             settings += ahead
         if norm_after:

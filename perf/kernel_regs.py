@@ -158,7 +158,7 @@ def skinny(a, argv) -> int:
     timer = wall_clock_limit(a.time_limit, write, [])
     base = dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), DOT=True, SPLITS=1, GATED=False, SIGMOID=False,
                 NORM=False, HAS_RES=False, BLOCK_H=2048, PRELOAD=False, KM1=3, UNROLL=False, K_FIRST=0, K_SPLIT=0,
-                GLU=False, PDL=True, PREFETCH=False, NORM_TILE=128)  # fmt: skip
+                GLU=False, PDL=True, PREFETCH=False, NORM_TILE=128, DEFER=False, NORM_LATE=False)  # fmt: skip
     for bn, bk, stages in SKINNY_TILES[: a.first]:
         for conv, early in (("no", False), ("epilogue", False), ("conv_early", True)):
             consts = dict(base, BLOCK_N=bn, BLOCK_K=bk, CONV=conv != "no", CONV_EARLY=early)

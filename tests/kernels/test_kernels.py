@@ -501,12 +501,15 @@ def test_skinny_linear_sigmoid_gate(M, splits):
 
 
 @pytest.mark.parametrize(
-    "rows,with_res,splits", [(1, True, 1), (1, True, 2), (1, False, 1), (3, True, 1), (20, True, 2), (40, False, 1)]
-)
-def test_skinny_linear_norm_prologue(rows, with_res, splits):
+    "rows,with_res,splits,late",
+    [(1, True, 1, False), (1, True, 2, False), (1, False, 1, False), (3, True, 1, False), (20, True, 2, False),
+     (40, False, 1, False), (3, True, 1, True), (20, True, 1, True), (40, False, 1, True)],
+)  # fmt: skip
+def test_skinny_linear_norm_prologue(rows, with_res, splits, late):
     """rmsnorm(x + residual) * (1 + weight) computed by every program as it reads (kernels.norm's rounding), the
     residual stream written once to a tensor of its own; against add_rms_norm and the projection. One row with
-    plain products, more rows with tensor cores (each row its own sum of squares)."""
+    plain products, more rows with tensor cores (each row its own sum of squares; late: in one pass, each row's
+    rstd applied to the product, the first row at 8 times the others' scale)."""
     from kernels import linear
 
     K, N = 1024, 200
@@ -518,7 +521,7 @@ def test_skinny_linear_norm_prologue(rows, with_res, splits):
     w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
     dot = rows > 1
     settings = dict(block_n=16 if rows == 1 else 32, block_k=256 if rows == 1 else 128, num_warps=4, num_stages=3,
-                    dot=dot, splits=splits, norm=True)  # fmt: skip
+                    dot=dot, splits=splits, norm=True, **({"norm_late": True} if late else {}))  # fmt: skip
     res_copy = None if res is None else res.clone()
     got, got_res = linear.normed_linear(x, res, nw, 1e-6, w, settings)
     want, want_res = linear.normed_linear(x, res_copy, nw, 1e-6, w, None)  # updates res_copy in place
@@ -531,7 +534,8 @@ def test_skinny_linear_norm_prologue(rows, with_res, splits):
 
 
 @pytest.mark.parametrize(
-    "rows,splits,preload,norm", [(3, 1, False, False), (20, 2, True, False), (40, 1, True, True), (100, 2, False, True)]
+    "rows,splits,preload,norm",
+    [(3, 1, False, False), (20, 2, True, False), (40, 1, True, True), (100, 2, False, True), (20, 1, True, "late")],
 )
 def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
     """An MLP's gate_up with silu(gate) * up fused after the product (tensor cores): the [rows, C] result is
@@ -545,7 +549,9 @@ def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
     nw = (torch.randn(K, generator=gen) * 0.1).to(DEVICE, BF16)
     w = torch.randn(2 * C, K, generator=gen).to(DEVICE, BF16) / K**0.5
     settings = dict(block_n=32, block_k=64 if rows > 64 else 128, num_stages=3, dot=True, splits=splits,
-                    preload=preload, glu=True, norm=norm)  # fmt: skip
+                    preload=preload, glu=True, norm=bool(norm))  # fmt: skip
+    if norm == "late":  # the norm in one pass, each row's rstd applied to both halves' products before silu * up
+        settings["norm_late"] = True
     if norm:
         got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings)
         again, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings)

@@ -48,7 +48,7 @@ def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_pat
 # the hybrid decode graph's gated decode attention (split-KV and not; with the q/k norms, rope and K/V store) and its
 # norm reading the residual before the PDL wait, compiled for sm_90 with perf.kernel_regs.resource_use: Triton's
 # interpreter, which the other tests run, accepts kernels that its compiler refuses (a helper returning a tensor in
-# one branch and a float in another)
+# one branch and a float in another); and skinny_linear's norm in one pass (norm_late) with glu, preload and prefetch
 COMPILE_HYBRID = """
 import json
 from kernels import attention, norm
@@ -66,14 +66,21 @@ for splits, fused in ((1, False), (8, False), (8, True)):
 consts = dict(HAS_RES=True, BLOCK=2048, OFFSET=True, PARTS=4, PRELOAD=True, PDL=True)
 pointers = {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Out": "*bf16"}
 use["norm"] = resource_use(norm._add_rms_norm_kernel, consts, 8, 90, None, pointers, set())
+from kernels import linear
+from perf.kernel_regs import SKINNY_ALIGNED, SKINNY_POINTERS
+
+consts = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, DOT=True, SPLITS=1, GATED=False, SIGMOID=False, NORM=True,
+              HAS_RES=True, BLOCK_H=2048, PRELOAD=True, CONV=False, KM1=3, CONV_EARLY=False, UNROLL=False,
+              K_FIRST=128, K_SPLIT=0, GLU=True, PDL=True, PREFETCH=True, NORM_TILE=128, DEFER=False, NORM_LATE=True)
+use["skinny norm_late"] = resource_use(linear._skinny_kernel, consts, 4, 90, 3, SKINNY_POINTERS, SKINNY_ALIGNED)
 print(json.dumps(use))
 """
 
 
-def test_the_hybrid_graphs_gated_attention_and_preloading_norm_compile_for_sm90():
+def test_the_hybrid_graphs_gated_attention_preloading_norm_and_one_pass_norm_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_HYBRID], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     use = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted(use) == ["attention 1", "attention 8", "attention 8 qk", "norm"]
+    assert sorted(use) == ["attention 1", "attention 8", "attention 8 qk", "norm", "skinny norm_late"]
     assert all(0 < u["REG"] <= 255 for u in use.values()), use
