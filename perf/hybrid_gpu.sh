@@ -2,7 +2,7 @@
 # Issue #26's measurements on one GPU, each step bounded in wall clock, results under OUT: the reports (.md) and
 # every file of the run in OUT/files.tgz (logs, JSON rows, tuning caches), few files for a device tool that returns
 # only a few:
-#   bash perf/hybrid_gpu.sh OUT bench|attn-qk|seed|seed-mtp|seed-dense [PHASE]
+#   bash perf/hybrid_gpu.sh OUT bench|fusions|seed|seed-mtp|seed-dense [PHASE]
 # bench: the gated delta step's, the conv epilogue's, the deferred partials' and the whole-model graphs' kernel
 #        tests, then perf.hybrid_bench's decode step at batch 1, 32 and 128 for random:qwen3-next-layout (with
 #        --profile) and random:qwen3.5-9b, tuned on the measured graph sizes (about 5 minutes on an H100, tuned
@@ -10,10 +10,12 @@
 #        launch); the device host's python3, no bundle. The kernel tests compile cold in every fresh machine and
 #        their 120 s ran out after 39-62 of them on an H100 (2026-12-06): run them as a command of their own where
 #        they must all run;
-# attn-qk: the decode attention's kernel tests with the q/k norms, rope and K/V store in its launch (and the
-#        whole-model graph test with TRITON_PD_ATTN_QK=1), then perf/instep_sweep.py --what attn_qk (that launch
-#        against the q/k launch of its own, inside the decode step) for the layout at batch 1, 32 and 128 and
-#        random:qwen3.5-9b at 32; the host's python3, no bundle; about 6 minutes;
+# fusions: the kernel tests of two fusions not yet timed on a GPU, the q/k norms, rope and K/V store in the decode
+#        attention's launch (TRITON_PD_ATTN_QK=1) and the add + RMSNorm in the next projection's launch in one pass
+#        (skinny_linear's norm_late; the whole-model graph test of each too), then perf/instep_sweep.py --what
+#        attn_qk norm_late (each against the picks, inside the decode step) for the layout at batch 32 and 128 and
+#        random:qwen3.5-9b at 32, and attn_qk alone at the layout's batch 1 (norm_late has no one-row form); the
+#        host's python3, no bundle; about 10 minutes;
 # seed:  a seed phase with random:qwen3.5-9b and a 65,536-token host tier, rotate against plain in one run, through
 #        the offline bundle (`triton-pd bundle .bundle`, carried): about 5 minutes for 3x5500, 3 for 4x4000;
 # seed-mtp: seed with --speculative mtp on both servers (the MTP head's verify steps), phase limit 95 s: about 6
@@ -24,9 +26,9 @@
 # TRITON_PD_TUNE_CACHE names a file (the delta step's cache sits beside it): see perf/tune_cache/README.md.
 set -uo pipefail
 OUT=${1:?OUT folder}
-WHAT=${2:?bench, attn-qk, seed, seed-mtp or seed-dense}
+WHAT=${2:?bench, fusions, seed, seed-mtp or seed-dense}
 PHASE=${3:-3x5500}
-case "$WHAT" in bench|attn-qk|seed|seed-mtp|seed-dense) ;; *) echo "hybrid_gpu.sh: bench, attn-qk, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
+case "$WHAT" in bench|fusions|seed|seed-mtp|seed-dense) ;; *) echo "hybrid_gpu.sh: bench, fusions, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
 W="$OUT/files"
 mkdir -p "$W"
 if [ -z "${TRITON_PD_TUNE_CACHE:-}" ]; then
@@ -63,15 +65,17 @@ case "$WHAT" in
     step layout_nodefer 80 env TRITON_PD_DEFER=0 python3 -m perf.hybrid_bench --models random:qwen3-next-layout \
       --batches 1 32 128 --prefill 0 --reps 20 --time-limit 70 --out "$W/layout_nodefer.md"
     ;;
-  attn-qk)
-    step qk_tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py \
-      tests/kernels/test_gpu_hybrid.py -k "decode_attention or qk-in-attention"
-    step qk_layout32 100 python3 -m perf.instep_sweep --what attn_qk --time-limit 90 --out "$W/qk_layout32.md"
-    step qk_layout1 100 python3 -m perf.instep_sweep --what attn_qk --batch 1 --time-limit 90 --out "$W/qk_layout1.md"
-    step qk_layout128 105 python3 -m perf.instep_sweep --what attn_qk --batch 128 --time-limit 95 \
-      --out "$W/qk_layout128.md"
-    step qk_qwen32 105 python3 -m perf.instep_sweep --what attn_qk --model random:qwen3.5-9b --time-limit 95 \
-      --out "$W/qk_qwen32.md"
+  fusions)
+    step fusion_tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py \
+      tests/kernels/test_gpu_hybrid.py -k "fused_qk_norm_rope_store or qk-in-attention or norm_prologue or \
+      glu_epilogue or norm-late"
+    step fusions_layout32 130 python3 -m perf.instep_sweep --what attn_qk norm_late --time-limit 120 \
+      --out "$W/fusions_layout32.md"
+    step fusions_layout128 140 python3 -m perf.instep_sweep --what attn_qk norm_late --batch 128 --time-limit 130 \
+      --out "$W/fusions_layout128.md"
+    step qk_layout1 75 python3 -m perf.instep_sweep --what attn_qk --batch 1 --time-limit 65 --out "$W/qk_layout1.md"
+    step fusions_qwen32 90 python3 -m perf.instep_sweep --what attn_qk norm_late --model random:qwen3.5-9b \
+      --time-limit 80 --out "$W/fusions_qwen32.md"
     ;;
   seed)
     step seed 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed \

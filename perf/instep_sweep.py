@@ -5,18 +5,22 @@ setting can rank differently among the other launches of a step (programmatic de
 delta step's state), and this shows by how much.
 
     python -m perf.instep_sweep [--model random:qwen3-next-layout] [--batch 32]
-                                --what gate_up|in_proj|attn|attn_qk|whatif [--attn-splits 4 8 16]
+                                --what gate_up|in_proj|attn|attn_qk|norm_late|whatif [...] [--attn-splits 4 8 16]
                                 [--attn-tiles 32,4,2 ...] [--reps 40] [--time-limit 240] [--out FILE.md]
 
 --what gate_up / in_proj: that projection's pick replaced by cuBLAS and by skinny_linear settings near it (fewer
 stages, preload, K split, the w @ x.T form without a split). --what attn: the decode attention's settings
 (`kernels.attention.decode_settings`) replaced by splits x (key block, warps, stages) (--attn-tiles, default
 ATTN_TILES). --what attn_qk: the q/k norms, rope and K/V store in the attention's launch (TRITON_PD_ATTN_QK=1,
-`GpuHybrid.attn_qk`) against their own launch. --what whatif: the step with one kind of launch left out (no add +
-RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode attention; each replaced by an empty output, so
-the tokens are garbage): how much that kind of launch costs the step, an upper bound on what fusing it away could
-save. Each variant's graph is replayed twice (`graph`, two numbers: the spread between them is the noise), and
-`loop` is the overlapped loop step as in perf.hybrid_bench.
+`GpuHybrid.attn_qk`) against their own launch. --what norm_late: the add + RMSNorm before in_proj, qkv and
+gate_up in those projections' launches in one pass (skinny_linear's norm_late; their picks' tiles with no K split
+or w @ x.T, `norm_late_choice`), with and without prefetch, against the norms in their own launches; out, o and
+down, whose products those norms read, then add up their own K split (no defer): their fastest such setting that
+tuning timed, and a control row with only that change. --what whatif: the step with one kind of launch left out
+(no add + RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode attention; each replaced by an empty
+output, so the tokens are garbage): how much that kind of launch costs the step, an upper bound on what fusing it
+away could save. Each variant's graph is replayed twice (`graph`, two numbers: the spread between them is the
+noise), and `loop` is the overlapped loop step as in perf.hybrid_bench.
 Picks come from the tuning cache (TRITON_PD_TUNE_CACHE); a variant the cache lacks is only compiled, not tuned."""
 
 from __future__ import annotations
@@ -82,14 +86,56 @@ def _empty_attention(q, *args, out=None, **kwargs):
     return torch.empty_like(q) if out is None else out
 
 
-def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, int, int], ...] = ATTN_TILES
-             ) -> dict[str, tuple]:  # fmt: skip
+NORM_READERS = ("in_proj", "qkv", "gate_up")  # GpuHybrid.PROLOGUES' "norm"
+NORM_WRITERS = ("out", "o", "down")  # GpuHybrid.EPILOGUES' "norm"
+# a reader on cuBLAS gets this tile for its one-pass norm
+NORM_LATE_TILE = dict(block_n=32, block_k=128, num_warps=4, num_stages=3, dot=True)
+
+
+def _fastest_without_defer(pick: dict | None, times: dict) -> dict | None:
+    """A norm writer's setting when the norm after it is fused into the next projection (GpuHybrid._lin drops its
+    defer): the fastest skinny_linear setting without defer that tuning timed (`times`: its descriptions, which
+    are our own str(dict)s from the tuning cache), or the pick less defer; None (cuBLAS) where cuBLAS was faster."""
+    import ast
+
+    timed = sorted((t, k) for k, t in times.items() if isinstance(t, float) and (k == "cublas" or "'defer'" not in k))
+    if not timed:
+        return None if pick is None else {k: v for k, v in pick.items() if k != "defer"}
+    return None if timed[0][1] == "cublas" else ast.literal_eval(timed[0][1])
+
+
+def norm_late_choice(picks: dict, times: dict, batch: int, prefetch: bool | None) -> dict:
+    """{(projection, batch): settings or None} replacing picks: with prefetch None only the norm writers' (no
+    defer, `_fastest_without_defer`); else also each norm reader's pick (NORM_LATE_TILE for cuBLAS) with the norm
+    in its launch in one pass (norm_late; no K split, no w @ x.T, whose launches take no norm), prefetch as
+    given."""
+    out = {(n, batch): _fastest_without_defer(picks.get((n, batch)), times.get((n, batch), {})) for n in NORM_WRITERS}
+    if prefetch is not None:
+        for n in NORM_READERS:
+            base = picks.get((n, batch)) or NORM_LATE_TILE
+            tile = {k: v for k, v in base.items() if k not in ("splits", "swap", "defer", "prefetch", "norm_tile")}
+            out[(n, batch)] = dict(
+                tile, dot=True, norm=True, norm_late=True, **({"prefetch": True} if prefetch else {})
+            )
+    return out
+
+
+def variants(what: str | list[str], attn_splits: list[int],
+             attn_tiles: tuple[tuple[int, int, int], ...] = ATTN_TILES, picks: dict | None = None,
+             times: dict | None = None, batch: int = 0) -> dict[str, tuple]:  # fmt: skip
     """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linear", (projection, settings or None for
-    cuBLAS)); ("attn", settings); ("attr", (a GpuHybrid attribute, its value)); ("leave out", (module, function
-    name, its stand-in))."""
+    cuBLAS)); ("linears", {(projection, batch): settings or None}); ("attn", settings); ("attr", (a GpuHybrid
+    attribute, its value)); ("leave out", (module, function name, its stand-in)). Several whats: their variants
+    in turn between the picks. picks, times, batch: the model's linear_choice and linear_times and the graph's
+    batch, for norm_late (none at one row, where the projections have no tensor-core tiles to fuse it in)."""
     from kernels import attention, delta_rule, norm, rope
 
     out: dict[str, tuple] = {"tuned picks": ("pick", None)}
+    if isinstance(what, list):
+        for w in what:
+            out.update(list(variants(w, attn_splits, attn_tiles, picks, times, batch).items())[1:-1])
+        out["tuned picks, again"] = ("pick", None)
+        return out
     if what in PROJECTION_VARIANTS:
         out["cuBLAS"] = ("linear", (what, None))
         out.update({k: ("linear", (what, s)) for k, s in PROJECTION_VARIANTS[what].items()})
@@ -99,6 +145,15 @@ def variants(what: str, attn_splits: list[int], attn_tiles: tuple[tuple[int, int
             out[name] = ("attn", dict(num_splits=sp, block_n=bn, num_warps=nw, num_stages=ns))
     elif what == "attn_qk":
         out["q/k norms, rope and K/V store in the attention's launch"] = ("attr", ("attn_qk", True))
+    elif what == "norm_late" and batch > 1:
+        picks, times = picks or {}, times or {}
+        out["out, o, down without defer (norms in their own launches)"] = (
+            "linears",
+            norm_late_choice(picks, times, batch, None),
+        )
+        out["one-pass norm in in_proj, qkv, gate_up"] = ("linears", norm_late_choice(picks, times, batch, False))
+        out["one-pass norm in in_proj, qkv, gate_up, prefetch"] = (
+            "linears", norm_late_choice(picks, times, batch, True))  # fmt: skip
     elif what == "whatif":
         out.update({
             "no add + RMSNorm": ("leave out", (norm, "add_rms_norm", _empty_norm)),
@@ -114,7 +169,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-next-layout")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--what", required=True, choices=[*PROJECTION_VARIANTS, "attn", "attn_qk", "whatif"])
+    ap.add_argument("--what", required=True, nargs="+",
+                    choices=[*PROJECTION_VARIANTS, "attn", "attn_qk", "norm_late", "whatif"],
+                    help="one or more: each's variants in turn, the picks first and last")  # fmt: skip
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[4, 8, 16], help="--what attn: the splits tried")
     ap.add_argument("--attn-tiles", nargs="+", default=None, metavar="BLOCK_N,WARPS,STAGES",
                     help="--what attn: the key blocks tried (default: ATTN_TILES)")  # fmt: skip
@@ -155,8 +212,11 @@ def main(argv=None) -> int:
     settings = attention.decode_settings
     timing = types.SimpleNamespace(context=a.context, reps=a.reps, eager_batches=[], profile=False)
     gen = torch.Generator().manual_seed(0)
-    for name, (kind, arg) in variants(a.what, a.attn_splits, tiles).items():
+    for name, (kind, arg) in variants(a.what, a.attn_splits, tiles, picks, dict(model.linear_times), B).items():
         choice = dict(picks)
+        if kind == "linears":
+            choice.update(arg)
+            choice = {k: v for k, v in choice.items() if v is not None}  # None: cuBLAS
         if kind == "linear":
             projection, s = arg
             if s is None:  # cuBLAS

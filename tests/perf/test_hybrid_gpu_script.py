@@ -83,7 +83,7 @@ def test_each_mode_fits_one_device_command():
     """A device command ends at 600 s, and a command killed there returns nothing (the archive is packed on exit):
     the wall limits of each mode's steps add up to less."""
     modes = re.findall(r"^  ([a-z-]+)\)\n(.*?)^    ;;", SCRIPT, re.M | re.S)
-    assert {m for m, _ in modes} == {"bench", "attn-qk", "seed", "seed-mtp", "seed-dense"}
+    assert {m for m, _ in modes} == {"bench", "fusions", "seed", "seed-mtp", "seed-dense"}
     for mode, body in modes:
         limits = [int(n) for n in re.findall(r"^\s*step \S+ (\d+) ", body, re.M)]
         assert limits, mode
@@ -91,27 +91,27 @@ def test_each_mode_fits_one_device_command():
 
 
 def test_every_instep_sweep_command_parses_with_its_flags(capsys, monkeypatch):
-    """attn-qk's `perf.instep_sweep` commands get past the tool's parser to its GPU check (returns 2 here)."""
+    """fusions' `perf.instep_sweep` commands get past the tool's parser to its GPU check (returns 2 here)."""
     from perf import instep_sweep
 
     monkeypatch.setattr(instep_sweep.torch.cuda, "is_available", lambda: False)
     commands = [line.split("-m perf.instep_sweep", 1)[1] for line in SCRIPT.splitlines()
                 if "-m perf.instep_sweep" in line and not line.lstrip().startswith("#")]  # fmt: skip
-    assert len(commands) == 4, commands  # the layout at batch 1, 32 and 128, qwen3.5-9b at 32
+    assert len(commands) == 4, commands  # the layout at batch 32, 128 and 1, qwen3.5-9b at 32
     for command in commands:
         capsys.readouterr()
         assert instep_sweep.main(shlex.split(command.replace('"$W/', '"/tmp/'))) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_the_attn_qk_kernel_tests_it_selects_exist():
-    """attn-qk's pytest -k names each select a test (or a parametrisation's id) of the files it runs."""
+def test_the_fusions_kernel_tests_it_selects_exist():
+    """fusions' pytest -k names each select a test (or a parametrisation's id) of the files it runs."""
     m = re.search(
-        r'step qk_tests \d+ python3 -m pytest -q -p \S+\s+((?:tests/kernels/\S+\.py\s+)+)-k "([^"]+)"', SCRIPT
+        r'step fusion_tests \d+ python3 -m pytest -q -p \S+\s+((?:tests/kernels/\S+\.py\s+)+)-k "([^"]+)"', SCRIPT
     )
     assert m is not None
     files = m.group(1).split()
     source = "\n".join((ROOT / f).read_text() for f in files)
     tests = re.findall(r"^def (test_\w+)", source, re.M)
-    for name in m.group(2).split(" or "):
+    for name in " ".join(m.group(2).split()).split(" or "):
         assert any(name in t for t in tests) or f'"{name}"' in source, f"-k {name!r} selects nothing in {files}"
