@@ -220,10 +220,9 @@ def _one_pass_norm(x, a, NW, RO, offs_m, mask_m, offs_k, k, stride_rm, first, dt
     """NORM_LATE's step of the norm on one input tile (tensor cores): x + r (HAS_RES; rounded as kernels.norm
     rounds it), written to RO by the first program; returns the tile times (1 + w) as the product's input and its
     rows' sums of squares (the rows' rstd scales the product after the loop)."""
-    if HAS_RES:
+    if HAS_RES:  # a store masked off in every program but the first (a branch around it took 44 more registers)
         x = (x.to(tl.float32) + a.to(tl.float32)).to(dtype)
-        if first:
-            tl.store(RO + offs_m[:, None] * stride_rm + (k + offs_k)[None, :], x, mask=mask_m[:, None])
+        tl.store(RO + offs_m[:, None] * stride_rm + (k + offs_k)[None, :], x, mask=mask_m[:, None] & first)
     xf = x.to(tl.float32)
     w = tl.load(NW + k + offs_k).to(tl.float32)
     return (xf * (1.0 + w)[None, :]).to(dtype), tl.sum(xf * xf, 1)
@@ -297,7 +296,7 @@ def _skinny_kernel(
     enter(PDL)
     rstd = 0.0
     if NORM_LATE:
-        first = (pid == 0) & (ps == 0)
+        first = (tl.zeros([1], dtype=tl.int32) + pid + ps) == 0  # a store mask (a tensor, as `_before` says)
         ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
     elif NORM:
         if DOT:  # each row's sum of squares over all K columns in tiles of BLOCK_K; the first program writes RO
