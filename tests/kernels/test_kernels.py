@@ -676,7 +676,8 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
 @pytest.mark.parametrize("rows", [1, 4, 32])
 def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
     """tune of an MLP's normed gate_up with the glu epilogue: whatever it picks, normed_linear then glu_after give
-    silu(gate) * up of the unfused launches; glu only at more than one row."""
+    silu(gate) * up of the unfused launches; glu only at more than one row, where the norm in one pass (norm_late)
+    was timed too."""
     from kernels import linear
 
     gen = torch.Generator().manual_seed(rows + 7)
@@ -684,6 +685,8 @@ def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
     choice, times = linear.tune(ws, rows, "norm", epilogue="glu")
     assert isinstance(times["cublas"], float) and len(times) > 1
     assert not (choice or {}).get("glu") or rows > 1
+    late = [k for k, t in times.items() if "'norm_late': True" in k and isinstance(t, float)]
+    assert bool(late) == (rows > 1), list(times)
     assert not any(isinstance(t, str) and "wrong" in t for t in times.values()), times
     x, res = (torch.randn(rows, 1024, generator=gen).to(DEVICE, BF16) for _ in range(2))
     nw = (torch.randn(1024, generator=gen) * 0.1).to(DEVICE, BF16)
