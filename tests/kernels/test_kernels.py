@@ -567,27 +567,30 @@ def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
 
 
 @pytest.mark.parametrize(
-    "rows,splits,preload,unroll,block_k,early",
+    "rows,splits,preload,unroll,block_k,early,late",
     [
-        (1, 1, False, False, 128, False),
-        (1, 2, True, False, 128, False),
-        (1, 2, True, True, 128, False),
-        (1, 2, True, False, 256, False),
-        (1, 1, True, False, 512, False),
-        (3, 1, False, False, 128, False),
-        (20, 2, True, False, 128, False),
-        (1, 1, True, True, 128, True),
-        (3, 1, False, False, 128, True),
-        (20, 1, True, False, 128, True),
+        (1, 1, False, False, 128, False, False),
+        (1, 2, True, False, 128, False, False),
+        (1, 2, True, True, 128, False, False),
+        (1, 2, True, False, 256, False, False),
+        (1, 1, True, False, 512, False, False),
+        (3, 1, False, False, 128, False, False),
+        (20, 2, True, False, 128, False, False),
+        (1, 1, True, True, 128, True, False),
+        (3, 1, False, False, 128, True, False),
+        (20, 1, True, False, 128, True, False),
+        (3, 1, False, False, 128, False, True),
+        (20, 1, True, False, 128, True, True),
     ],
 )
-def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k, early):
+def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k, early, late):
     """A linear-attention in_proj: rmsnorm fused in, and each row's first C outputs through the conv step in the
     same launch (row m's state read at page pages[m], written at out_pages[m]): the outputs, the conv's float32
     outputs and the new state pages as the unfused launches give them; other pages untouched. One row with plain
     products, more rows with tensor cores. block_k * splits = K: each program's whole range of K in the one tile
     read before the PDL wait (`whole_range_candidates`). early (conv_early): the conv's state rows and weights read
-    before the product, the new rows stored from them; with a K split it is refused."""
+    before the product, the new rows stored from them; with a K split it is refused. late: the norm in one pass
+    (norm_late), each row's rstd applied to the product before the conv reads it."""
     from kernels import delta_rule, linear
 
     K, N, C = 512, 160, 96
@@ -605,10 +608,12 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k, ear
     mixed = torch.empty(rows, C, device=DEVICE)
     settings = dict(block_n=32, block_k=block_k, num_stages=3, dot=rows > 1, splits=splits, preload=preload,
                     norm=True, conv=True, unroll=unroll, conv_early=early)  # fmt: skip
+    if late:
+        settings["norm_late"] = True
     if early:
         with pytest.raises(AssertionError, match="conv_early: no K split"):
-            linear.normed_linear(x, res.clone(), nw, 1e-6, w, dict(settings, splits=2, block_k=block_k // 2),
-                                 conv=(cw, state.clone(), pages, out_pages, mixed))  # fmt: skip
+            linear.normed_linear(x, res.clone(), nw, 1e-6, w, dict(settings, splits=2, block_k=block_k // 2,
+                                 norm_late=False), conv=(cw, state.clone(), pages, out_pages, mixed))  # fmt: skip
     got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings, conv=(cw, state, pages, out_pages, mixed))
     want, _ = linear.normed_linear(x, res.clone(), nw, 1e-6, w, None, conv=(cw, ref_state, pages, out_pages,
                                                                             ref_mixed))  # fmt: skip
