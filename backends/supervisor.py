@@ -95,9 +95,13 @@ class Supervisor:
         kill_at = None
         while True:
             try:
-                return self.proc.wait(timeout=1.0)
+                rc = self.proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
+            else:
+                if self.died is None and not self.stopping:
+                    self._blame(rc)
+                return rc
             if self.stopping and kill_at is None:
                 # a client that keeps a gRPC stream open holds Triton 2.51's shutdown past its exit timeout
                 kill_at = time.monotonic() + self.exit_timeout + 10
@@ -107,14 +111,23 @@ class Supervisor:
                 dead = self._dead()
                 if dead is not None:
                     self.died, pid = dead
-                    which = f"'s stub (pid {pid})" if pid is not None else " has no stub: it"
                     print(
-                        f"[triton-pd] {self.died}{which} died and Triton does not restart it: stopping the server "
-                        f"(see {self.log_path})",
+                        f"[triton-pd] {_stub(self.died, pid)} died and Triton does not restart it: stopping the "
+                        f"server (see {self.log_path})",
                         flush=True,
                     )
                     signal_group(self.proc, signal.SIGTERM, group=False)
                     kill_at = time.monotonic() + self.exit_timeout + 10
+
+    def _blame(self, rc: int) -> None:
+        """tritonserver exited on its own: where a watched stub is gone too (checked at once, before the other
+        stubs notice their parent's end), name it as the cause. Killing a stub can make Triton 2.51 itself abort
+        (its shared-memory mutex, boost::interprocess::lock_exception) within the second between two checks."""
+        dead = self._dead()
+        if dead is not None:
+            self.died, pid = dead
+            print(f"[triton-pd] {_stub(self.died, pid)} died, and tritonserver exited with status {rc} (see "
+                  f"{self.log_path})", flush=True)  # fmt: skip
 
     def close(self, deployment_id: str, mailbox: Path) -> None:
         """Kill what is left (stubs left behind by a crash too) and remove the deployment's shared memory."""
@@ -123,6 +136,11 @@ class Supervisor:
             self.proc.wait()
         signal_group(self.proc, signal.SIGKILL)
         cleanup(deployment_id, mailbox, sorted(self.regions))
+
+
+def _stub(name: str, pid: int | None) -> str:
+    """A watched instance's stub in the launcher's messages ("... died"); pid None: the model had none."""
+    return f"{name}'s stub (pid {pid})" if pid is not None else f"{name} has no stub: it"
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2)

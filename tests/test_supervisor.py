@@ -85,6 +85,25 @@ def test_a_dead_decode_stub_stops_the_server_even_if_it_died_before_the_first_sc
     assert not process_alive(sup.proc.pid)
 
 
+def test_a_server_that_aborts_right_after_a_decode_stub_died_names_the_stub(server, capsys):
+    """Killing a stub can make Triton 2.51 itself abort at once (boost::interprocess::lock_exception): the
+    supervisor, which checks its stubs once a second, then names the dead stub as the cause of the exit instead
+    of reporting only tritonserver's status; a server that exits with every stub alive names none."""
+    sup = server(*NAMES)
+    sup._scan()
+    os.kill(sup.stubs["pd_decode_0_0"][0], signal.SIGKILL)
+    os.kill(sup.proc.pid, signal.SIGABRT)  # before the supervisor's next check
+    assert sup.watch() == -signal.SIGABRT
+    assert sup.died == "pd_decode_0_0"
+    assert f"pd_decode_0_0's stub (pid {sup.stubs['pd_decode_0_0'][0]}) died, and tritonserver exited" in (
+        capsys.readouterr().out
+    )
+    other = server(*NAMES)
+    other._scan()
+    os.kill(other.proc.pid, signal.SIGABRT)
+    assert other.watch() == -signal.SIGABRT and other.died is None
+
+
 def test_a_dead_prefill_stub_or_a_loading_stub_that_ended_does_not_stop_the_server(server):
     sup = server(*NAMES, LOADING)
     sup._scan()
