@@ -49,6 +49,11 @@ def _sample(text: str, name: str, labels: dict) -> float:
     return total
 
 
+def _spec(spec: str | tuple[str, dict]) -> tuple[str, dict]:
+    """(name, labels) of a metrics spec: a name, or (name, labels)."""
+    return spec if isinstance(spec, tuple) else (spec, {})
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -118,7 +123,7 @@ class ServerProcess:
         sample, OSError when the endpoint does not answer. One scrape, so values that a backend sets together are
         read together (separate scrapes may fall between two of its gauge updates)."""
         text = self._scrape()
-        return {key: _sample(text, *(spec if isinstance(spec, tuple) else (spec, {}))) for key, spec in specs.items()}
+        return {key: _sample(text, *_spec(spec)) for key, spec in specs.items()}
 
     def read_metrics(self, specs: dict) -> dict[str, float]:
         """As snapshot, but 0 for a metric with no sample yet (a counter nothing has touched), and for every one
@@ -130,7 +135,7 @@ class ServerProcess:
         out = {}
         for key, spec in specs.items():
             try:
-                out[key] = _sample(text, *(spec if isinstance(spec, tuple) else (spec, {})))
+                out[key] = _sample(text, *_spec(spec))
             except KeyError:
                 out[key] = 0.0
         return out
