@@ -997,8 +997,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     and before the conv's), the fastest candidate is timed again with preload, whether or not it beat cuBLAS, and with a
     prologue each candidate is also timed without it fused (the prologue's own launch first, and the conv's after
     where there is one; a pick without the flag runs so), and the two fastest with it fused are timed again with
-    prefetch (the norm's fastest also with its sum of squares in tiles of 256 columns; and the norm's two fastest
-    without K split also in one pass, norm_late, the first of them with prefetch too). With conv channels, the
+    prefetch (the norm's fastest also with its sum of squares in tiles of 256 columns; and the norm's fastest
+    without K split also in one pass, norm_late, with and without prefetch). With conv channels, the
     pick if it does the conv (else the fastest setting that does, with no K split) is timed again with the conv's
     state rows read before the product (conv_early). The pick is checked against the unfused launches' result
     (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
@@ -1075,10 +1075,10 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
             ahead = [dict(s, prefetch=True) for s in by_time(settings, times, lambda s: s.get(pflag))[:2]]
             if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
                 ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
-            if prologue == "norm":  # and the two fastest without a K split with the norm in one pass (norm_late)
-                whole = by_time(settings, times, lambda s: s.get(pflag) and s.get("splits", 1) == 1)[:2]
-                ahead += [dict(s, norm_late=True) for s in whole] + [dict(s, norm_late=True, prefetch=True)
-                                                                     for s in whole[:1]]  # fmt: skip
+            if prologue == "norm":  # and the fastest without a K split with the norm in one pass (norm_late),
+                # with and without prefetch (two compiles per distinct row block: each costs a cold start time)
+                whole = by_time(settings, times, lambda s: s.get(pflag) and s.get("splits", 1) == 1)[:1]
+                ahead += [dict(s, norm_late=True, **p) for s in whole for p in ({}, {"prefetch": True})]
             best, times = fastest(ahead, run, len(weights), best, time_of(best, times), times)
             settings += ahead
         if norm_after:
