@@ -14,7 +14,8 @@ stages, preload, K split, the w @ x.T form without a split). --what attn: the de
 ATTN_TILES). --what attn_qk: the q/k norms, rope and K/V store in the attention's launch (TRITON_PD_ATTN_QK=1,
 `GpuHybrid.attn_qk`) against their own launch. --what norm_late: the add + RMSNorm before in_proj, qkv and
 gate_up in those projections' launches in one pass (skinny_linear's norm_late; their picks' tiles with no K split
-or w @ x.T, `norm_late_choice`), with and without prefetch, against the norms in their own launches; out, o and
+or w @ x.T, `norm_late_choice`), with and without prefetch, and with 8 warps, against the norms in their own
+launches; out, o and
 down, whose products those norms read, then add up their own K split (no defer): their fastest such setting that
 tuning timed, and a control row with only that change. --what whatif: the step with one kind of launch left out
 (no add + RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode attention; each replaced by an empty
@@ -104,11 +105,12 @@ def _fastest_without_defer(pick: dict | None, times: dict) -> dict | None:
     return None if timed[0][1] == "cublas" else ast.literal_eval(timed[0][1])
 
 
-def norm_late_choice(picks: dict, times: dict, batch: int, prefetch: bool | None) -> dict:
+def norm_late_choice(picks: dict, times: dict, batch: int, prefetch: bool | None, warps: int | None = None) -> dict:
     """{(projection, batch): settings or None} replacing picks: with prefetch None only the norm writers' (no
     defer, `_fastest_without_defer`); else also each norm reader's pick (NORM_LATE_TILE for cuBLAS) with the norm
     in its launch in one pass (norm_late; no K split, no w @ x.T, whose launches take no norm), prefetch as
-    given."""
+    given, and `warps` warps where given (the one-pass tile of x in registers beside a glu's two accumulators
+    spills at 4 warps on sm_90 for gate_up's 64 x 128 tile, not at 8)."""
     out = {(n, batch): _fastest_without_defer(picks.get((n, batch)), times.get((n, batch), {})) for n in NORM_WRITERS}
     if prefetch is not None:
         for n in NORM_READERS:
@@ -117,6 +119,8 @@ def norm_late_choice(picks: dict, times: dict, batch: int, prefetch: bool | None
             out[(n, batch)] = dict(
                 tile, dot=True, norm=True, norm_late=True, **({"prefetch": True} if prefetch else {})
             )
+            if warps is not None:
+                out[(n, batch)]["num_warps"] = warps
     return out
 
 
@@ -153,7 +157,11 @@ def variants(what: str | list[str], attn_splits: list[int],
         )
         out["one-pass norm in in_proj, qkv, gate_up"] = ("linears", norm_late_choice(picks, times, batch, False))
         out["one-pass norm in in_proj, qkv, gate_up, prefetch"] = (
-            "linears", norm_late_choice(picks, times, batch, True))  # fmt: skip
+            "linears",
+            norm_late_choice(picks, times, batch, True),
+        )
+        out["one-pass norm in in_proj, qkv, gate_up, 8 warps"] = (
+            "linears", norm_late_choice(picks, times, batch, False, warps=8))  # fmt: skip
     elif what == "whatif":
         out.update({
             "no add + RMSNorm": ("leave out", (norm, "add_rms_norm", _empty_norm)),

@@ -5,6 +5,7 @@ arguments, so a GPU session does not find out at capture."""
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -100,9 +101,11 @@ def test_norm_late_choice_fuses_the_readers_norm_in_one_pass_and_drops_the_write
         assert got[("in_proj", 32)]["conv_early"] and got[("gate_up", 32)]["glu"]
         assert got[("qkv", 32)]["block_n"] == 32  # on cuBLAS: NORM_LATE_TILE
     kinds = {name: kind for name, (kind, _) in variants("norm_late", [4], picks=PICKS, times=TIMES, batch=32).items()}
-    assert list(kinds.values()) == ["pick", "linears", "linears", "linears", "pick"], kinds
+    assert list(kinds.values()) == ["pick", "linears", "linears", "linears", "linears", "pick"], kinds
+    wide = norm_late_choice(PICKS, TIMES, 32, False, warps=8)
+    assert all(wide[(n, 32)]["num_warps"] == 8 for n in NORM_READERS) and PICKS[("gate_up", 32)]["num_warps"] == 4
     both = variants(["attn_qk", "norm_late"], [4], picks=PICKS, times=TIMES, batch=32)  # one sweep, picks around
-    assert [kind for kind, _ in both.values()] == ["pick", "attr", "linears", "linears", "linears", "pick"]
+    assert [kind for kind, _ in both.values()] == ["pick", "attr", "linears", "linears", "linears", "linears", "pick"]
     assert [kind for kind, _ in variants(["norm_late"], [4], picks=PICKS, times=TIMES, batch=1).values()] == [
         "pick",
         "pick",
@@ -121,9 +124,10 @@ def test_norm_late_settings_run_through_normed_linear():
     x, res = (torch.randn(M, K, generator=g).to(device, dtype) for _ in range(2))
     nw = (torch.randn(K, generator=g) * 0.1).to(device, dtype)
     w = (torch.randn(2 * C, K, generator=g) * 0.05).to(device, dtype)
-    got = norm_late_choice({("gate_up", 4): PICKS[("gate_up", 32)]}, {}, 4, True)
-    for n in NORM_READERS:
-        s = {k: v for k, v in got[(n, 4)].items() if k not in ("conv", "conv_early")}  # conv: its own test
+    picks = {("gate_up", 4): PICKS[("gate_up", 32)]}
+    got = [norm_late_choice(picks, {}, 4, True), norm_late_choice(picks, {}, 4, False, warps=8)]
+    for n, choice in itertools.product(NORM_READERS, got):
+        s = {k: v for k, v in choice[(n, 4)].items() if k not in ("conv", "conv_early")}  # conv: its own test
         y, _ = normed_linear(x, res.clone(), nw, 1e-6, w, s)
         want = normed_linear(x, res.clone(), nw, 1e-6, w, None)[0]
         want = glu_after(want, None) if s.get("glu") else want  # silu(gate) * up after the plain launch
