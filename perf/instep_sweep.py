@@ -89,8 +89,10 @@ def _empty_attention(q, *args, out=None, **kwargs):
 
 NORM_READERS = ("in_proj", "qkv", "gate_up")  # GpuHybrid.PROLOGUES' "norm"
 NORM_WRITERS = ("out", "o", "down")  # GpuHybrid.EPILOGUES' "norm"
-# a reader on cuBLAS gets this tile for its one-pass norm
-NORM_LATE_TILE = dict(block_n=32, block_k=128, num_warps=4, num_stages=3, dot=True)
+# a reader on cuBLAS gets this tile for its one-pass norm, by rows (up to 64, more): compiled for sm_90, the
+# one-pass tile of 128 rows x 128 columns at 4 warps spilled 736 bytes, 64 x 64 at 8 warps none (169 registers)
+NORM_LATE_TILES = {64: dict(block_n=32, block_k=128, num_warps=4, num_stages=3, dot=True),
+                   128: dict(block_n=64, block_k=64, num_warps=8, num_stages=3, dot=True)}  # fmt: skip
 
 
 def _fastest_without_defer(pick: dict | None, times: dict) -> dict | None:
@@ -107,14 +109,14 @@ def _fastest_without_defer(pick: dict | None, times: dict) -> dict | None:
 
 def norm_late_choice(picks: dict, times: dict, batch: int, prefetch: bool | None, warps: int | None = None) -> dict:
     """{(projection, batch): settings or None} replacing picks: with prefetch None only the norm writers' (no
-    defer, `_fastest_without_defer`); else also each norm reader's pick (NORM_LATE_TILE for cuBLAS) with the norm
+    defer, `_fastest_without_defer`); else also each norm reader's pick (NORM_LATE_TILES for cuBLAS) with the norm
     in its launch in one pass (norm_late; no K split, no w @ x.T, whose launches take no norm), prefetch as
     given, and `warps` warps where given (the one-pass tile of x in registers beside a glu's two accumulators
     spills at 4 warps on sm_90 for gate_up's 64 x 128 tile, not at 8)."""
     out = {(n, batch): _fastest_without_defer(picks.get((n, batch)), times.get((n, batch), {})) for n in NORM_WRITERS}
     if prefetch is not None:
         for n in NORM_READERS:
-            base = picks.get((n, batch)) or NORM_LATE_TILE
+            base = picks.get((n, batch)) or NORM_LATE_TILES[64 if batch <= 64 else 128]
             tile = {k: v for k, v in base.items() if k not in ("splits", "swap", "defer", "prefetch", "norm_tile")}
             out[(n, batch)] = dict(
                 tile, dot=True, norm=True, norm_late=True, **({"prefetch": True} if prefetch else {})

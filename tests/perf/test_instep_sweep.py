@@ -99,9 +99,10 @@ def test_norm_late_choice_fuses_the_readers_norm_in_one_pass_and_drops_the_write
             assert s["norm"] and s["norm_late"] and s["dot"] and s.get("prefetch", False) == prefetch
             assert not {"splits", "swap", "defer"} & set(s), s
         assert got[("in_proj", 32)]["conv_early"] and got[("gate_up", 32)]["glu"]
-        assert got[("qkv", 32)]["block_n"] == 32  # on cuBLAS: NORM_LATE_TILE
+        assert got[("qkv", 32)]["block_n"] == 32  # on cuBLAS: NORM_LATE_TILES
     kinds = {name: kind for name, (kind, _) in variants("norm_late", [4], picks=PICKS, times=TIMES, batch=32).items()}
     assert list(kinds.values()) == ["pick", "linears", "linears", "linears", "linears", "pick"], kinds
+    assert norm_late_choice({}, {}, 128, False)[("qkv", 128)]["num_warps"] == 8  # 128 rows: a tile that fits
     wide = norm_late_choice(PICKS, TIMES, 32, False, warps=8)
     assert all(wide[(n, 32)]["num_warps"] == 8 for n in NORM_READERS) and PICKS[("gate_up", 32)]["num_warps"] == 4
     both = variants(["attn_qk", "norm_late"], [4], picks=PICKS, times=TIMES, batch=32)  # one sweep, picks around
