@@ -15,13 +15,12 @@ ATTN_TILES). --what attn_qk: the q/k norms, rope and K/V store in the attention'
 `GpuHybrid.attn_qk`) against their own launch. --what norm_late: the add + RMSNorm before in_proj, qkv and
 gate_up in those projections' launches in one pass (skinny_linear's norm_late; their picks' tiles with no K split
 or w @ x.T, `norm_late_choice`), with and without prefetch, and with 8 warps, against the norms in their own
-launches; out, o and
-down, whose products those norms read, then add up their own K split (no defer): their fastest such setting that
-tuning timed, and a control row with only that change. --what whatif: the step with one kind of launch left out
-(no add + RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode attention; each replaced by an empty
-output, so the tokens are garbage): how much that kind of launch costs the step, an upper bound on what fusing it
-away could save. Each variant's graph is replayed twice (`graph`, two numbers: the spread between them is the
-noise), and `loop` is the overlapped loop step as in perf.hybrid_bench.
+launches; out, o and down, whose products those norms read, then add up their own K split (no defer): their
+fastest such setting that tuning timed, and a control row with only that change. --what whatif: the step with
+one kind of launch left out (no add + RMSNorm, no conv step, no q/k norm + rope + K/V store, no decode attention;
+each replaced by an empty output, so the tokens are garbage): how much that kind of launch costs the step, an
+upper bound on what fusing it away could save. Each variant's graph is replayed twice (`graph`, two numbers: the
+spread between them is the noise), and `loop` is the overlapped loop step as in perf.hybrid_bench.
 Picks come from the tuning cache (TRITON_PD_TUNE_CACHE); a variant the cache lacks is only compiled, not tuned."""
 
 from __future__ import annotations
@@ -129,8 +128,8 @@ def norm_late_choice(picks: dict, times: dict, batch: int, prefetch: bool | None
 def variants(what: str | list[str], attn_splits: list[int],
              attn_tiles: tuple[tuple[int, int, int], ...] = ATTN_TILES, picks: dict | None = None,
              times: dict | None = None, batch: int = 0) -> dict[str, tuple]:  # fmt: skip
-    """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linear", (projection, settings or None for
-    cuBLAS)); ("linears", {(projection, batch): settings or None}); ("attn", settings); ("attr", (a GpuHybrid
+    """{name: (kind, argument)}: ("pick", None) the tuned picks; ("linears", {(projection, batch): settings, or None
+    for cuBLAS}) in place of those picks; ("attn", settings); ("attr", (a GpuHybrid
     attribute, its value)); ("leave out", (module, function name, its stand-in)). Several whats: their variants
     in turn between the picks. picks, times, batch: the model's linear_choice and linear_times and the graph's
     batch, for norm_late (none at one row, where the projections have no tensor-core tiles to fuse it in)."""
@@ -143,8 +142,8 @@ def variants(what: str | list[str], attn_splits: list[int],
         out["tuned picks, again"] = ("pick", None)
         return out
     if what in PROJECTION_VARIANTS:
-        out["cuBLAS"] = ("linear", (what, None))
-        out.update({k: ("linear", (what, s)) for k, s in PROJECTION_VARIANTS[what].items()})
+        out["cuBLAS"] = ("linears", {(what, batch): None})
+        out.update({k: ("linears", {(what, batch): s}) for k, s in PROJECTION_VARIANTS[what].items()})
     elif what == "attn":
         for sp, (bn, nw, ns) in itertools.product(attn_splits, attn_tiles):
             name = f"splits {sp}, block_n {bn}, {nw} warps, {ns} stages"
@@ -153,17 +152,13 @@ def variants(what: str | list[str], attn_splits: list[int],
         out["q/k norms, rope and K/V store in the attention's launch"] = ("attr", ("attn_qk", True))
     elif what == "norm_late" and batch > 1:
         picks, times = picks or {}, times or {}
-        out["out, o, down without defer (norms in their own launches)"] = (
-            "linears",
-            norm_late_choice(picks, times, batch, None),
-        )
-        out["one-pass norm in in_proj, qkv, gate_up"] = ("linears", norm_late_choice(picks, times, batch, False))
-        out["one-pass norm in in_proj, qkv, gate_up, prefetch"] = (
-            "linears",
-            norm_late_choice(picks, times, batch, True),
-        )
-        out["one-pass norm in in_proj, qkv, gate_up, 8 warps"] = (
-            "linears", norm_late_choice(picks, times, batch, False, warps=8))  # fmt: skip
+        for name, prefetch, warps in (
+            ("out, o, down without defer (norms in their own launches)", None, None),
+            ("one-pass norm in in_proj, qkv, gate_up", False, None),
+            ("one-pass norm in in_proj, qkv, gate_up, prefetch", True, None),
+            ("one-pass norm in in_proj, qkv, gate_up, 8 warps", False, 8),
+        ):
+            out[name] = ("linears", norm_late_choice(picks, times, batch, prefetch, warps))
     elif what == "whatif":
         out.update({
             "no add + RMSNorm": ("leave out", (norm, "add_rms_norm", _empty_norm)),
@@ -227,12 +222,6 @@ def main(argv=None) -> int:
         if kind == "linears":
             choice.update(arg)
             choice = {k: v for k, v in choice.items() if v is not None}  # None: cuBLAS
-        if kind == "linear":
-            projection, s = arg
-            if s is None:  # cuBLAS
-                choice.pop((projection, B), None)
-            else:
-                choice[(projection, B)] = s
         if kind == "attn":
             attention.decode_settings = lambda *_, s=arg: dict(s)
         if kind == "leave out":
