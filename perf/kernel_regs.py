@@ -38,6 +38,11 @@ SKINNY_POINTERS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "G": "*bf16", "R": 
                    "NW": "*bf16", "CW": "*bf16", "P": "*fp32", "CS": "*fp32", "Mixed": "*fp32", "C": "*i32",
                    "CPages": "*i32", "COutPages": "*i32"}  # fmt: skip
 SKINNY_ALIGNED = {"N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_gm", "s_mix", "CC", "cs_page"}
+# skinny_linear's constexprs for a plain tensor-core launch of up to 16 rows (callers set BLOCK_M and what they fuse)
+SKINNY_PLAIN = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT=True, SPLITS=1, GATED=False, SIGMOID=False, NORM=False,
+                    HAS_RES=False, BLOCK_H=2048, PRELOAD=False, CONV=False, KM1=3, CONV_EARLY=False, UNROLL=False,
+                    K_FIRST=0, K_SPLIT=0, GLU=False, PDL=True, PREFETCH=False, NORM_TILE=128, DEFER=False,
+                    NORM_LATE=False)  # fmt: skip
 # (block_n, block_k, num_stages) of skinny_linear's tensor-core candidates, 4 warps (kernels.linear.CANDIDATES)
 SKINNY_TILES = [(32, 128, 3), (64, 128, 4), (16, 256, 4), (128, 64, 4)]
 
@@ -156,9 +161,7 @@ def skinny(a, argv) -> int:
     found: list[dict] = []
     write = report_writer(lines, a.out, found)
     timer = wall_clock_limit(a.time_limit, write, [])
-    base = dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), DOT=True, SPLITS=1, GATED=False, SIGMOID=False,
-                NORM=False, HAS_RES=False, BLOCK_H=2048, PRELOAD=False, KM1=3, UNROLL=False, K_FIRST=0, K_SPLIT=0,
-                GLU=False, PDL=True, PREFETCH=False, NORM_TILE=128, DEFER=False, NORM_LATE=False)  # fmt: skip
+    base = dict(SKINNY_PLAIN, BLOCK_M=max(16, triton.next_power_of_2(rows)))
     for bn, bk, stages in SKINNY_TILES[: a.first]:
         for conv, early in (("no", False), ("epilogue", False), ("conv_early", True)):
             consts = dict(base, BLOCK_N=bn, BLOCK_K=bk, CONV=conv != "no", CONV_EARLY=early)

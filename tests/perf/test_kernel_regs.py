@@ -67,11 +67,10 @@ consts = dict(HAS_RES=True, BLOCK=2048, OFFSET=True, PARTS=4, PRELOAD=True, PDL=
 pointers = {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Out": "*bf16"}
 use["norm"] = resource_use(norm._add_rms_norm_kernel, consts, 8, 90, None, pointers, set())
 from kernels import linear
-from perf.kernel_regs import SKINNY_ALIGNED, SKINNY_POINTERS
+from perf.kernel_regs import SKINNY_ALIGNED, SKINNY_PLAIN, SKINNY_POINTERS
 
-consts = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, DOT=True, SPLITS=1, GATED=False, SIGMOID=False, NORM=True,
-              HAS_RES=True, BLOCK_H=2048, PRELOAD=True, CONV=False, KM1=3, CONV_EARLY=False, UNROLL=False,
-              K_FIRST=128, K_SPLIT=0, GLU=True, PDL=True, PREFETCH=True, NORM_TILE=128, DEFER=False, NORM_LATE=True)
+consts = dict(SKINNY_PLAIN, BLOCK_M=32, NORM=True, HAS_RES=True, PRELOAD=True, K_FIRST=128, GLU=True, PREFETCH=True,
+              NORM_LATE=True)
 use["skinny norm_late"] = resource_use(linear._skinny_kernel, consts, 4, 90, 3, SKINNY_POINTERS, SKINNY_ALIGNED)
 print(json.dumps(use))
 """
