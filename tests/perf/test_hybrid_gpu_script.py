@@ -25,16 +25,26 @@ def test_every_hybrid_bench_command_parses_with_its_flags(capsys, monkeypatch):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_the_kernel_tests_it_selects_exist():
-    """Each name in the pytest -k expression matches a test of the files it runs (a rename would deselect it)."""
-    m = re.search(r'pytest -q [^"]*?((?:tests/kernels/\S+\.py\s+)+)-k "([^"]+)"', SCRIPT)
-    assert m is not None
+def kernel_test_selection(step: str, ids: bool) -> tuple[list[str], list[str]]:
+    """(files, -k names) of the script's pytest step `step`, each name checked to select a test of those files (a
+    rename would deselect it), or with `ids` a parametrisation's id too."""
+    m = re.search(rf'step {step} \d+ python3 -m pytest -q -p \S+\s+((?:tests/kernels/\S+\.py\s+)+)-k "([^"]+)"', SCRIPT)
+    assert m is not None, step
     files = m.group(1).split()
-    tests = [t for f in files for t in re.findall(r"^def (test_\w+)", (ROOT / f).read_text(), re.M)]
+    source = "\n".join((ROOT / f).read_text() for f in files)
+    tests = re.findall(r"^def (test_\w+)", source, re.M)
     names = " ".join(m.group(2).split()).split(" or ")
-    assert len(files) >= 2 and len(names) >= 7
     for name in names:
-        assert any(name in t for t in tests), f"-k {name!r} selects no test in {files}"
+        assert any(name in t for t in tests) or (ids and f'"{name}"' in source), (
+            f"-k {name!r} selects nothing in {files}"
+        )
+    return files, names
+
+
+def test_the_kernel_tests_it_selects_exist():
+    """bench's pytest -k names each select a test of the files it runs."""
+    files, names = kernel_test_selection("kernel_tests", ids=False)
+    assert len(files) >= 2 and len(names) >= 7
 
 
 def test_the_tuning_caches_it_starts_from_are_tuning_cache_files():
@@ -106,12 +116,5 @@ def test_every_instep_sweep_command_parses_with_its_flags(capsys, monkeypatch):
 
 def test_the_fusions_kernel_tests_it_selects_exist():
     """fusions' pytest -k names each select a test (or a parametrisation's id) of the files it runs."""
-    m = re.search(
-        r'step fusion_tests \d+ python3 -m pytest -q -p \S+\s+((?:tests/kernels/\S+\.py\s+)+)-k "([^"]+)"', SCRIPT
-    )
-    assert m is not None
-    files = m.group(1).split()
-    source = "\n".join((ROOT / f).read_text() for f in files)
-    tests = re.findall(r"^def (test_\w+)", source, re.M)
-    for name in " ".join(m.group(2).split()).split(" or "):
-        assert any(name in t for t in tests) or f'"{name}"' in source, f"-k {name!r} selects nothing in {files}"
+    files, names = kernel_test_selection("fusion_tests", ids=True)
+    assert len(files) >= 2 and len(names) >= 5
