@@ -91,8 +91,13 @@ def test_a_server_that_aborts_right_after_a_decode_stub_died_names_the_stub(serv
     of reporting only tritonserver's status; a server that exits with every stub alive names none."""
     sup = server(*NAMES)
     sup._scan()
-    os.kill(sup.stubs["pd_decode_0_0"][0], signal.SIGKILL)
-    os.kill(sup.proc.pid, signal.SIGABRT)  # before the supervisor's next check
+    pid = sup.stubs["pd_decode_0_0"][0]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while process_alive(pid):  # SIGKILL is delivered asynchronously: on a busy host the stub may still run a while
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.01)
+    os.kill(sup.proc.pid, signal.SIGABRT)  # the server aborts after its stub died, before the supervisor's check
     assert sup.watch() == -signal.SIGABRT
     assert sup.died == "pd_decode_0_0"
     assert f"pd_decode_0_0's stub (pid {sup.stubs['pd_decode_0_0'][0]}) died, and tritonserver exited" in (
