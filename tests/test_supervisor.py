@@ -53,6 +53,16 @@ def server(tmp_path):
     signal.signal(signal.SIGINT, handlers[1])
 
 
+def kill_and_wait(pid: int) -> None:
+    """SIGKILL a stand-in stub and wait until it is a zombie or gone (the signal is delivered asynchronously: on a
+    busy host the stub may still run a while)."""
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while process_alive(pid):
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.01)
+
+
 NAMES = ("pd_master_0_0", "pd_decode_0_0", "pd_prefill_0_0")
 # while it loads a model, Triton runs a stub named by the model alone (auto-complete) and ends it
 LOADING = "pd_decode"
@@ -72,11 +82,7 @@ def test_a_dead_decode_stub_stops_the_server_even_if_it_died_before_the_first_sc
     pid = python_stubs(sup.proc.pid)["pd_decode_0_0"][0]
     if seen_first:
         sup._scan()
-    os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    while process_alive(pid):
-        assert time.monotonic() - t0 < 10
-        time.sleep(0.02)
+    kill_and_wait(pid)
     # the zombie has no command line: a scan from now on cannot recognise it
     assert "pd_decode_0_0" not in python_stubs(sup.proc.pid)
     rc = sup.watch()
@@ -92,17 +98,11 @@ def test_a_server_that_aborts_right_after_a_decode_stub_died_names_the_stub(serv
     sup = server(*NAMES)
     sup._scan()
     pid = sup.stubs["pd_decode_0_0"][0]
-    os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    while process_alive(pid):  # SIGKILL is delivered asynchronously: on a busy host the stub may still run a while
-        assert time.monotonic() - t0 < 10
-        time.sleep(0.01)
+    kill_and_wait(pid)
     os.kill(sup.proc.pid, signal.SIGABRT)  # the server aborts after its stub died, before the supervisor's check
     assert sup.watch() == -signal.SIGABRT
     assert sup.died == "pd_decode_0_0"
-    assert f"pd_decode_0_0's stub (pid {sup.stubs['pd_decode_0_0'][0]}) died, and tritonserver exited" in (
-        capsys.readouterr().out
-    )
+    assert f"pd_decode_0_0's stub (pid {pid}) died, and tritonserver exited" in capsys.readouterr().out
     other = server(*NAMES)
     other._scan()
     os.kill(other.proc.pid, signal.SIGABRT)
