@@ -112,10 +112,8 @@ def test_a_server_that_aborts_right_after_a_decode_stub_died_names_the_stub(serv
 def test_a_dead_prefill_stub_or_a_loading_stub_that_ended_does_not_stop_the_server(server):
     sup = server(*NAMES, LOADING)
     sup._scan()
-    os.kill(sup.stubs["pd_prefill_0_0"][0], signal.SIGKILL)
-    os.kill(sup.stubs[LOADING][0], signal.SIGKILL)
-    time.sleep(0.3)
-    assert not process_alive(sup.stubs[LOADING][0])
+    kill_and_wait(sup.stubs["pd_prefill_0_0"][0])
+    kill_and_wait(sup.stubs[LOADING][0])
     assert sup._dead() is None
     sup.stopping.append(signal.SIGTERM)  # what Ctrl-C does, without the signal
     sup.proc.send_signal(signal.SIGTERM)
