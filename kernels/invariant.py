@@ -21,8 +21,6 @@ reduction shaped by the hidden size), rope, SiLU-mul, embedding, argmax."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -360,13 +358,11 @@ def _decode_kernel(
         tl.store(Counter + b * tl.num_programs(1) + kvh, 0)
 
 
-# query rows per tile: prefill's 64 queries; decode's GQA group padded to decode_bm rows (16 on a GPU: a quarter of
-# the tensor-core work of 64 for the same bits; 64 under Triton's CPU interpreter, whose dot is numpy's matmul and
-# rounds differently per tile shape; TRITON_PD_DET_DECODE_BM overrides, for measuring)
-_DECODE_BM = "64" if os.environ.get("TRITON_INTERPRET") == "1" else "16"
+# query rows per tile: prefill's 64 queries; decode's GQA group padded to decode_bm rows (16: a quarter of the
+# tensor-core work of 64 for the same bits, since a tensor-core dot rounds a row the same in a tile of any height)
 ATTN = dict(
     bm=64,
-    decode_bm=int(os.environ.get("TRITON_PD_DET_DECODE_BM", _DECODE_BM)),
+    decode_bm=16,
     block_n=64,
     warps=4,
     stages=3,

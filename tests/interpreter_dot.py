@@ -1,0 +1,47 @@
+"""An order-fixed `tl.dot` for Triton's CPU interpreter, so that the kernel tests' bitwise checks hold on any host.
+
+The interpreter computes `tl.dot` with numpy's matmul, and OpenBLAS picks its matmul kernel by CPU (or by
+`OPENBLAS_CORETYPE`): the FMA kernels (Haswell, Zen) round an element differently by its place in the tile, so a
+row's bits then depend on how many rows the tile holds. On a GPU a tensor-core dot has a fixed reduction order per
+tile shape, which is what the batch-invariant kernels rest on. This dot gives the interpreter the same property:
+each output element is the accumulator plus the products added one k at a time, in float32 (or the accumulator's
+dtype), with separately rounded multiplies and adds (numpy's ufuncs never fuse them). So an element depends only on
+its own row and column and on K, never on the BLAS build, the CPU or the tile's other rows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def ordered_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """acc + a @ b over the last two axes, added in k order: ((acc + a[:, 0] b[0]) + a[:, 1] b[1]) + ...
+    a: [..., M, K], b: [..., K, N], acc: [..., M, N]. An explicit loop over k: numpy's own reductions may sum
+    pairwise or reorder their axes by shape, which would make the order depend on M and N again."""
+    dtype = acc.dtype
+    a_k = np.ascontiguousarray(np.moveaxis(a.astype(dtype, copy=False), -1, 0)[..., :, None])  # [K, ..., M, 1]
+    b_k = np.ascontiguousarray(np.moveaxis(b.astype(dtype, copy=False), -2, 0)[..., None, :])  # [K, ..., 1, N]
+    shape = np.broadcast_shapes(acc.shape, a_k.shape[1:], b_k.shape[1:])
+    out = np.array(np.broadcast_to(acc, shape), dtype=dtype)
+    term = np.empty(shape, dtype=dtype)
+    for k in range(a_k.shape[0]):
+        np.multiply(a_k[k], b_k[k], out=term)
+        np.add(out, term, out=out)
+    return out
+
+
+def install() -> None:
+    """Replace the interpreter's `create_dot` (call after triton is imported with TRITON_INTERPRET=1)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_ordered", False):
+        return
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8 or not d.dtype.is_floating():
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)  # fp8 / integer dots: as shipped
+        return interpreter.TensorHandle(ordered_dot(a.data, b.data, d.data), d.dtype.scalar)
+
+    create_dot._ordered = True
+    builder.create_dot = create_dot
