@@ -98,9 +98,9 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
 # the role-config options of the main group, in --help's order (the rest: model, dtype and the multi-server group)
 ROLE_OPTIONS = [
     "kv_tokens", "kv_memory_fraction", "prefill_kv_tokens", "cpu_threads", "max_batch", "chunk_size",
-    "max_prefill_tokens", "prefill_max_batch", "prefill_concurrency", "max_inflight", "max_streams", "decode_replies",
+    "max_prefill_tokens", "prefill_max_batch", "prefill_concurrency", "max_inflight", "max_streams",
     "request_timeout", "on_decode_oom", "pause_policy", "fault_injection", "host_kv_tokens", "rotation_quantum",
-    "rotation_wait", "rotation_victims", "rotation_prefetch", "paused_state", "decode_overlap", "speculative",
+    "rotation_wait", "rotation_victims", "rotation_prefetch", "decode_overlap", "speculative",
     "state_pages", "deterministic", "stall_seconds",
 ]  # fmt: skip
 

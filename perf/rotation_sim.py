@@ -23,8 +23,7 @@ waits for at a turn, not what a prefetch brought ahead of it.
 
     .venv/bin/python perf/rotation_sim.py --shape qwen3.5-9b --policies plain smallest smallest+prefetch
 
-For a hybrid shape the policies keep a paused request's state page on the device (`--paused-state device`, the
-default) except "smallest+prefetch, state to host" (`--paused-state host`)."""
+For a hybrid shape every policy keeps a paused request's state page on the device, as the server does."""
 
 from __future__ import annotations
 
@@ -55,9 +54,6 @@ POLICIES = {  # name: DecodeScheduler keywords
     "round-robin": {"rotation_victims": "longest-running", "prefetch_margin": None},
     "smallest": {"rotation_victims": "smallest", "prefetch_margin": None},
     "smallest+prefetch": {"rotation_victims": "smallest", "prefetch_margin": 64},
-    # hybrid models: the paused state copied to host memory and back (`--paused-state host`; the others keep it on
-    # the device, the default)
-    "smallest+prefetch, state to host": {"rotation_victims": "smallest", "prefetch_margin": 64, "park_state": False},
 }
 
 

@@ -70,6 +70,30 @@ def test_host_kv_default_is_four_pools_within_a_quarter_of_ram_per_decode_instan
     assert default_host_kv_tokens(mib, 1000) == 4000
     assert default_host_kv_tokens(mib, 100_000) == 16 * 1024  # 16 GiB: a quarter of RAM
     assert default_host_kv_tokens(mib, 100_000, instances=4) == 4 * 1024
+    assert default_host_kv_tokens(mib, 100_000, page_bytes=6 << 30) == 10 * 1024  # host state pages come first
+    assert default_host_kv_tokens(mib, 100_000, page_bytes=20 << 30) == 0
+
+
+def test_host_tier_is_on_by_default_for_hybrid_models_with_its_state_pages_counted(monkeypatch):
+    """A hybrid model's decode gets a host tier as a dense model's does (four pools within a quarter of RAM), less
+    the bytes of its host state pages (one per host copy: --max-batch of them, at most 64)."""
+    from backends.common.core.role_config import DecodeConfig
+    from backends.common.engine import sizing
+    from backends.common.model import loader
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (64 << 30) // 4096}  # 64 GiB of RAM
+    monkeypatch.setattr(sizing.os, "sysconf", pages.__getitem__)
+    cfg = loader.load_config(loader.resolve("random:qwen3.5-9b"))
+    per_token = sizing.kv_bytes_per_token(cfg, "float32")  # the CPU's dtype
+    page_bytes = 4 * cfg.state_floats_per_page()
+    roomy = sizing.resolve_decode(DecodeConfig(kv_tokens=8192), cfg, gpu=False, device=0, instances=1)
+    assert roomy.host_kv_tokens == 4 * 8192 and cfg.is_hybrid
+    big = sizing.resolve_decode(DecodeConfig(kv_tokens=10**6), cfg, gpu=False, device=0, instances=1)
+    assert big.host_kv_tokens == ((16 << 30) - 64 * page_bytes) // per_token
+    small = sizing.resolve_decode(DecodeConfig(kv_tokens=10**6, max_batch=8), cfg, gpu=False, device=0, instances=1)
+    assert small.host_kv_tokens == ((16 << 30) - 8 * page_bytes) // per_token
+    off = sizing.resolve_decode(DecodeConfig(kv_tokens=8192, host_kv_tokens=0), cfg, gpu=False, device=0, instances=1)
+    assert off.host_kv_tokens == 0
 
 
 def test_deployment_values_fill_every_template_and_reach_the_configs(tmp_path):

@@ -184,13 +184,6 @@ class HostKV:
         self.buffer = self.state = None
 
 
-def default_host_pages(max_batch: int) -> int:
-    """Host state pages of a hybrid model's host tier: one per host copy, as many as a full decode batch (at most
-    64: 4.7 GiB pinned for Qwen3-Next-80B's 75 MiB pages). A pause that finds none free reclaims the copy of a
-    request that is not paused, else keeps no host copy (counted as host_full)."""
-    return min(max_batch, 64)
-
-
 def default_costs(cfg: ModelConfig, bytes_per_slot: int, cuda: bool, state_bytes: int = 0) -> RecoveryCosts:
     """Rough seconds per recovered token by path: a host copy moves bytes_per_slot over PCIe (~25 GB/s sustained
     with pinned memory; ~5 GB/s for a CPU memcpy in the stub), plus one state page (state_bytes) for a hybrid model,

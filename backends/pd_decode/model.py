@@ -17,7 +17,7 @@ from backends.common.core.role_config import DecodeConfig, mailbox_dir, read_key
 from backends.common.core.speculative import check_mode
 from backends.common.core.state_pages import StatePages
 from backends.common.engine.runner import ModelRunner, set_cpu_threads
-from backends.common.engine.sizing import resolve_decode
+from backends.common.engine.sizing import default_host_pages, resolve_decode
 from backends.common.model.loader import load_config, resolve
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
@@ -27,7 +27,7 @@ from backends.common.transfer.kv_transport import DistSink, IpcSink, check_kind
 from backends.common.transfer.mailbox import Mailbox
 from backends.common.transfer.remote import PrefillServers, parse_urls
 
-from .host_tier import HostKV, default_costs, default_host_pages
+from .host_tier import HostKV, default_costs
 from .loop import DecodeLoop
 from .scheduler import DecodeScheduler
 
@@ -84,7 +84,6 @@ class DecodeModel:
             turn_wait=cfg.rotation_wait,
             rotation_victims=cfg.rotation_victims,
             prefetch_margin=PREFETCH_MARGIN if cfg.rotation_prefetch == "on" else None,
-            park_state=cfg.paused_state == "device",
             costs=default_costs(
                 self.runner.cfg, self.runner.kv.bytes_per_slot, gpu, state.bytes_per_page if state is not None else 0
             ),  # fmt: skip

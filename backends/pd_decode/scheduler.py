@@ -19,12 +19,11 @@ pause copies only the new positions; copies of requests that are not paused are 
 runs short. Recovery takes the cheapest path (`RecoveryCosts`): local radix hit, host swap-in, prefill recompute.
 A copy's host slots stay one run where the host pool allows (it grows in place; a new copy starts past the others'
 room to grow), so that a swap is one DMA per run rather than one per earlier pause.
-Hybrid models (`state` and `host_pages`): a host copy also owns a host state page. With `park_state` (the default) a
-paused request keeps its live page on the device (parked), so a swap-out copies only the new K/V and a host
-recovery only the missing K/V; the page goes to the host copy's page only when another request needs a page and
-none is free (`_unpark`). Without it each swap-out copies the live page there with the new positions, and a host
-recovery brings back the missing K/V and the whole page. Either way the request resumes at exactly the paused
-position.
+Hybrid models (`state` and `host_pages`): a host copy also owns a host state page. A paused request keeps its live
+page on the device (parked), so a swap-out copies only the new K/V and a host recovery only the missing K/V; the
+page goes to the host copy's page, with the positions it covers, only when another request needs a page and none
+is free (`_unpark`), and a recovery from such a copy brings back the missing K/V and the whole page. Either way
+the request resumes at exactly the paused position.
 
 Rotation (`quantum` > 0): when a request has been paused for `turn_wait` seconds (at least `quantum`) and does not
 fit, requests that have run for at least `quantum` since they last resumed are paused to make room for it (by
@@ -197,16 +196,13 @@ class DecodeScheduler:
         prefetch_margin: int | None = 64,
         prefetch_min: int = 64,
         rotation_victims: str = "smallest",
-        park_state: bool = True,
     ):
         """prefetch_margin: with rotation and a host tier, the next paused request's positions are copied back
         ahead of its turn into free slots, leaving this many free per running request for their growth until
         then (None: no prefetch); prefetch_min: a smaller prefetch (unless it is all that is missing) is not worth
         a copy's overhead. turn_wait: with rotation, how long the longest-paused request waits before it takes
         running requests' place (never less than `quantum`); rotation_victims: which running requests give way
-        (see `_rotate`). park_state (hybrid models with a host tier): a paused request keeps its live state page on
-        the device, so a pause copies only its new K/V out and its recovery only the missing K/V back; the page is
-        copied to its host copy only when another request needs a page and none is free (`_unpark`)."""
+        (see `_rotate`)."""
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if rotation_victims not in ("smallest", "longest-running"):
@@ -233,7 +229,8 @@ class DecodeScheduler:
         self.keep_paused_kv = True  # False: a paused request's KV goes straight back to the pool (tests)
         self.host_pool = host_pool if on_oom == "pause" else None
         self.host_pages = host_pages if self.host_pool is not None and state is not None else None
-        self.park_state = park_state and self.host_pages is not None
+        # hybrid models with a host tier: a paused request's state page waits on the device (parked)
+        self.park_state = self.host_pages is not None
         self.parked_pages = {"parked": 0, "unparked": 0}  # pauses that kept the page; pages taken back (`_unpark`)
         self._parked: set[str] = set()  # paused requests whose req.state_page waits on the device
         self._building: Plan | None = None  # the plan schedule() is making: where `_unpark` puts its copy

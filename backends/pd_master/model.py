@@ -166,7 +166,7 @@ class MasterModel:
                                       DecodeResponse.OUTPUTS) if cfg.decode_urls else None  # fmt: skip
         # this server's decode answers through a socket beside each BLS stream (reply_channel.py says why)
         self.inbox = None
-        if self.decoders is None and cfg.decode_replies == "socket":
+        if self.decoders is None:
             instance = args.get("model_instance_name", "pd_master")
             self.inbox = ReplyInbox(socket_path(mailbox_dir(cfg), instance), self.key)
         self.max_inflight = cfg.max_inflight
@@ -431,10 +431,10 @@ class MasterModel:
         self.m_requests.increment(1)
 
     def _parts(self, stream, wait: ReplyWait | None):
-        """(error message or None, DecodeResponse or None) per response of decode's, from any kind of stream: a
-        gRPC stream to a decode server, this server's BLS stream, or its reply channel with the BLS stream."""
+        """(error message or None, DecodeResponse or None) per response of decode's, from either kind of stream: a
+        gRPC stream to a decode server, or this server's reply channel with its BLS stream."""
         if wait is None:
-            yield from self._decoded(stream if self.decoders is not None else self._bls_responses(stream))
+            yield from self._decoded(stream)  # a decode server's gRPC stream
             return
         threading.Thread(target=self._read_bls, args=(stream, wait.q), name="pd-master-bls", daemon=True).start()
         final, held = False, None

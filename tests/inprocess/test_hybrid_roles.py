@@ -66,21 +66,22 @@ def assert_released(s: Server) -> None:
 
 
 def test_hybrid_streams_pause_and_recover_exactly(serve, hybrid_folder, expected):  # noqa: F811
-    s = serve(hybrid_folder, **TIGHT, fault_injection="stale")
+    """Without a host tier, paused streams resume from decode's own cache; the answers are exact."""
+    s = serve(hybrid_folder, **TIGHT, host_kv_tokens=0, fault_injection="stale")
     assert_exact(run_streams(s), expected)
     assert s.metric("pd_pauses_total") > 0
     # decode's own cache: a whole paused history resumes at once ("local"); one whose tail was trimmed resumes from
     # its last state checkpoint with decode recomputing the few positions after it ("recompute")
     paths = {p: s.metric("pd_recoveries_total", path=p) for p in ("local", "recompute", "prefill")}
     assert paths["local"] + paths["recompute"] > 0, paths
-    assert s.metric("pd_host_kv_slots_total") == 0  # the host tier is off by default for a hybrid model
+    assert s.metric("pd_host_kv_slots_total") == 0
     assert_released(s)
 
 
 def test_hybrid_cancel_while_paused_frees_slots_and_state(serve, hybrid_folder):  # noqa: F811
     import time
 
-    s = serve(hybrid_folder, **TIGHT)
+    s = serve(hybrid_folder, **TIGHT)  # the host tier on, as by default
     answers = [generate(s, p, **params(i, 2000)) for i, p in enumerate(prompts())]
     t0 = time.monotonic()
     while not s.decode.sched.by_state(ReqState.PAUSED) and time.monotonic() - t0 < 120:
@@ -91,6 +92,8 @@ def test_hybrid_cancel_while_paused_frees_slots_and_state(serve, hybrid_folder):
     for a in answers:
         a.wait()
     assert_released(s)
+    assert s.metric("pd_host_kv_slots_total") > 0  # on by default for a hybrid model too
+    assert s.wait_metric("pd_host_state_pages_used", lambda v: v == 0) == 0
     ok = generate(s, [5, 6, 7], max_tokens=4, temperature=0).wait()
     assert ok.error is None and len(ok.ids) == 4
 
@@ -106,16 +109,15 @@ def test_hybrid_prefill_recovery_carries_the_state(serve, hybrid_folder, expecte
     assert_released(s)
 
 
-@pytest.mark.parametrize("paused_state", ["device", "host"])
-def test_hybrid_host_recoveries_carry_the_state(serve, hybrid_folder, expected, paused_state):  # noqa: F811
+def test_hybrid_host_recoveries_carry_the_state(serve, hybrid_folder, expected):  # noqa: F811
     """With a host tier, paused requests' K/V goes to host memory and comes back from it, and their state waits on
-    the device (`--paused-state device`, the default) or travels with the K/V (host); the answers equal the
-    offline engine's, and host slots and host state pages are all free once the streams end."""
-    s = serve(hybrid_folder, **TIGHT, host_kv_tokens=2048, paused_state=paused_state)
+    the device; the answers equal the offline engine's, and host slots and host state pages are all free once the
+    streams end."""
+    s = serve(hybrid_folder, **TIGHT, host_kv_tokens=2048)
     assert_exact(run_streams(s), expected)
     assert s.metric("pd_recoveries_total", path="host") > 0
     parked = s.metric("pd_state_pages_parked_total", event="parked")
-    assert (parked == s.metric("pd_pauses_total") > 0) if paused_state == "device" else parked == 0
+    assert parked == s.metric("pd_pauses_total") > 0
     assert s.metric("pd_host_state_pages_total") > 0
     assert s.wait_metric("pd_host_state_pages_used", lambda v: v == 0) == 0
     assert s.wait_metric("pd_host_kv_slots_used", lambda v: v == 0) == 0

@@ -382,15 +382,14 @@ def test_prefetch_moves_most_of_a_turns_swap_in_ahead_of_it():
     assert used == 0 and free + cached == 100
 
 
-@pytest.mark.parametrize("park", [False, True])
-def test_hybrid_prefetch_moves_a_turns_kv_ahead_and_takes_the_state_from_the_host_copy(park):
+def test_hybrid_prefetch_moves_a_turns_kv_ahead_and_takes_the_state_from_its_parked_page():
     """A hybrid model's next paused request gets its K/V back ahead of its turn too (into the cache, without a
-    state checkpoint); at its turn it takes that K/V prefix and the rest, and the state from its host copy's page
-    (park_state off) or from its own page, which waited on the device (on: no state copy either way). The
+    state checkpoint); at its turn it takes that K/V prefix and the rest, and the state from its own page, which
+    waited on the device (no state copy either way). The
     simulation checks every position's K/V and every page's state at each step: answers stay exact, the gap
     bounded, and decode waits for fewer tokens at a turn."""
     ref = reference([(f"s{i}", 5, 100 * i) for i in range(3)], max_tokens=90)
-    hybrid_kw = dict(quantum=0.05, host=400, state_pages=40, host_pages=16, park_state=park)
+    hybrid_kw = dict(quantum=0.05, host=400, state_pages=40, host_pages=16)
     without = seed_like(prefetch_margin=None, **hybrid_kw)
     ahead = seed_like(prefetch_margin=4, prefetch_min=8, **hybrid_kw)
     assert without.done == ref and ahead.done == ref
@@ -398,12 +397,10 @@ def test_hybrid_prefetch_moves_a_turns_kv_ahead_and_takes_the_state_from_the_hos
     jobs = [j for p in ahead.plans for j in p.swap_ins]
     assert all(j.host_page == ZERO for j in jobs if j.prefetch)  # the K/V alone ahead of the turn
     at_turn = [j for j in jobs if not j.prefetch]
-    if park:  # its page waited on the device: the K/V alone at the turn too, and nothing of the state went out
-        assert at_turn and all(j.host_page == ZERO for j in at_turn)
-        assert all(o.host_page == ZERO for p in ahead.plans for o in p.swap_outs)
-        assert ahead.s.parked_pages["parked"] == ahead.s.num_pauses > 0 and ahead.s.parked_pages["unparked"] == 0
-    else:
-        assert all(j.host_page != ZERO and j.state_page != ZERO for j in at_turn)  # the state at it
+    # its page waited on the device: the K/V alone at the turn too, and nothing of the state went out
+    assert at_turn and all(j.host_page == ZERO for j in at_turn)
+    assert all(o.host_page == ZERO for p in ahead.plans for o in p.swap_outs)
+    assert ahead.s.parked_pages["parked"] == ahead.s.num_pauses > 0 and ahead.s.parked_pages["unparked"] == 0
     assert waited_swap_in_tokens(ahead) < 0.7 * waited_swap_in_tokens(without), (
         waited_swap_in_tokens(ahead),
         waited_swap_in_tokens(without),
@@ -513,24 +510,6 @@ def hybrid(pool=60, host=200, host_pages=4, state_pages=12, **kw):
     return Sim(pool=pool, host=host, host_pages=host_pages, state_pages=state_pages, **kw)
 
 
-def test_hybrid_pause_swaps_out_kv_and_state_and_recovers_from_host():
-    """park_state off: every pause copies the state out with the new K/V, every host recovery brings both back."""
-    sim = hybrid(max_tokens=40, park_state=False)
-    for i in range(3):
-        sim.add(f"r{i}", 10, base=100 * i)
-    sim.run()
-    s = sim.s
-    outs = [o for p in sim.plans for o in p.swap_outs]
-    ins = [j for p in sim.plans for j in p.swap_ins]
-    assert outs and all(o.host_page != ZERO and o.state_page != ZERO for o in outs)
-    assert ins and all(j.host_page != ZERO and j.state_page != ZERO for j in ins)
-    assert s.num_recoveries["host"] >= 1
-    assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(3)])
-    assert s.host_accounting() == (200, 0) and s.host_pages.num_free == 4
-    free, live, ckpts = s.state_accounting()
-    assert live == 0 and free + ckpts == 12
-
-
 def test_hybrid_host_copy_without_a_state_page_is_not_kept():
     """Host state pages run out (one, held by a paused request): the next pause keeps no host copy (host_full),
     its recovery goes another way, and every answer is still right."""
@@ -542,18 +521,17 @@ def test_hybrid_host_copy_without_a_state_page_is_not_kept():
     assert sim.done == reference([(f"r{i}", 10, 100 * i) for i in range(4)])
 
 
-@pytest.mark.parametrize("park", [False, True])
-def test_hybrid_cancel_during_swap_frees_host_pages_at_once(park):
+def test_hybrid_cancel_during_swap_frees_host_pages_at_once():
     """A request cancelled while its swap-in is in flight gives its host page back at once; its device page (the
     copy's target, or its parked page) stays held by the orphan until the copy answers."""
-    sim = hybrid(max_tokens=40, park_state=park)
+    sim = hybrid(max_tokens=40)
     job = first_swap_in(sim)
     held = sim.s.host_pages.num_slots - sim.s.host_pages.num_free
     sim.s.cancel(job.rid)
     assert sim.s.host_pages.num_slots - sim.s.host_pages.num_free == held - 1  # its host page is free at once
     page = sim.s.orphans[(job.rid, job.epoch)].state_page
     assert page != ZERO and not sim.s.state.pool.is_free(page)  # still written (the K/V at least)
-    assert (job.state_page == page) != park  # parked: the state is on the device already, not in the copy
+    assert job.state_page != page  # parked: the state is on the device already, not in the copy
     sim.run()
     free, live, ckpts = sim.s.state_accounting()
     assert live == 0 and free + ckpts == sim.s.state.num_pages
@@ -561,7 +539,7 @@ def test_hybrid_cancel_during_swap_frees_host_pages_at_once(park):
 
 
 def test_hybrid_paused_state_waits_on_the_device_and_goes_out_only_when_a_page_is_needed():
-    """park_state (the default): a pause copies only new K/V out and keeps the request's state page on the device;
+    """A pause copies only new K/V out and keeps the request's state page on the device;
     its host recovery copies only the missing K/V back. With fewer pages than requests, a page is taken from the
     paused request whose turn is furthest off: its state first goes to its host copy's page (a state-only swap-out
     in the same plan), and its recovery then brings that page back. The simulation checks every page's state."""
@@ -618,8 +596,7 @@ def test_hybrid_random_load_with_host_tier_rotation_and_cancels(seed):
     rng = random.Random(seed)
     pages = rng.choice([5, 6, 16])  # few: checkpoints are dropped, and pages of paused requests reused at once
     sim = hybrid(pool=120, host=rng.choice([30, 150, 600]), host_pages=rng.choice([1, 3, 8]), state_pages=pages,
-                 quantum=rng.choice([0.0, 0.03]), max_tokens=30, max_running=4,
-                 park_state=seed % 4 != 3)  # fmt: skip
+                 quantum=rng.choice([0.0, 0.03]), max_tokens=30, max_running=4)  # fmt: skip
     random_load(sim, rng)
     assert sim.s.num_recoveries["host"] > 0
     assert sim.s.host_pages.num_free == sim.s.host_pages.num_slots

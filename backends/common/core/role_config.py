@@ -149,8 +149,9 @@ class DecodeConfig(RoleConfig):
         None,
         "decode's host-memory KV tier in tokens per instance: paused requests' KV is copied there and swapped back "
         "in instead of recomputed (pinned memory on a GPU). Default: 4 x --kv-tokens, within a quarter of this "
-        "machine's memory shared by the decode instances, and 0 (off) for hybrid models; 0 disables it. Hybrid "
-        "models: each host copy also holds the paused state (host state pages: --max-batch, at most 64)",
+        "machine's memory shared by the decode instances (hybrid models: less their host state pages); 0 disables it. "
+        "Hybrid models: each host copy also holds the paused state (host state pages: --max-batch, at most 64); a "
+        "paused request's state page waits on the device and goes to host memory only when another request needs it",
         minimum=0,
     )
     on_decode_oom: str = opt(
@@ -189,14 +190,6 @@ class DecodeConfig(RoleConfig):
         "evictable slots, so that at its turn decode waits only for the rest (hybrid models: the K/V ahead, the "
         "state with the rest); off: copied back at its turn",
         choices=("on", "off"),
-    )
-    paused_state: str = opt(
-        "device",
-        "hybrid models with a host tier: where a paused request's linear-attention state waits. device: its page "
-        "stays on the GPU, so a pause copies only new K/V to host memory and a host recovery only the missing K/V "
-        "back (the page is copied out only if another request needs one and none is free); host: copied to host "
-        "memory at every pause and back at every host recovery (the behaviour before 2026-12-05)",
-        choices=("device", "host"),
     )
     decode_overlap: str = opt(
         "on",
@@ -298,12 +291,6 @@ class MasterConfig(RoleConfig):
     )
     request_timeout: float = opt(1800.0, "total deadline per request in seconds, pauses included; negative disables")
     decode_urls: str = opt("", "--role master: decode servers' gRPC host:port, comma-separated", flag_default=None)
-    decode_replies: str = opt(
-        "socket",
-        "master: how this server's decode answers: 'socket' (tokens over a Unix socket beside each BLS stream) or "
-        "'bls' (on the BLS stream itself, where Triton 2.51's stub can deadlock under many short streams)",
-        choices=("socket", "bls"),
-    )
 
 
 ROLES = (DecodeConfig, PrefillConfig, MasterConfig)

@@ -40,17 +40,30 @@ def state_bytes(cfg, state_pages: int, max_batch: int) -> int:
     )
 
 
+def default_host_pages(max_batch: int) -> int:
+    """Host state pages of a hybrid model's host tier: one per host copy, as many as a full decode batch (at most
+    64: 4.7 GiB pinned for Qwen3-Next-80B's 75 MiB pages). A pause that finds none free reclaims the copy of a
+    request that is not paused, else keeps no host copy (counted as host_full)."""
+    return min(max_batch, 64)
+
+
+def host_state_bytes(cfg, max_batch: int) -> int:
+    """Bytes of a hybrid model's host state pages on one decode instance."""
+    return default_host_pages(max_batch) * 4 * cfg.state_floats_per_page()
+
+
 def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
     import torch
 
     return int(torch.cuda.get_device_properties(device).total_memory * fraction // per_token)
 
 
-def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1) -> int:
+def default_host_kv_tokens(per_token: int, kv_tokens: int, instances: int = 1, page_bytes: int = 0) -> int:
     """Four times the device pool (paused requests outnumber running ones when the pool is over-committed), within
-    a quarter of physical memory shared by the decode instances (pinned memory cannot be swapped out)."""
+    a quarter of physical memory shared by the decode instances (pinned memory cannot be swapped out); page_bytes:
+    what a hybrid model's host state pages take of that share first."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(4 * kv_tokens, ram // 4 // max(1, instances) // per_token)
+    return max(0, min(4 * kv_tokens, (ram // 4 // max(1, instances) - page_bytes) // per_token))
 
 
 def default_max_streams(decode_instances: int, max_batch: int) -> int:
@@ -89,8 +102,9 @@ def resolve_decode(c, model_cfg, gpu: bool, device: int, instances: int):
         model_cfg, per_token, gpu, c.kv_memory_fraction, device, c.state_pages, c.max_batch
     )
     host = c.host_kv_tokens
-    if host is None:
-        host = 0 if model_cfg.is_hybrid else default_host_kv_tokens(per_token, kv, instances)
+    if host is None:  # hybrid models: their host state pages come out of the same share of memory
+        pages = host_state_bytes(model_cfg, c.max_batch) if model_cfg.is_hybrid else 0
+        host = default_host_kv_tokens(per_token, kv, instances, pages)
     threads = c.cpu_threads or cpu_threads_per_instance(instances + 1)  # and, by default, one of the other role
     return replace(c, dtype=dtype, kv_tokens=kv, host_kv_tokens=host, cpu_threads=threads)
 
