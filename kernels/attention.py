@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import enter, launch
-from kernels.rope import _norm_partial_rope, cos_sin
+from kernels.rope import cos_sin
 
 _LOG2E = 1.4426950408889634
 
@@ -44,14 +44,14 @@ def _gated(out, sig, dtype, GATE: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter, KNew, VNew, Cos, Sin, OutSlots, Gate, QW, KW,
+    Q, K, V, Table, Rows, SeqLens, QIdx, MidO, MidL, O, Counter, KNew, VNew, Cos, Sin, OutSlots, Gate,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_t, stride_h,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_c, stride_gt,
-    scale_log2, eps,
+    scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_G: tl.constexpr, PREC: tl.constexpr, FUSE_ROPE: tl.constexpr, GATE: tl.constexpr,
-    QK_NORM: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)
     b = tl.program_id(0)
@@ -76,16 +76,10 @@ def _decode_kernel(
         # seq_len - 1) out of the loop: the split that owns it rotates its k, stores k and v into the pool and
         # adds it from registers below
         pos = (seq_len - 1).to(tl.int64)
-        c, sn = cos_sin(Cos, Sin, pos, stride_c, offs_d, R)  # R = D without QK_NORM
+        c, sn = cos_sin(Cos, Sin, pos, stride_c, offs_d, D)
         HALF: tl.constexpr = D // 2
-        if QK_NORM:
-            # a gated full-attention layer's q and k (kernels.rope.qk_norm_rope_store_kv_'s math, the same helper):
-            # per-head RMSNorm with weight (1 + w), then the rotary embedding on the first R dims
-            q = _norm_partial_rope(Q + qrow * stride_qt + kvh * GROUP * stride_qh, stride_qh, QW, GROUP, c, sn, eps,
-                                   D, R, BLOCK_G).to(Q.dtype.element_ty)  # fmt: skip
-        else:
-            q_sw = tl.load(q_ptr + ((offs_d + HALF) % D)[None, :], mask=mask_g[:, None], other=0.0)
-            q = (q.to(tl.float32) * c[None, :] + q_sw.to(tl.float32) * sn[None, :]).to(Q.dtype.element_ty)
+        q_sw = tl.load(q_ptr + ((offs_d + HALF) % D)[None, :], mask=mask_g[:, None], other=0.0)
+        q = (q.to(tl.float32) * c[None, :] + q_sw.to(tl.float32) * sn[None, :]).to(Q.dtype.element_ty)
         kend = tl.minimum(end, seq_len - 1)
 
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -109,14 +103,7 @@ def _decode_kernel(
     if FUSE_ROPE:
         if (start <= seq_len - 1) & (seq_len - 1 < end):
             kn_ptr = KNew + qrow * stride_knt + kvh * stride_knh
-            if QK_NORM:  # one head in a block of two rows, the second empty
-                k2 = _norm_partial_rope(kn_ptr, stride_knh, KW, 1, c, sn, eps, D, R, 2)
-                kn = tl.sum(tl.where((tl.arange(0, 2) == 0)[:, None], k2, 0.0), 0)
-            else:
-                kn = (
-                    tl.load(kn_ptr + offs_d).to(tl.float32) * c
-                    + tl.load(kn_ptr + (offs_d + HALF) % D).to(tl.float32) * sn
-                )
+            kn = tl.load(kn_ptr + offs_d).to(tl.float32) * c + tl.load(kn_ptr + (offs_d + HALF) % D).to(tl.float32) * sn
             kn = kn.to(K.dtype.element_ty)
             vn = tl.load(VNew + qrow * stride_vnt + kvh * stride_vnh + offs_d)
             slot = tl.load(OutSlots + qrow).to(tl.int64)
@@ -227,7 +214,6 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     gate: torch.Tensor | None = None,
-    qk_norm: tuple | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (rows q_idx[b] are the queries, default b); k_pool/v_pool: [slots, Hkv, D];
     table: [R, max_ctx] int32; rows, seq_lens: [B] int32. Returns out [T, H, D] with rows q_idx written.
@@ -238,10 +224,6 @@ def decode_attention(
     kernel (what `rope.rope_store_kv_` would do first): q and k ([T, Hkv, D], as the projection left them) are
     rotated at position seq_lens[b] - 1 with cos/sin [max_position, D/2]; the rotated k and v go into the pool at
     out_slots[q_idx[b]], and the table's entry for that position is not read. q itself is left unrotated.
-    qk_norm = (q_w, k_w, eps), with rope: q and k are first normalised per head (RMSNorm with weight 1 + w) and
-    rotated on their first 2 * cos.shape[1] dims only, what `rope.qk_norm_rope_store_kv_` would do first (a gated
-    full-attention layer, Qwen3-Next and Qwen3.5: q, k and v may be views into its q | gate | k | v projection);
-    the same helper computes them.
 
     gate [T, H * D] (unit stride along its row, rows as q's): the output is attention * sigmoid(gate), what
     `out * torch.sigmoid(gate)` would give after it (a gated attention's output, in the same launch)."""
@@ -259,17 +241,9 @@ def decode_attention(
     assert counters.numel() >= B * Hkv
     mid_o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     mid_l = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
-    rot = D
-    q_w = k_w = q
-    eps = 0.0
-    if qk_norm is not None:
-        assert rope is not None, "qk_norm: with rope"
-        q_w, k_w, eps = qk_norm
-        rot = 2 * rope[2].shape[1]
-        assert q_w.shape == k_w.shape == (D,) and rot <= D and q.stride(2) == 1, (q_w.shape, rot, D)
     if rope is not None:
         k_new, v_new, cos, sin, out_slots = rope
-        assert k_new.stride(2) == v_new.stride(2) == 1 and cos.shape[1] * 2 == rot
+        assert k_new.stride(2) == v_new.stride(2) == 1 and cos.shape[1] * 2 == D
         rope_args = (k_new, v_new, cos, sin, out_slots)
         rope_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0))
     else:
@@ -279,14 +253,14 @@ def decode_attention(
         assert gate.shape[-1] == H * D and gate.stride(-1) == 1, "gate: [T, H * D], unit stride along a row"
     _decode_kernel[(B, Hkv, splits)](
         q, k_pool, v_pool, table, rows, seq_lens, q_idx, mid_o, mid_l, out, counters, *rope_args,
-        q if gate is None else gate, q_w, k_w,
+        q if gate is None else gate,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1),
         out.stride(0), out.stride(1), *rope_strides, 0 if gate is None else gate.stride(0),
-        scale * _LOG2E, eps,
+        scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), MERGE_G=triton.next_power_of_2(group), PREC=_precision(q),
-        FUSE_ROPE=rope is not None, GATE=gate is not None, QK_NORM=qk_norm is not None, R=rot, num_warps=num_warps,
+        FUSE_ROPE=rope is not None, GATE=gate is not None, num_warps=num_warps,
         num_stages=num_stages, **launch(q),
     )  # fmt: skip
     return out

@@ -10,7 +10,7 @@ import json
 import torch
 import triton
 
-from kernels import delta_rule, linear, pdl
+from kernels import delta_rule, linear
 
 # `tune_step`'s candidates (value dims per block, the second block read with the first), from perf/hybrid_sweep.py on an
 # H200 (perf/results/preload_h200/): 4 warps won everywhere, blocks of 16 value dims nowhere; a head shared among
@@ -44,18 +44,20 @@ def conv_candidates(plain: list[dict]) -> list[dict]:
     ]
 
 
+# the version of the delta step's kernels and candidates (this module, kernels.delta_rule, kernels.pdl) that
+# `tune_step` times: the cache's picks apply to this version only; raise it with any change that can move a pick
+STEP_TUNE_VERSION = "delta-1"
 _STEP_CACHE = None
 
 
 def step_tune_cache():
     """`tune_step`'s picks: a kernels.linear.TuneCache in delta-tune.json beside the projections' file (the folder
-    of TRITON_PD_TUNE_CACHE, or triton-pd's cache folder; none where that is "off"), for the hash of this module,
-    kernels.delta_rule and kernels.pdl (the kernels and candidates it times)."""
+    of TRITON_PD_TUNE_CACHE, or triton-pd's cache folder; none where that is "off"), for STEP_TUNE_VERSION."""
     global _STEP_CACHE
     if _STEP_CACHE is None:
         where = linear.TuneCache.default_path()
-        code = linear.code_hash((__file__, delta_rule.__file__, pdl.__file__))
-        _STEP_CACHE = linear.TuneCache(None if where is None else where.with_name("delta-tune.json"), code)
+        path = None if where is None else where.with_name("delta-tune.json")
+        _STEP_CACHE = linear.TuneCache(path, STEP_TUNE_VERSION)
     return _STEP_CACHE
 
 

@@ -7,7 +7,6 @@ to 128 (tensor-core tiles of 16, 32, 64 or 128 rows); more go to cuBLAS."""
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import sys
@@ -19,7 +18,6 @@ import triton
 import triton.language as tl
 
 from kernels import norm as norm_module
-from kernels import pdl as pdl_module
 from kernels.delta_rule import conv_load as _conv_load
 from kernels.delta_rule import conv_math as _conv_math
 from kernels.delta_rule import conv_rows_finish as _conv_rows_finish
@@ -104,6 +102,9 @@ SWAP_CANDIDATES = {
 # above this many rows a skinny_linear pick must beat cuBLAS by this fraction of cuBLAS's time in `tune`: on an H100
 # (perf/results/swap_h100/) the layout's in_proj and down at 128 rows picked skinny_linear by 0-0.8% in tune and
 # made the decode step 2.6% slower than with cuBLAS for them (12.89 against 12.57 ms)
+# the version of the kernels and candidates `tune` times (kernels.linear, kernels.pdl, kernels.norm): the tuning
+# cache's picks apply to this version only (`TuneCache`); raise it with any change that can move a pick
+TUNE_VERSION = "linear-2"
 CUBLAS_MARGIN_ROWS = 64
 CUBLAS_MARGIN = 0.03
 SPLIT_MAX_N = 4096  # `tune` tries K split for outputs of at most this many columns
@@ -216,35 +217,14 @@ def _row_step(acc2, w, X, G, R, NW, offs_k, k, K, rstd, dtype, GATED: tl.constex
 
 
 @triton.jit
-def _one_pass_norm(x, a, NW, RO, offs_m, mask_m, offs_k, k, stride_rm, first, dtype, HAS_RES: tl.constexpr):
-    """NORM_LATE's step of the norm on one input tile (tensor cores): x + r (HAS_RES; rounded as kernels.norm
-    rounds it), written to RO by the first program; returns the tile times (1 + w) as the product's input and its
-    rows' sums of squares (the rows' rstd scales the product after the loop)."""
-    if HAS_RES:  # a store masked off in every program but the first (a branch around it took 44 more registers)
-        x = (x.to(tl.float32) + a.to(tl.float32)).to(dtype)
-        tl.store(RO + offs_m[:, None] * stride_rm + (k + offs_k)[None, :], x, mask=mask_m[:, None] & first)
-    xf = x.to(tl.float32)
-    w = tl.load(NW + k + offs_k).to(tl.float32)
-    return (xf * (1.0 + w)[None, :]).to(dtype), tl.sum(xf * xf, 1)
-
-
-@triton.jit
-def _one_pass_input(X, R, NW, RO, offs_m, mask_m, offs_k, k, stride_xm, K, first, dtype, HAS_RES: tl.constexpr):
-    """`_one_pass_norm` of the input tile at columns offs_k + k, loaded here (`_prologue_raw`)."""
-    x, a = _prologue_raw(X, X, R, offs_m, offs_k, k, mask_m, True, stride_xm, 0, stride_xm, K, False, False, True,
-                         HAS_RES)  # fmt: skip
-    return _one_pass_norm(x, a, NW, RO, offs_m, mask_m, offs_k, k, stride_xm, first, dtype, HAS_RES)
-
-
-@triton.jit
 def _skinny_kernel(
     X, W, Y, P, C, G, R, RO, NW, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_gm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
     GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, s_mix, CC, cs_page,
-    KM1: tl.constexpr, CONV_EARLY: tl.constexpr,
+    KM1: tl.constexpr,
     UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr, DEFER: tl.constexpr, NORM_LATE: tl.constexpr,
+    PREFETCH: tl.constexpr, NORM_TILE: tl.constexpr, DEFER: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
@@ -257,10 +237,7 @@ def _skinny_kernel(
     are no launch's output). CONV (a linear-attention layer's in_proj): the first CC output columns are also the
     inputs of its causal conv + SiLU (kernels.delta_rule's conv step: row m's state rows of KM1 taps in CS at page
     CPages[m], written at COutPages[m], weights CW), done by the program that finishes a column block, stored
-    float32 to Mixed (rows s_mix apart). CONV_EARLY (CONV, SPLITS == 1): the conv's state rows and weights are loaded
-    first, before the PDL wait (an earlier step wrote the rows, at pages that are graph inputs: the caller's
-    promise, as for the delta step's preload), so their loads are in flight during the product instead of after
-    it; the new state rows are the loaded ones shifted, with no second read. UNROLL (one row): the loop over K unrolled
+    float32 to Mixed (rows s_mix apart). UNROLL (one row): the loop over K unrolled
     (K_SPLIT = k_split), so every tile's load can be in flight at once. K_FIRST is the first step of either loop
     (BLOCK_K after a preload). GLU (DOT): W is [gate | up] of 2 NC rows and output column c of Y is
     silu(gate c) * up c, each product rounded as stored first (an MLP's gate_up with kernels.act.silu_mul fused
@@ -269,10 +246,7 @@ def _skinny_kernel(
     in flight during the product; without it each step waits for its own input's loads, since an input computed
     in registers is not among the loads the compiler pipelines. DEFER (SPLITS > 1, no GLU, no CONV): each program
     only stores its partial sums; the launch that reads the product adds them (`Partials`), so no program waits on
-    the counter, fences its stores or reads the others' partials. NORM_LATE (NORM, DOT, SPLITS == 1): the norm in
-    one pass, no sum of squares first: the product is of (x + R) * (1 + NW) (`_one_pass_norm`), each row's sum of
-    squares taken from the same tiles, and the row's rstd multiplies the float32 product after the loop (before
-    GLU), so the input is read once; rounded at other points than the unfused launches, so not the same bits."""
+    the counter, fences its stores or reads the others' partials."""
     pid, ps = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = ps * k_split
@@ -289,16 +263,9 @@ def _skinny_kernel(
         w0 = tl.load(w_ptr, mask=mask_n[:, None], other=0.0)
         if GLU:
             u0 = tl.load(u_ptr, mask=mask_n[:, None], other=0.0)
-    if CONV_EARLY:  # the conv's inputs other than the product, for `_conv_finish`
-        offs_cm = tl.arange(0, BLOCK_M)
-        c_prev, c_w, c_out = _conv_inputs(offs_cm, offs_cm < M, offs_n, mask_n, CW, CS, CPages, COutPages, CC,
-                                          cs_page, KM1, DOT)  # fmt: skip
     enter(PDL)
     rstd = 0.0
-    if NORM_LATE:
-        first = (tl.zeros([1], dtype=tl.int32) + pid + ps) == 0  # a store mask (a tensor, as `_before` says)
-        ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    elif NORM:
+    if NORM:
         if DOT:  # each row's sum of squares over all K columns in tiles of BLOCK_K; the first program writes RO
             offs_r = tl.arange(0, BLOCK_M)
             mask_r = offs_r < M
@@ -349,13 +316,8 @@ def _skinny_kernel(
         if GLU:
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the up half's
         if PRELOAD:
-            if NORM_LATE:
-                x, sq = _one_pass_input(X, R, NW, RO, offs_m, mask_m, offs_k, 0, stride_xm, K, first,
-                                        W.dtype.element_ty, HAS_RES)  # fmt: skip
-                ssq += sq
-            else:
-                x = _prologue(X, G, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
-                              W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+            x = _prologue(X, G, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
+                          W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
             acc += tl.dot(x, tl.trans(w0))
             if GLU:
                 acc_u += tl.dot(x, tl.trans(u0))
@@ -368,36 +330,21 @@ def _skinny_kernel(
                     u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
                 xn, an = _prologue_raw(X, G, R, offs_m, offs_k, k0 + BLOCK_K, mask_m, _before(k0 + BLOCK_K, k_split),
                                        stride_xm, stride_gm, stride_xm, K, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
-                if NORM_LATE:
-                    x, sq = _one_pass_norm(xr, ar, NW, RO, offs_m, mask_m, offs_k, k0, stride_xm, first,
-                                           W.dtype.element_ty, HAS_RES)  # fmt: skip
-                    ssq += sq
-                else:
-                    x = _prologue_math(xr, ar, NW, offs_k, k0, rstd, W.dtype.element_ty, True, GATED, SIGMOID, NORM,
-                                       HAS_RES)  # fmt: skip
+                x = _prologue_math(xr, ar, NW, offs_k, k0, rstd, W.dtype.element_ty, True, GATED, SIGMOID, NORM,
+                                   HAS_RES)  # fmt: skip
                 acc += tl.dot(x, tl.trans(w))
                 if GLU:
                     acc_u += tl.dot(x, tl.trans(u))
                 xr, ar = xn, an
         else:
             for k0 in range(K_FIRST, k_split, BLOCK_K):
-                if NORM_LATE:
-                    x, sq = _one_pass_input(X, R, NW, RO, offs_m, mask_m, offs_k, k0, stride_xm, K, first,
-                                            W.dtype.element_ty, HAS_RES)  # fmt: skip
-                    ssq += sq
-                else:
-                    x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
-                                  W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+                x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
+                              W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 acc += tl.dot(x, tl.trans(w))
                 if GLU:
                     u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
                     acc_u += tl.dot(x, tl.trans(u))
-        if NORM_LATE:  # each row's rstd, from the sums of squares of the tiles the loop read
-            late = tl.rsqrt(ssq / K + eps)
-            acc = acc * late[:, None]
-            if GLU:
-                acc_u = acc_u * late[:, None]
         offs_y = offs_m[:, None] * stride_ym + offs_n[None, :]
         offs_p = offs_m[:, None] * N + offs_n[None, :]
         mask_y = mask_m[:, None] & mask_n[None, :]
@@ -427,10 +374,7 @@ def _skinny_kernel(
             tl.store(Y + offs_y, _silu_mul(acc, acc_u, Y.dtype.element_ty), mask=mask_y)
         else:
             tl.store(Y + offs_y, acc.to(Y.dtype.element_ty), mask=mask_y)
-        if CONV_EARLY:
-            _conv_finish(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, c_prev, c_w, c_out, CS, Mixed,
-                         s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
-        elif CONV:
+        if CONV:
             _conv_epilogue(acc.to(Y.dtype.element_ty), offs_m, mask_m, offs_n, mask_n, CS, CW, CPages, COutPages,
                            Mixed, s_mix, CC, cs_page, KM1, DOT)  # fmt: skip
     else:
@@ -611,10 +555,8 @@ def skinny_linear(
     glu: bool = False,
     prefetch: bool = False,
     norm_tile: int = 0,
-    conv_early: bool = False,
     defer: bool = False,
     swap: bool = False,
-    norm_late: bool = False,
 ) -> torch.Tensor | Partials:
     """x: [M, K] with M <= MAX_ROWS, w: [N, K], both with unit stride along K, K a multiple of block_k * splits.
     Returns [M, N]. dot: tensor cores (default for M > 1) or plain products (default for M == 1). splits: K cut in
@@ -632,15 +574,11 @@ def skinny_linear(
     (one row): the loop over K unrolled (a compile per K). glu (tensor cores): w is [gate | up] ([2C, K]) and the
     result [M, C] is silu(x @ gate.T) * (x @ up.T), kernels.act.silu_mul fused after the product. prefetch
     (tensor cores with gated, sigmoid_gate or norm): each step's input tiles loaded a step ahead, the norm's sum
-    of squares read in tiles of norm_tile columns (a power of 2 dividing K; 0: block_k). conv_early (with conv, no
-    K split): the conv's state rows and weights read before the product and before the PDL wait, so the caller
-    promises that the launch just before does not write those rows (in a decode graph an earlier step did);
-    ignored without conv. defer (splits > 1, no glu, no conv): returns the K split's partial sums unadded
-    (`Partials`, for kernels.norm.add_rms_norm to add); out is not written. swap (tensor cores; with splits,
+    of squares read in tiles of norm_tile columns (a power of 2 dividing K; 0: block_k). defer (splits > 1, no
+    glu, no conv): returns the K split's partial sums unadded (`Partials`, for kernels.norm.add_rms_norm to add);
+    out is not written. swap (tensor cores; with splits,
     glu, preload and defer only, glu without splits): the product as w @ x.T (`_swap_kernel`, whose block_n is the
-    tile side that wants 64 rows or more), the same result up to the order of the float32 sums. norm_late (with
-    norm, tensor cores, no K split): the norm in one pass over the input, each row's rstd applied to the product
-    (within bf16 rounding of the two-pass norm, not its bits)."""
+    tile side that wants 64 rows or more), the same result up to the order of the float32 sums."""
     M, K = x.shape
     if gated:
         K //= 2
@@ -677,8 +615,6 @@ def skinny_linear(
             assert res_out.is_contiguous()
             assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()), "norm: residual_out is its own"
             res = residual
-    if norm_late:
-        assert norm is not None and dot and splits == 1, "norm_late: the norm fused, tensor cores, no K split"
     if unroll:
         assert not dot, "unroll: one row"
     if prefetch:
@@ -690,7 +626,6 @@ def skinny_linear(
         assert cs.stride(2) == 1 and cs.stride(1) == cw.shape[1] - 1 and mixed.stride(1) == 1
         assert cpages.numel() >= M and cout_pages.numel() >= M and mixed.shape[0] >= M
         assert cw.shape[0] <= N and cw.is_contiguous()
-        assert not conv_early or splits == 1, "conv_early: no K split"
     if swap:
         assert dot and not (gated or sigmoid_gate is not None or norm is not None or conv is not None or unroll
                             or prefetch), "swap: tensor cores, no prologue, no conv"  # fmt: skip
@@ -711,10 +646,10 @@ def skinny_linear(
         CONV=conv is not None, CS=cs, CW=cw, CPages=cpages, COutPages=cout_pages, Mixed=mixed,
         s_mix=0 if conv is None else mixed.stride(0),
         CC=0 if conv is None else cw.shape[0], cs_page=0 if conv is None else cs.stride(0),
-        KM1=3 if conv is None else cw.shape[1] - 1, CONV_EARLY=conv_early and conv is not None, UNROLL=unroll,
+        KM1=3 if conv is None else cw.shape[1] - 1, UNROLL=unroll,
         K_FIRST=block_k if preload else 0,
         K_SPLIT=K // splits if unroll else 0, GLU=glu, PREFETCH=prefetch, NORM_TILE=norm_tile, DEFER=defer,
-        NORM_LATE=norm_late, num_warps=num_warps, num_stages=num_stages, **launch(x),
+        num_warps=num_warps, num_stages=num_stages, **launch(x),
     )  # fmt: skip
     return Partials(part, x.dtype) if defer else out
 
@@ -746,11 +681,8 @@ FUSED = ("norm", "sigmoid", "conv")  # settings' flags for fused work whose inpu
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, conv: tuple | None = None, **fused) -> torch.Tensor:
     """skinny_linear with `settings` less their FUSED flags and the fused inputs given; conv in the launch where the
-    settings say conv, else `_conv_after` it. TRITON_PD_DEFER=0 drops the defer flag (the split launch adds its
-    partial sums itself), for comparisons."""
-    plain = {k: v for k, v in settings.items() if k not in FUSED and (k != "norm_late" or "norm" in fused)}
-    if plain.get("defer") and os.environ.get("TRITON_PD_DEFER", "1") == "0":  # for comparisons: the launch adds
-        del plain["defer"]
+    settings say conv, else `_conv_after` it."""
+    plain = {k: v for k, v in settings.items() if k not in FUSED}
     if conv is not None and settings.get("conv"):
         return skinny_linear(x, w, **plain, conv=conv, **fused)
     return _conv_after(skinny_linear(x, w, **plain, **fused), conv)
@@ -874,9 +806,10 @@ def graph_time(fn, reps: int = 20) -> float:
 class TuneCache:
     """`tune`'s picks kept in a JSON file, keyed by everything a pick depends on (`_tune_key`: the GPU's name,
     torch's and triton's versions, the weights' dtype, shape and count, the rows, the prologue, the conv channels
-    and the epilogue), for one version of the kernels' code: the file names the hash of this module's,
-    kernels.pdl's and kernels.norm's source (`code_hash`), and a file of other code counts as empty and is replaced
-    at the first write, so any edit of a kernel or of the candidates tunes afresh and stale picks do not pile up.
+    and the epilogue), for one version of the kernels and candidates it times: the file names TUNE_VERSION, and a
+    file of another version counts as empty and is replaced at the first write, so stale picks do not pile up.
+    Raise TUNE_VERSION with any change that can move a pick or its time (a kernel's code, a candidate, a tuning
+    stage), not with an edit of comments or docstrings.
     The file is `TRITON_PD_TUNE_CACHE` ("off": no cache), by default linear-tune.json in triton-pd's cache folder
     (`TRITON_PD_CACHE`, else ~/.cache/triton-pd). Processes that share it merge their entries under a lock and
     replace the file whole, so a reader never sees half of one. A file that cannot be read or written leaves
@@ -884,7 +817,7 @@ class TuneCache:
 
     def __init__(self, path: Path | None, code: str | None = None):
         self.path = path
-        self.code = code_hash() if code is None else code
+        self.code = TUNE_VERSION if code is None else code
         self.entries: dict[str, dict] | None = None
         self.warned = False
         self.hits = self.misses = 0
@@ -956,16 +889,6 @@ def tune_cache() -> TuneCache:
     return _TUNE_CACHE
 
 
-def code_hash(files: tuple[str, ...] | None = None) -> str:
-    """The hash of the source of `files`, by default this module, kernels.pdl and kernels.norm (timed after the
-    products that an add + RMSNorm reads): the version of the kernels `tune` times (kernels.delta_tune passes its
-    own)."""
-    code = hashlib.sha256()
-    for module in files or (__file__, pdl_module.__file__, norm_module.__file__):
-        code.update(Path(module).read_bytes())
-    return code.hexdigest()[:16]
-
-
 def _tune_key(weights: list[torch.Tensor], rows: int, prologue, conv_channels: int, epilogue) -> str:
     """What a `tune` pick depends on besides the kernels' code, as the tuning cache's key."""
     w = weights[0]
@@ -994,18 +917,16 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     fastest candidates with a loop over K are timed again with the loop unrolled, then the fastest with its first
     weight tile loaded before the wait for the launch before (preload); at more rows the candidates include K
     split with the product as w @ x.T from 17 rows (SWAP_CANDIDATES, flag swap, after the prologue's own launch
-    and before the conv's), the fastest candidate is timed again with preload, whether or not it beat cuBLAS, and with a
-    prologue each candidate is also timed without it fused (the prologue's own launch first, and the conv's after
+    and before the conv's), the fastest candidate is timed again with preload, whether or not it beat cuBLAS, and
+    with a prologue each candidate is also timed without it fused (the prologue's own launch first, and the conv's after
     where there is one; a pick without the flag runs so), and the two fastest with it fused are timed again with
-    prefetch (the norm's fastest also with its sum of squares in tiles of 256 columns; and the norm's fastest
-    without K split also in one pass, norm_late, with and without prefetch). With conv channels, the
-    pick if it does the conv (else the fastest setting that does, with no K split) is timed again with the conv's
-    state rows read before the product (conv_early). The pick is checked against the unfused launches' result
-    (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16 rounding. Returns (choice,
-    {description: seconds per weight, or the error of a setting that did not run or was wrong}). 16-bit weights
-    only: the kernel's float32 products would round through TF32. The pick and its times are kept in the tuning
-    cache (`TuneCache`), so the next process on this GPU with the same code and shapes skips the timing (the pick is
-    still checked). Above CUBLAS_MARGIN_ROWS rows a pick must beat cuBLAS by CUBLAS_MARGIN."""
+    prefetch (the norm's fastest also with its sum of squares in tiles of 256 columns). The pick is checked against
+    the unfused launches' result (and the conv's outputs), and dropped for cuBLAS if it differs by more than bf16
+    rounding. Returns (choice, {description: seconds per weight, or the error of a setting that did not run or was
+    wrong}). 16-bit weights only: the kernel's float32 products would round through TF32. The pick and its times are
+    kept in the tuning cache (`TuneCache`), so the next process on this GPU with the same TUNE_VERSION and shapes
+    skips the timing (the pick is still checked). Above CUBLAS_MARGIN_ROWS rows a pick must beat cuBLAS by
+    CUBLAS_MARGIN."""
     N, K = weights[0].shape
     if weights[0].dtype not in (torch.bfloat16, torch.float16):
         return None, {}
@@ -1075,10 +996,6 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
             ahead = [dict(s, prefetch=True) for s in by_time(settings, times, lambda s: s.get(pflag))[:2]]
             if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
                 ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
-            if prologue == "norm":  # and the fastest without a K split with the norm in one pass (norm_late),
-                # with and without prefetch (two compiles per distinct row block: each costs a cold start time)
-                whole = by_time(settings, times, lambda s: s.get(pflag) and s.get("splits", 1) == 1)[:1]
-                ahead += [dict(s, norm_late=True, **p) for s in whole for p in ({}, {"prefetch": True})]
             best, times = fastest(ahead, run, len(weights), best, time_of(best, times), times)
             settings += ahead
         if norm_after:
@@ -1101,16 +1018,6 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
             if timed:
                 pre = dict(timed[0], preload=True)
                 best, times = fastest([pre], run, len(weights), best, time_of(best, times), times)
-        if conv is not None:
-            # the pick if it does the conv, else the fastest setting that does (with no K split), again with the
-            # conv's state rows read before the product (conv_early): in flight during it rather than after it
-            def whole_conv(s):
-                return s is not None and s.get("conv") and s.get("splits", 1) == 1
-
-            early = best if whole_conv(best) else next(iter(by_time(settings, times, whole_conv)), None)
-            if early is not None:
-                best, times = fastest([dict(early, conv_early=True)], run, len(weights), best, time_of(best, times),
-                                      times)  # fmt: skip
         if best is not None and rows > CUBLAS_MARGIN_ROWS and times[str(best)] > times["cublas"] * (1 - CUBLAS_MARGIN):
             best = None  # within the margin of cuBLAS: cuBLAS
         return best, times

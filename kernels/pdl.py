@@ -11,17 +11,14 @@ Rules for a kernel that takes `PDL`:
   before it). Since every launch waits first and only then lets the next one start, a launch starts only once
   the launch two before it has finished: loads of weights, of the graph's inputs, and of what that earlier launch
   (or an earlier step) wrote may come before the wait (`delta_rule.gated_delta_step(preload=True)`,
-  `linear.skinny_linear(conv_early=True)`'s conv state rows, `moe`'s down projection of a few tokens); a launch of
+  `linear.skinny_linear(preload=True)`'s first weight tile, `moe`'s down projection of a few tokens); a launch of
   a library (cuBLAS, PyTorch) lets the next one start only when it has finished;
 - launch it with `**launch(tensor)`: PDL=True and launch_pdl=True on a CUDA tensor when enabled, else both off
   (the CPU interpreter has no griddepcontrol).
 
-`TRITON_PD_PDL=0` turns it off (for comparisons); it is on by default on devices of compute capability 9.0 and
-up."""
+It is on for devices of compute capability 9.0 and up."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -32,15 +29,13 @@ _ENABLED: dict[int, bool] = {}
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether launches on `device` use PDL (CUDA, compute capability >= 9.0, TRITON_PD_PDL not 0)."""
+    """Whether launches on `device` use PDL (CUDA, compute capability >= 9.0)."""
     if device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     on = _ENABLED.get(idx)
     if on is None:
-        on = _ENABLED[idx] = (
-            os.environ.get("TRITON_PD_PDL", "1") != "0" and torch.cuda.get_device_capability(idx)[0] >= 9
-        )
+        on = _ENABLED[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
     return on
 
 

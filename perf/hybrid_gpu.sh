@@ -2,21 +2,13 @@
 # Issue #26's measurements on one GPU, each step bounded in wall clock, results under OUT: the reports (.md) and
 # every file of the run in OUT/files.tgz (logs, JSON rows, tuning caches), few files for a device tool that returns
 # only a few:
-#   bash perf/hybrid_gpu.sh OUT bench|fusions|seed|seed-mtp|seed-dense [PHASE]
+#   bash perf/hybrid_gpu.sh OUT bench|seed|seed-mtp|seed-dense [PHASE]
 # bench: the gated delta step's, the conv epilogue's, the deferred partials' and the whole-model graphs' kernel
 #        tests, then perf.hybrid_bench's decode step at batch 1, 32 and 128 for random:qwen3-next-layout (with
 #        --profile) and random:qwen3.5-9b, tuned on the measured graph sizes (about 5 minutes on an H100, tuned
-#        cold), and the layout's steps again with TRITON_PD_DEFER=0 (the same picks, every K split added in its own
-#        launch); the device host's python3, no bundle. The kernel tests compile cold in every fresh machine and
-#        their 120 s ran out after 39-62 of them on an H100 (2026-12-06): run them as a command of their own where
-#        they must all run;
-# fusions: the kernel tests of two fusions not yet timed on a GPU, the q/k norms, rope and K/V store in the decode
-#        attention's launch (TRITON_PD_ATTN_QK=1) and the add + RMSNorm in the next projection's launch in one pass
-#        (skinny_linear's norm_late; the whole-model graph test of each too), then perf/instep_sweep.py --what
-#        attn_qk norm_late (each against the picks, inside the decode step) for the layout at batch 32 and 128,
-#        and attn_qk alone at its batch 1 (norm_late has no one-row form); the host's python3, no bundle; about 10
-#        minutes;
-# seed:  a seed phase with random:qwen3.5-9b and a 65,536-token host tier, rotate against plain in one run, through
+#        cold); the device host's python3, no bundle. The kernel tests compile cold in every fresh machine and
+#        their 120 s can run out on an H100: run them as a command of their own where they must all run;
+# seed:  a seed phase with random:qwen3.5-9b at serve's defaults, rotate against plain in one run, through
 #        the offline bundle (`triton-pd bundle .bundle`, carried): about 5 minutes for 3x5500, 3 for 4x4000;
 # seed-mtp: seed with --speculative mtp on both servers (the MTP head's verify steps), phase limit 95 s: about 6
 #        minutes for 3x5500 and 4 for 4x4000 on an H100;
@@ -26,9 +18,9 @@
 # TRITON_PD_TUNE_CACHE names a file (the delta step's cache sits beside it): see perf/tune_cache/README.md.
 set -uo pipefail
 OUT=${1:?OUT folder}
-WHAT=${2:?bench, fusions, seed, seed-mtp or seed-dense}
+WHAT=${2:?bench, seed, seed-mtp or seed-dense}
 PHASE=${3:-3x5500}
-case "$WHAT" in bench|fusions|seed|seed-mtp|seed-dense) ;; *) echo "hybrid_gpu.sh: bench, fusions, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
+case "$WHAT" in bench|seed|seed-mtp|seed-dense) ;; *) echo "hybrid_gpu.sh: bench, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
 W="$OUT/files"
 mkdir -p "$W"
 if [ -z "${TRITON_PD_TUNE_CACHE:-}" ]; then
@@ -59,40 +51,23 @@ case "$WHAT" in
       --reps 20 --eager-batches --profile --time-limit 185 --out "$W/layout.md"
     step qwen35 185 python3 -m perf.hybrid_bench --models random:qwen3.5-9b --batches 1 32 128 --prefill 0 \
       --reps 20 --eager-batches --time-limit 170 --out "$W/qwen35.md"
-    # the layout again with every K split's partials added in the split launch (the picks tuned above reused):
-    # what leaving them to the add + RMSNorm launch saved, in the same run. Last, and the steps' limits add up to
-    # 585 s, under a device command's 600
-    step layout_nodefer 80 env TRITON_PD_DEFER=0 python3 -m perf.hybrid_bench --models random:qwen3-next-layout \
-      --batches 1 32 128 --prefill 0 --reps 20 --time-limit 70 --out "$W/layout_nodefer.md"
-    ;;
-  fusions)
-    step fusion_tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py \
-      tests/kernels/test_gpu_hybrid.py -k "fused_qk_norm_rope_store or qk-in-attention or norm_prologue or \
-      glu_epilogue or norm-late"
-    # each one-pass norm variant compiles three new kernels (about 20 s with its capture): the layout only, whose
-    # batch 32 is the step still above its target (qwen3.5-9b's: `bench` after a win)
-    step fusions_layout32 185 python3 -m perf.instep_sweep --what attn_qk norm_late --time-limit 175 \
-      --out "$W/fusions_layout32.md"
-    step fusions_layout128 175 python3 -m perf.instep_sweep --what attn_qk norm_late --batch 128 --time-limit 165 \
-      --out "$W/fusions_layout128.md"
-    step qk_layout1 75 python3 -m perf.instep_sweep --what attn_qk --batch 1 --time-limit 65 --out "$W/qk_layout1.md"
     ;;
   seed)
     step seed 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed \
-      --model random:qwen3.5-9b --serve-args "--device gpu --max-batch 16" --policies rotate plain \
-      --host-kv-tokens 65536 --phases $PHASE --phase-limit 75 --time-limit 540
+      --model random:qwen3.5-9b --serve-args "--device gpu" --policies rotate plain \
+      --phases $PHASE --phase-limit 75 --time-limit 540
     cp /tmp/hybrid_gpu_seed/report.md /tmp/hybrid_gpu_seed/summary.json "$W/" 2>/dev/null
     ;;
   seed-mtp)
     step seed_mtp 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed_mtp \
-      --model random:qwen3.5-9b --serve-args "--device gpu --max-batch 16 --speculative mtp" \
-      --policies rotate plain --host-kv-tokens 65536 --phases $PHASE --phase-limit 95 --time-limit 540
+      --model random:qwen3.5-9b --serve-args "--device gpu --speculative mtp" \
+      --policies rotate plain --phases $PHASE --phase-limit 95 --time-limit 540
     cp /tmp/hybrid_gpu_seed_mtp/report.md "$W/report_mtp.md" 2>/dev/null
     cp /tmp/hybrid_gpu_seed_mtp/summary.json "$W/summary_mtp.json" 2>/dev/null
     ;;
   seed-dense)
     step seed_dense 570 bash .bundle/bootstrap.sh python3 perf/seed_stalls.py --out /tmp/hybrid_gpu_seed_dense \
-      --model random:llama3.1-8b --serve-args "--device gpu --max-batch 16" --policies rotate plain \
+      --model random:llama3.1-8b --serve-args "--device gpu" --policies rotate plain \
       --phases $PHASE --phase-limit 60 --time-limit 540
     cp /tmp/hybrid_gpu_seed_dense/report.md "$W/report_dense.md" 2>/dev/null
     cp /tmp/hybrid_gpu_seed_dense/summary.json "$W/summary_dense.json" 2>/dev/null

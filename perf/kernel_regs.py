@@ -1,7 +1,7 @@
 """Registers per thread and spilled bytes of the gated delta step's tuning candidates (kernels.delta_tune), or with
---skinny of skinny_linear's tiles for a linear-attention in_proj with and without its conv epilogue (conv,
-conv_early), compiled for an NVIDIA GPU without one: Triton's NVIDIA backend and its ptxas build each variant for
-the target architecture, specialised as a launch would be (pointers 16-byte aligned, Qwen3-Next's strides and offsets
+--skinny of skinny_linear's tiles for a linear-attention in_proj with and without its conv epilogue, compiled
+for an NVIDIA GPU without one: Triton's NVIDIA backend and its ptxas build each variant for the target
+architecture, specialised as a launch would be (pointers 16-byte aligned, Qwen3-Next's strides and offsets
 multiples of 16), and cuobjdump reads the cubin's resource use. A variant that spills (STACK above 0) keeps part
 of its state block in local memory; one that uses many registers has fewer programs resident per SM. Neither is a
 time: the GPU's timing at capture (kernels.delta_tune.tune_step) decides; this says which candidates are worth a
@@ -40,9 +40,8 @@ SKINNY_POINTERS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "G": "*bf16", "R": 
 SKINNY_ALIGNED = {"N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_gm", "s_mix", "CC", "cs_page"}
 # skinny_linear's constexprs for a plain tensor-core launch of up to 16 rows (callers set BLOCK_M and what they fuse)
 SKINNY_PLAIN = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT=True, SPLITS=1, GATED=False, SIGMOID=False, NORM=False,
-                    HAS_RES=False, BLOCK_H=2048, PRELOAD=False, CONV=False, KM1=3, CONV_EARLY=False, UNROLL=False,
-                    K_FIRST=0, K_SPLIT=0, GLU=False, PDL=True, PREFETCH=False, NORM_TILE=128, DEFER=False,
-                    NORM_LATE=False)  # fmt: skip
+                    HAS_RES=False, BLOCK_H=2048, PRELOAD=False, CONV=False, KM1=3, UNROLL=False,
+                    K_FIRST=0, K_SPLIT=0, GLU=False, PDL=True, PREFETCH=False, NORM_TILE=128, DEFER=False)  # fmt: skip
 # (block_n, block_k, num_stages) of skinny_linear's tensor-core candidates, 4 warps (kernels.linear.CANDIDATES)
 SKINNY_TILES = [(32, 128, 3), (64, 128, 4), (16, 256, 4), (128, 64, 4)]
 
@@ -96,8 +95,8 @@ def main(argv=None) -> int:
                     help="sequences (default 1, with --skinny 32); the split candidates are kept for few "
                          "programs")  # fmt: skip
     ap.add_argument("--skinny", action="store_true",
-                    help="skinny_linear's tensor-core tiles for an in_proj: plain, with the conv epilogue, and with "
-                         "conv_early, instead of the delta step's candidates")  # fmt: skip
+                    help="skinny_linear's tensor-core tiles for an in_proj: plain and with the conv epilogue, instead "
+                         "of the delta step's candidates")  # fmt: skip
     ap.add_argument("--first", type=int, default=None, help="only the first N candidates")
     ap.add_argument("--time-limit", type=float, default=600)
     ap.add_argument("--out", default=None)
@@ -144,8 +143,8 @@ def main(argv=None) -> int:
 
 
 def skinny(a, argv) -> int:
-    """--skinny: `SKINNY_TILES` at a.rows rows (tensor cores, no K split, no prologue) without a conv, with the conv
-    epilogue, and with conv_early."""
+    """--skinny: `SKINNY_TILES` at a.rows rows (tensor cores, no K split, no prologue) without a conv and with the
+    conv epilogue."""
     import triton
 
     from kernels import linear
@@ -163,8 +162,8 @@ def skinny(a, argv) -> int:
     timer = wall_clock_limit(a.time_limit, write, [])
     base = dict(SKINNY_PLAIN, BLOCK_M=max(16, triton.next_power_of_2(rows)))
     for bn, bk, stages in SKINNY_TILES[: a.first]:
-        for conv, early in (("no", False), ("epilogue", False), ("conv_early", True)):
-            consts = dict(base, BLOCK_N=bn, BLOCK_K=bk, CONV=conv != "no", CONV_EARLY=early)
+        for conv in ("no", "epilogue"):
+            consts = dict(base, BLOCK_N=bn, BLOCK_K=bk, CONV=conv != "no")
             try:
                 use = resource_use(linear._skinny_kernel, consts, 4, a.arch, stages, SKINNY_POINTERS, SKINNY_ALIGNED)
             except Exception as e:  # a variant that does not compile is a finding too

@@ -488,30 +488,23 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
         assert exact < 2e-2 and default <= 2.5 * exact + 1e-3, errs
 
 
-def fused_prologues(
-    sizes=(1, 2, 4), rows_fused: bool = False, conv_early: bool = False, defer: bool = False, late: bool = False
-):
+def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, defer: bool = False):
     """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms into
     in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the conv step
-    into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate into o (which runs it
-    only under TRITON_PD_ATTN_GATE=0: by default the decode attention applies it as it stores its output, and o's flag
-    is dropped for want of a gate) and silu(gate) * up into down (block_k 32 divides the tiny shapes' K of 64, 96 and
+    into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate flagged into o (the
+    decode attention applies it as it stores its output, so o's flag is dropped for want of a gate) and silu(gate) *
+    up into down (block_k 32 divides the tiny shapes' K of 64, 96 and
     128). rows_fused: at more than one row too, the norms and the conv step (each row on its own state page) fused, and
-    gate_up giving silu(gate) * up itself (glu) with down reading it plain. conv_early: in_proj's conv with its state
-    rows read before the product, with no K split. defer: out, o and down split K in two (tiles of 16) and leave their
-    partial sums to the add + RMSNorm launch after them, which GpuHybrid._lin undoes at one row, where the norms are
-    fused into the next projections. late (with rows_fused and conv_early): at more than one row the fused norms in
-    one pass (norm_late), each row's rstd applied to the product (gate_up's two halves before its glu, in_proj's
-    before its conv)."""
+    gate_up giving silu(gate) * up itself (glu) with down reading it plain. defer: out, o and down split K in two
+    (tiles of 16) and leave their partial sums to the add + RMSNorm launch after them, which GpuHybrid._lin undoes at
+    one row, where the norms are fused into the next projections."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
     choice = {}
     for bs in sizes:
         base = one if bs == 1 else dict(one, dot=True)
         for name in ("in_proj", "qkv", "gate_up"):
             choice[(name, bs)] = dict(base, norm=True, preload=True) if bs == 1 or rows_fused else base
-        if conv_early and (bs == 1 or rows_fused):  # the conv's state rows read first (no K split)
-            choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, conv_early=True)
-        elif bs == 1 or rows_fused:  # the conv step in in_proj's launch, K split: the last program of a block runs it
+        if bs == 1 or rows_fused:  # the conv step in in_proj's launch, K split: the last program of a block runs it
             choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, splits=2)
         choice[("out", bs)] = dict(base, splits=2, unroll=True) if bs == 1 else dict(base, splits=2)
         choice[("o", bs)] = dict(base, sigmoid=True)
@@ -519,9 +512,6 @@ def fused_prologues(
         if bs > 1 and rows_fused:
             choice[("gate_up", bs)] = dict(choice[("gate_up", bs)], glu=True)
             choice[("down", bs)] = base
-        if bs > 1 and late:
-            for name in ("in_proj", "qkv", "gate_up"):
-                choice[(name, bs)] = dict(choice[(name, bs)], norm_late=True)
         if defer:
             for name in ("out", "o", "down"):
                 choice[(name, bs)] = dict(choice[(name, bs)], block_k=16, splits=2, defer=True)
@@ -540,9 +530,8 @@ CONV_IN_DELTA = {1: dict(block_v=8, split=2, conv=True), 2: dict(block_v=8, ahea
 @pytest.mark.parametrize(
     "cfg,rows_fused,delta",
     [(DENSE_TINY, False, None), (MOE_FOLDED, False, None), (DENSE_TINY, True, None), (DENSE_TINY, False, "conv"),
-     (DENSE_TINY, True, "early"), (DENSE_TINY, False, "defer"), (DENSE_TINY, False, "qk"),
-     (DENSE_TINY, True, "late")],
-    ids=["dense", "moe", "rows", "conv-in-delta", "conv-early", "defer", "qk-in-attention", "norm-late"],
+     (DENSE_TINY, False, "defer")],
+    ids=["dense", "moe", "rows", "conv-in-delta", "defer"],
 )  # fmt: skip
 def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fused, delta, monkeypatch):
     """Decode steps of one sequence (graph of 1: norms fused into the projections) and of three (graph of 4:
@@ -551,34 +540,13 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     the residual stream the fused norms write comes out as the unfused path's. conv-in-delta: the projections on
     cuBLAS and the conv step in the delta step's launch (`CONV_IN_DELTA`, set before the capture, with tuning off
     so that it stays), as tuning can choose: every delta step the graphs' bodies run (each step's on the CPU, the
-    captures' on a GPU) has the conv. conv-early: as rows, in_proj's conv reading its state rows first
-    (`fused_prologues(conv_early=True)`). defer: out's, o's and down's K split partials added by the add + RMSNorm
+    captures' on a GPU) has the conv. defer: out's, o's and down's K split partials added by the add + RMSNorm
     launch after them at more than one row (`fused_prologues(defer=True)`), which the graphs' bodies then call with
-    kernels.linear.Partials. The attention output's sigmoid gate: in the decode attention's store, except in
-    "dense", which runs with TRITON_PD_ATTN_GATE=0 (the gate fused into o's launch). qk-in-attention: with
-    TRITON_PD_ATTN_QK=1 the decode graphs' attention takes the q/k norms, rope and K/V store. norm-late: as
-    conv-early, with the fused norms at more than one row in one pass (`fused_prologues(late=True)`)."""
+    kernels.linear.Partials. The attention output's sigmoid gate: in the decode attention's store."""
     sizes = (1, 2, 4)
-    gate_in_o = cfg is DENSE_TINY and not rows_fused and delta is None  # "dense"
-    if gate_in_o:
-        monkeypatch.setenv("TRITON_PD_ATTN_GATE", "0")
     conv_in_delta = delta == "conv"
-    choice = None if conv_in_delta else fused_prologues(rows_fused=rows_fused, conv_early=delta in ("early", "late"),
-                                                        defer=delta == "defer", late=delta == "late")  # fmt: skip
-    deferred, qk, late = [], [], []
-    if delta == "late":
-        from kernels import linear as kl
-
-        skinny_linear = kl.skinny_linear
-        monkeypatch.setattr(kl, "skinny_linear", lambda *a, **kw: late.append(kw.get("norm_late", False)) or
-                            skinny_linear(*a, **kw))  # fmt: skip
-    if delta == "qk":
-        monkeypatch.setenv("TRITON_PD_ATTN_QK", "1")
-        from kernels import attention as ka
-
-        decode_attention = ka.decode_attention
-        monkeypatch.setattr(ka, "decode_attention", lambda *a, **kw: qk.append(kw.get("qk_norm") is not None) or
-                            decode_attention(*a, **kw))  # fmt: skip
+    choice = None if conv_in_delta else fused_prologues(rows_fused=rows_fused, defer=delta == "defer")
+    deferred = []
     if delta == "defer":
         from kernels import norm as kn
 
@@ -586,7 +554,7 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
         monkeypatch.setattr(kn, "add_rms_norm", lambda x, *a, **kw: deferred.append(type(x).__name__) or
                             add_rms_norm(x, *a, **kw))  # fmt: skip
     r, gpu = build(cfg, sizes=() if conv_in_delta else sizes, linear_choice=choice)
-    assert (gpu.PROLOGUES.get("o") == "sigmoid") == gate_in_o
+    assert "o" not in gpu.PROLOGUES
     fused_convs = []
     if conv_in_delta:
         monkeypatch.setenv("TRITON_PD_LINEAR_TUNE", "0")  # cuBLAS projections, and the delta step as chosen here
@@ -608,10 +576,6 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     assert gpu.stats["graph_steps"] == 4
     if delta == "defer":  # the bodies of the graphs of 2 and 4 rows (each step's on the CPU, the captures' on a GPU)
         assert "Partials" in deferred and "Tensor" in deferred, deferred
-    if delta == "qk":  # every decode graph's attention (the eager path's prefill calls none)
-        assert qk and all(qk), qk
-    if delta == "late":  # the graphs of 2 and 4 rows: in_proj's, qkv's and gate_up's launches
-        assert late.count(True) >= 3, late
     if conv_in_delta:
         linear_layers = sum(not L["full"] for L in gpu.layers)
         assert len(fused_convs) >= len(sizes) * linear_layers and all(c is not None for c in fused_convs)

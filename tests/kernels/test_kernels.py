@@ -501,15 +501,14 @@ def test_skinny_linear_sigmoid_gate(M, splits):
 
 
 @pytest.mark.parametrize(
-    "rows,with_res,splits,late",
-    [(1, True, 1, False), (1, True, 2, False), (1, False, 1, False), (3, True, 1, False), (20, True, 2, False),
-     (40, False, 1, False), (3, True, 1, True), (20, True, 1, True), (40, False, 1, True)],
-)  # fmt: skip
-def test_skinny_linear_norm_prologue(rows, with_res, splits, late):
+    "rows,with_res,splits",
+    [(1, True, 1), (1, True, 2), (1, False, 1), (3, True, 1), (20, True, 2), (40, False, 1)],
+)
+def test_skinny_linear_norm_prologue(rows, with_res, splits):
     """rmsnorm(x + residual) * (1 + weight) computed by every program as it reads (kernels.norm's rounding), the
     residual stream written once to a tensor of its own; against add_rms_norm and the projection. One row with
-    plain products, more rows with tensor cores (each row its own sum of squares; late: in one pass, each row's
-    rstd applied to the product, the first row at 8 times the others' scale)."""
+    plain products, more rows with tensor cores (each row its own sum of squares, the first row at 8 times the
+    others' scale)."""
     from kernels import linear
 
     K, N = 1024, 200
@@ -521,7 +520,7 @@ def test_skinny_linear_norm_prologue(rows, with_res, splits, late):
     w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
     dot = rows > 1
     settings = dict(block_n=16 if rows == 1 else 32, block_k=256 if rows == 1 else 128, num_warps=4, num_stages=3,
-                    dot=dot, splits=splits, norm=True, **({"norm_late": True} if late else {}))  # fmt: skip
+                    dot=dot, splits=splits, norm=True)  # fmt: skip
     res_copy = None if res is None else res.clone()
     got, got_res = linear.normed_linear(x, res, nw, 1e-6, w, settings)
     want, want_res = linear.normed_linear(x, res_copy, nw, 1e-6, w, None)  # updates res_copy in place
@@ -535,7 +534,7 @@ def test_skinny_linear_norm_prologue(rows, with_res, splits, late):
 
 @pytest.mark.parametrize(
     "rows,splits,preload,norm",
-    [(3, 1, False, False), (20, 2, True, False), (40, 1, True, True), (100, 2, False, True), (20, 1, True, "late")],
+    [(3, 1, False, False), (20, 2, True, False), (40, 1, True, True), (100, 2, False, True)],
 )
 def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
     """An MLP's gate_up with silu(gate) * up fused after the product (tensor cores): the [rows, C] result is
@@ -550,8 +549,6 @@ def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
     w = torch.randn(2 * C, K, generator=gen).to(DEVICE, BF16) / K**0.5
     settings = dict(block_n=32, block_k=64 if rows > 64 else 128, num_stages=3, dot=True, splits=splits,
                     preload=preload, glu=True, norm=bool(norm))  # fmt: skip
-    if norm == "late":  # the norm in one pass, each row's rstd applied to both halves' products before silu * up
-        settings["norm_late"] = True
     if norm:
         got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings)
         again, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings)
@@ -567,30 +564,24 @@ def test_skinny_linear_glu_epilogue(rows, splits, preload, norm):
 
 
 @pytest.mark.parametrize(
-    "rows,splits,preload,unroll,block_k,early,late",
+    "rows,splits,preload,unroll,block_k",
     [
-        (1, 1, False, False, 128, False, False),
-        (1, 2, True, False, 128, False, False),
-        (1, 2, True, True, 128, False, False),
-        (1, 2, True, False, 256, False, False),
-        (1, 1, True, False, 512, False, False),
-        (3, 1, False, False, 128, False, False),
-        (20, 2, True, False, 128, False, False),
-        (1, 1, True, True, 128, True, False),
-        (3, 1, False, False, 128, True, False),
-        (20, 1, True, False, 128, True, False),
-        (3, 1, False, False, 128, False, True),
-        (20, 1, True, False, 128, True, True),
+        (1, 1, False, False, 128),
+        (1, 2, True, False, 128),
+        (1, 2, True, True, 128),
+        (1, 2, True, False, 256),
+        (1, 1, True, False, 512),
+        (3, 1, False, False, 128),
+        (20, 2, True, False, 128),
+        (20, 1, True, False, 128),
     ],
 )
-def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k, early, late):
+def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k):
     """A linear-attention in_proj: rmsnorm fused in, and each row's first C outputs through the conv step in the
     same launch (row m's state read at page pages[m], written at out_pages[m]): the outputs, the conv's float32
     outputs and the new state pages as the unfused launches give them; other pages untouched. One row with plain
     products, more rows with tensor cores. block_k * splits = K: each program's whole range of K in the one tile
-    read before the PDL wait (`whole_range_candidates`). early (conv_early): the conv's state rows and weights read
-    before the product, the new rows stored from them; with a K split it is refused. late: the norm in one pass
-    (norm_late), each row's rstd applied to the product before the conv reads it."""
+    read before the PDL wait (`whole_range_candidates`)."""
     from kernels import delta_rule, linear
 
     K, N, C = 512, 160, 96
@@ -607,13 +598,7 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k, ear
     ref_state, ref_mixed = state.clone(), torch.empty(rows, C, device=DEVICE)
     mixed = torch.empty(rows, C, device=DEVICE)
     settings = dict(block_n=32, block_k=block_k, num_stages=3, dot=rows > 1, splits=splits, preload=preload,
-                    norm=True, conv=True, unroll=unroll, conv_early=early)  # fmt: skip
-    if late:
-        settings["norm_late"] = True
-    if early:
-        with pytest.raises(AssertionError, match="conv_early: no K split"):
-            linear.normed_linear(x, res.clone(), nw, 1e-6, w, dict(settings, splits=2, block_k=block_k // 2,
-                                 norm_late=False), conv=(cw, state.clone(), pages, out_pages, mixed))  # fmt: skip
+                    norm=True, conv=True, unroll=unroll)  # fmt: skip
     got, _ = linear.normed_linear(x, res, nw, 1e-6, w, settings, conv=(cw, state, pages, out_pages, mixed))
     want, _ = linear.normed_linear(x, res.clone(), nw, 1e-6, w, None, conv=(cw, ref_state, pages, out_pages,
                                                                             ref_mixed))  # fmt: skip
@@ -631,8 +616,7 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k, ear
 def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     """tune with what the input is computed from (the norm and the conv step at any number of rows): whatever it
     picks gives the unfused result; at more than one row it also timed skinny_linear after the prologue's own
-    launch (settings without the prologue's flag) and the fused prologue with its input loaded a step ahead; with
-    the conv (the norm's cases) it timed a setting with the conv's state rows read first (conv_early)."""
+    launch (settings without the prologue's flag) and the fused prologue with its input loaded a step ahead."""
     from kernels import linear
 
     gen = torch.Generator().manual_seed(rows)
@@ -643,7 +627,6 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     unfused = [k for k in times if k != "cublas" and f"'{flag}': True" not in k]
     assert bool(unfused) == (rows > 1), list(times)
     assert any("'prefetch': True" in k for k in times) == (rows > 1), list(times)
-    assert any("'conv_early': True" in k for k in times) == (prologue == "norm"), list(times)  # with the conv
     assert not any(isinstance(t, str) and "capture" in t for t in times.values()), times  # counted launches ran
     x = torch.randn(rows, 2048 if prologue == "silu" else 1024, generator=gen).to(DEVICE, BF16)
     if prologue == "norm":
@@ -681,8 +664,7 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
 @pytest.mark.parametrize("rows", [1, 4, 32])
 def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
     """tune of an MLP's normed gate_up with the glu epilogue: whatever it picks, normed_linear then glu_after give
-    silu(gate) * up of the unfused launches; glu only at more than one row, where the norm in one pass (norm_late)
-    was timed too."""
+    silu(gate) * up of the unfused launches; glu only at more than one row."""
     from kernels import linear
 
     gen = torch.Generator().manual_seed(rows + 7)
@@ -690,8 +672,8 @@ def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
     choice, times = linear.tune(ws, rows, "norm", epilogue="glu")
     assert isinstance(times["cublas"], float) and len(times) > 1
     assert not (choice or {}).get("glu") or rows > 1
-    late = [k for k, t in times.items() if "'norm_late': True" in k and isinstance(t, float)]
-    assert bool(late) == (rows > 1), list(times)
+    glu = [k for k, t in times.items() if "'glu': True" in k and isinstance(t, float)]
+    assert bool(glu) == (rows > 1), list(times)
     assert not any(isinstance(t, str) and "wrong" in t for t in times.values()), times
     x, res = (torch.randn(rows, 1024, generator=gen).to(DEVICE, BF16) for _ in range(2))
     nw = (torch.randn(1024, generator=gen) * 0.1).to(DEVICE, BF16)
@@ -811,45 +793,3 @@ def test_tune_keeps_cublas_unless_beaten_by_its_margin_above_64_rows(monkeypatch
     choice, times = linear.tune(ws, rows)
     assert (choice is not None) == picked, (choice, times)
     assert times["cublas"] == 1.0 / len(ws)  # seconds per weight
-
-
-@pytest.mark.parametrize(
-    "lens,heads,kv_heads,d,rot,splits", [([1, 7, 64, 300], 8, 2, 64, 16, 4), ([2, 129], 16, 2, 64, 64, 1)]
-)
-def test_decode_attention_fused_qk_norm_rope_store(lens, heads, kv_heads, d, rot, splits):
-    """rope=(...) with qk_norm=(q_w, k_w, eps) gives what rope.qk_norm_rope_store_kv_ (a gated full-attention
-    layer's per-head norms and partial rope, K/V store) followed by decode_attention gives: the same output and the
-    same K/V at the new slots, read from views into one q | gate | k | v projection that stays as it was."""
-    gen = torch.Generator().manual_seed(sum(lens) + rot)
-    num_slots = sum(lens) + 16
-    k_pool, v_pool = make_pool(num_slots, kv_heads, d, gen)
-    table = make_table(lens, num_slots, max(lens) + 8, gen)
-    B, eps = len(lens), 1e-6
-    qkv = torch.randn(B, (2 * heads + 2 * kv_heads) * d, generator=gen).to(DEVICE, BF16)
-    q_w, k_w = (
-        (0.1 * torch.randn(d, generator=gen)).to(DEVICE, BF16),
-        (0.1 * torch.randn(d, generator=gen)).to(DEVICE, BF16),
-    )
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
-    cos, sin = rope.rope_cache(inv_freq, 2048, DEVICE)
-    rows = torch.arange(1, B + 1, dtype=torch.int32, device=DEVICE)
-    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out_slots = table[rows.long(), (seq - 1).long()].clone()
-    scale = d**-0.5
-    kp2, vp2 = k_pool.clone(), v_pool.clone()
-    q2 = rope.qk_norm_rope_store_kv_(qkv, heads, kv_heads, q_w, k_w, eps, seq - 1, cos, sin, kp2, vp2, out_slots)
-    ref = attention.decode_attention(q2, kp2, vp2, table, rows, seq, scale, num_splits=splits)
-    k_pool[out_slots.long()] = 7.0  # garbage at the new slots until the fused kernel writes them
-    v_pool[out_slots.long()] = -7.0
-    before = qkv.clone()
-    k_off = 2 * heads * d
-    q = qkv[:, : heads * d].view(B, heads, d)
-    k = qkv[:, k_off : k_off + kv_heads * d].view(B, kv_heads, d)
-    v = qkv[:, k_off + kv_heads * d :].view(B, kv_heads, d)
-    counters = torch.zeros(B * kv_heads, dtype=torch.int32, device=DEVICE)
-    got = attention.decode_attention(q, k_pool, v_pool, table, rows, seq, scale, num_splits=splits, counters=counters,
-                                     rope=(k, v, cos, sin, out_slots), qk_norm=(q_w, k_w, eps))  # fmt: skip
-    tight = {} if DEVICE == "cuda" else dict(atol=1e-5, rtol=1e-5)  # float32 on the CPU: only the sums' order
-    close(got, ref, **tight)
-    close(k_pool, kp2, **tight)
-    assert torch.equal(v_pool, vp2) and torch.equal(qkv, before) and not counters.any()

@@ -29,15 +29,15 @@ def test_candidates_compile_for_sm90_and_report_registers_and_spills(tmp_path):
 
 
 def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_path):
-    """--skinny: skinny_linear's first tensor-core tile compiles for sm_90 plain, with the conv epilogue and with
-    conv_early, each with its registers; one row is refused (the tool compiles the tensor-core path)."""
+    """--skinny: skinny_linear's first tensor-core tile compiles for sm_90 plain and with the conv epilogue, each
+    with its registers; one row is refused (the tool compiles the tensor-core path)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "skinny.md"
     command = ["--skinny", "--rows", "32", "--first", "1", "--out", str(out), "--time-limit", "150"]
     subprocess.run([sys.executable, "-m", "perf.kernel_regs", *command], env=env, check=True, capture_output=True,
                    timeout=200)  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())
-    assert [r["conv"] for r in rows] == ["no", "epilogue", "conv_early"]
+    assert [r["conv"] for r in rows] == ["no", "epilogue"]
     assert all(r["block_n"] == 32 and 0 < r["REG"] <= 255 for r in rows)
     assert rows[1]["REG"] > rows[0]["REG"]  # the conv's tiles cost registers beside the product's
     one = subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--skinny", "--rows", "1"], capture_output=True,
@@ -45,23 +45,23 @@ def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_pat
     assert one.returncode == 2 and "--rows 2 or more" in one.stderr
 
 
-# the hybrid decode graph's gated decode attention (split-KV and not; with the q/k norms, rope and K/V store) and its
-# norm reading the residual before the PDL wait, compiled for sm_90 with perf.kernel_regs.resource_use: Triton's
+# the hybrid decode graph's gated decode attention (split-KV and not; with rope and the K/V store) and its norm
+# reading the residual before the PDL wait, compiled for sm_90 with perf.kernel_regs.resource_use: Triton's
 # interpreter, which the other tests run, accepts kernels that its compiler refuses (a helper returning a tensor in
-# one branch and a float in another); and skinny_linear's norm in one pass (norm_late) with glu, preload and prefetch
+# one branch and a float in another); and skinny_linear's fused norm with glu, preload and prefetch
 COMPILE_HYBRID = """
 import json
 from kernels import attention, norm
 from perf.kernel_regs import resource_use
 
-attn = {n: "*bf16" for n in ("Q", "K", "V", "O", "KNew", "VNew", "Gate", "QW", "KW")}
+attn = {n: "*bf16" for n in ("Q", "K", "V", "O", "KNew", "VNew", "Gate")}
 attn |= {n: "*fp32" for n in ("MidO", "MidL", "Cos", "Sin")}
 attn |= {n: "*i32" for n in ("Table", "Rows", "SeqLens", "QIdx", "Counter", "OutSlots")}
 use = {}
 for splits, fused in ((1, False), (8, False), (8, True)):
     consts = dict(GROUP=8, BLOCK_G=16, D=256, BLOCK_N=32, NUM_SPLITS=splits, BLOCK_S=max(2, splits), MERGE_G=8,
-                  PREC="tf32", FUSE_ROPE=fused, GATE=True, QK_NORM=fused, R=64 if fused else 256, PDL=True)
-    use[f"attention {splits}" + (" qk" if fused else "")] = resource_use(attention._decode_kernel, consts, 4, 90, 2,
+                  PREC="tf32", FUSE_ROPE=fused, GATE=True, PDL=True)
+    use[f"attention {splits}" + (" rope" if fused else "")] = resource_use(attention._decode_kernel, consts, 4, 90, 2,
                                                                           attn, set())
 consts = dict(HAS_RES=True, BLOCK=2048, OFFSET=True, PARTS=4, PRELOAD=True, PDL=True)
 pointers = {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Out": "*bf16"}
@@ -69,17 +69,16 @@ use["norm"] = resource_use(norm._add_rms_norm_kernel, consts, 8, 90, None, point
 from kernels import linear
 from perf.kernel_regs import SKINNY_ALIGNED, SKINNY_PLAIN, SKINNY_POINTERS
 
-consts = dict(SKINNY_PLAIN, BLOCK_M=32, NORM=True, HAS_RES=True, PRELOAD=True, K_FIRST=128, GLU=True, PREFETCH=True,
-              NORM_LATE=True)
-use["skinny norm_late"] = resource_use(linear._skinny_kernel, consts, 4, 90, 3, SKINNY_POINTERS, SKINNY_ALIGNED)
+consts = dict(SKINNY_PLAIN, BLOCK_M=32, NORM=True, HAS_RES=True, PRELOAD=True, K_FIRST=128, GLU=True, PREFETCH=True)
+use["skinny norm"] = resource_use(linear._skinny_kernel, consts, 4, 90, 3, SKINNY_POINTERS, SKINNY_ALIGNED)
 print(json.dumps(use))
 """
 
 
-def test_the_hybrid_graphs_gated_attention_preloading_norm_and_one_pass_norm_compile_for_sm90():
+def test_the_hybrid_graphs_gated_attention_preloading_norm_and_fused_norm_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_HYBRID], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     use = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted(use) == ["attention 1", "attention 8", "attention 8 qk", "norm", "skinny norm_late"]
+    assert sorted(use) == ["attention 1", "attention 8", "attention 8 rope", "norm", "skinny norm"]
     assert all(0 < u["REG"] <= 255 for u in use.values()), use

@@ -18,7 +18,6 @@ padding rows use a scratch KV slot and a scratch state page that no request owns
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -84,12 +83,6 @@ class GpuHybrid(DecodeGraphs):
         """eager: the model whose weights (fused) this shares; scratch_slot: a KV slot and pad_page: a state page
         outside the scheduler's, for padding rows. linear_choice: as for GpuLlama."""
         from kernels import act, attention, delta_rule, delta_tune, linear, norm, rope
-
-        if os.environ.get("TRITON_PD_ATTN_GATE", "1") == "0":
-            self.PROLOGUES = dict(self.PROLOGUES, o="sigmoid")
-        # TRITON_PD_ATTN_QK=1: the plain decode graphs' q/k norms, rope and K/V store in the decode attention's
-        # launch (decode_attention(qk_norm=...)) instead of a launch of their own before it; off until timed on a GPU
-        self.attn_qk = os.environ.get("TRITON_PD_ATTN_QK", "0") == "1"
 
         self.k_attn, self.k_norm, self.k_rope, self.k_act, self.k_lin, self.k_dr = (
             attention, norm, rope, act, linear, delta_rule,
@@ -204,15 +197,13 @@ class GpuHybrid(DecodeGraphs):
                     choice[n] = {k: v for k, v in choice[n].items() if k != "defer"}
         eps = self.cfg.rms_norm_eps
 
-        def lin(x, L, name, gated=False, gate=None, conv=None):
+        def lin(x, L, name, gated=False, conv=None):
             c = choice[name]
             if isinstance(x, _Norm):  # the norm in the projection's launch where the choice says norm
                 y, x.h = self.k_lin.normed_linear(x.a, x.res, x.w, eps, L[name], c, conv, preload=True)
                 return y
             if gated:  # x is [gate | up]: silu(gate) * up goes in
                 return self.k_lin.gated_linear(x, L[name], c)
-            if gate is not None:  # x * sigmoid(gate) goes in
-                return self.k_lin.sigmoid_gated_linear(x, gate, L[name], c)
             return self.k_lin.linear(x, L[name], c, conv)
 
         lin.glu = bool((choice["gate_up"] or {}).get("glu"))  # gate_up's launch gives silu(gate) * up
@@ -233,7 +224,7 @@ class GpuHybrid(DecodeGraphs):
         x = _Norm(F.embedding(ids, self.embed), None, self.layers[0]["ln1"])
         for i, L in enumerate(self.layers):
             if L["full"]:
-                a = self._full_attention(x, L, inp, rows, lin, plain=halves is None)
+                a = self._full_attention(x, L, inp, rows, lin)
             else:
                 a = self._linear_attention(x, L, inp, lin, halves)
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.final_norm
@@ -282,35 +273,23 @@ class GpuHybrid(DecodeGraphs):
             )  # fmt: skip
         return lin(core, L, "out")
 
-    def _full_attention(self, x, L, inp, bs, lin, plain: bool = False):
-        """bs: the number of query rows (inp's columns). plain: a decode graph's, one query row a sequence (with
-        `attn_qk` the q/k norms, rope and K/V store go into the attention's launch; not where a sequence has two
-        rows, a draft's reading the K/V its input row stores)."""
+    def _full_attention(self, x, L, inp, bs, lin):
+        """bs: the number of query rows (inp's columns)."""
         cfg = self.cfg
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kl = L["kv_layer"]
         k_pool, v_pool = self.kv.k(kl), self.kv.v(kl)
         qkv = lin(x, L, "qkv")  # [B, q | gate | k | v]
-        fused = {}
-        if plain and self.attn_qk:  # q, k and v as the projection left them, views into qkv
-            q = qkv[:, : H * D].view(-1, H, D)
-            k_new = qkv[:, 2 * H * D : (2 * H + Hkv) * D].view(-1, Hkv, D)
-            v_new = qkv[:, (2 * H + Hkv) * D : 2 * (H + Hkv) * D].view(-1, Hkv, D)
-            fused = dict(rope=(k_new, v_new, self.cos, self.sin, inp[2]),
-                         qk_norm=(L["q_norm"], L["k_norm"], cfg.rms_norm_eps))  # fmt: skip
-        else:
-            q = self.k_rope.qk_norm_rope_store_kv_(
-                qkv, H, Hkv, L["q_norm"], L["k_norm"], cfg.rms_norm_eps, inp[1], self.cos, self.sin, k_pool, v_pool,
-                inp[2],
-            )  # fmt: skip
-        gate = qkv[:, H * D : 2 * H * D]  # the output's sigmoid gate: in the attention's store (`PROLOGUES`)
-        in_o = self.PROLOGUES.get("o") == "sigmoid"
+        q = self.k_rope.qk_norm_rope_store_kv_(
+            qkv, H, Hkv, L["q_norm"], L["k_norm"], cfg.rms_norm_eps, inp[1], self.cos, self.sin, k_pool, v_pool,
+            inp[2],
+        )  # fmt: skip
+        gate = qkv[:, H * D : 2 * H * D]  # the output's sigmoid gate, applied as the attention stores its output
         attn = self.k_attn.decode_attention(
             q, k_pool, v_pool, self.table.table, inp[3], inp[4], self.eager.scale, q_idx=self.qidx[:bs],
-            counters=self.attn_counters, gate=None if in_o else gate, **fused,
-            **self.k_attn.decode_settings(bs, Hkv, D),
+            counters=self.attn_counters, gate=gate, **self.k_attn.decode_settings(bs, Hkv, D),
         )  # fmt: skip
-        return lin(attn.view(-1, H * D), L, "o", gate=gate if in_o else None)
+        return lin(attn.view(-1, H * D), L, "o")
 
     # ----- speculative verification in graphs -----
     # A verification graph of bs sequences has 2 * bs query rows: column i is sequence i's input token, column
