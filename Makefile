@@ -11,8 +11,10 @@ APT_PACKAGES := libb64-0d libpython3.11
 # pytest workers of `make test` (pytest-xdist): the tests that start a tritonserver run one after another in one
 # of them (tests/conftest.py), the in-process tests on all of them
 TEST_WORKERS ?= 2
-# extra flags for `make serve`, e.g. make serve SERVE_ARGS="--kv-tokens 2048 --http-port 9000"
+# extra flags for `make serve`, e.g. make serve SERVE_ARGS="--kv-tokens 2048 --http-port 9000"; it serves this
+# host only (--address 127.0.0.1) unless SERVE_ADDRESS says otherwise (0.0.0.0: every interface)
 SERVE_ARGS ?=
+SERVE_ADDRESS ?= 127.0.0.1
 
 setup: $(STAMP)
 
@@ -46,7 +48,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not server and not slow" tests
 
 serve: setup
-	$(VENV)/bin/triton-pd serve $(SERVE_ARGS)
+	$(VENV)/bin/triton-pd serve --address $(SERVE_ADDRESS) $(SERVE_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check backends kernels perf tests

@@ -37,7 +37,7 @@ def server_command(dep: Deployment, repo: Path, a: argparse.Namespace) -> tuple[
     nvidia-pytriton with its Python backend laid out in this environment (outside the repository: every folder in
     a repository is a model)."""
     layout = layout_for(Path(sys.prefix) / "lib" / "triton-pd", a.tritonserver, a.backend_dir)
-    argv = command(layout, repo, Ports(a.http_port, a.grpc_port, a.metrics_port), dep, a.shm_mb, 0)
+    argv = command(layout, repo, Ports(a.http_port, a.grpc_port, a.metrics_port, a.address), dep, a.shm_mb, 0)
     return argv, environment(layout, dep)
 
 
@@ -123,7 +123,7 @@ def cmd_repository(a: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .serve import add_deployment_options, add_server_options
+    from .serve import add_address_option, add_deployment_options, add_server_options
 
     p = sub.add_parser(
         "repository",
@@ -139,6 +139,7 @@ def register(sub) -> None:
         "found relative to each model's folder, so the repository can move); or a checkout's path",
     )
     add_deployment_options(p)
+    add_address_option(p)
     p.add_argument("--http-port", type=int, default=8000, help="for the printed command")
     p.add_argument("--grpc-port", type=int, default=8001, help="for the printed command")
     p.add_argument("--metrics-port", type=int, default=8002, help="for the printed command")

@@ -22,6 +22,7 @@ def register(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_deployment_options(p)
+    add_address_option(p)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -37,6 +38,15 @@ def register(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every model to be ready")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.set_defaults(func=cmd_serve)
+
+
+def add_address_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default="0.0.0.0",
+        help="the address the HTTP, gRPC, metrics and OpenAI endpoints bind (Triton's --http-address, --grpc-address "
+        "and --metrics-address): 0.0.0.0, every interface, as Triton's default; 127.0.0.1 serves this host only",
+    )
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -112,14 +122,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ValueError as e:  # options that contradict each other or the model (the message names the option)
         print(f"triton-pd: error: {e}", file=sys.stderr)
         return 2
-    ports = Ports(a.http_port, a.grpc_port, a.metrics_port)
+    ports = Ports(a.http_port, a.grpc_port, a.metrics_port, a.address)
     wanted = {"--http-port": ports.http, "--grpc-port": ports.grpc, "--metrics-port": ports.metrics}
     if a.openai_port:
         if dep.role not in ("all", "master"):
             print("triton-pd: error: --openai-port: needs pd_master (--role all or master)", file=sys.stderr)
             return 2
         wanted["--openai-port"] = a.openai_port
-    busy = ports_in_use(wanted)
+    busy = ports_in_use(wanted, a.address)
     if busy:  # tritonserver would load every model, then fail to bind while another server answers on the port
         print(f"triton-pd: error: {', '.join(busy)}: already in use by another process", file=sys.stderr)
         return 2
@@ -129,7 +139,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"[triton-pd] {dep.summary()}", flush=True)
     print(f"[triton-pd] starting tritonserver (log: {log_path})", flush=True)
     sup = Supervisor(command(layout, repo, ports, dep, a.shm_mb, a.log_verbose), environment(layout, dep), log_path,
-                     ports.http, dep.models, exit_timeout=dep.exit_timeout)  # fmt: skip
+                     ports.http, dep.models, exit_timeout=dep.exit_timeout, host=ports.host)  # fmt: skip
     frontend = None
     if os.environ.get(PARENT_ENV, "").isdigit():  # started by a script (ServerProcess): stop when it is gone
         stop_with_process(int(os.environ[PARENT_ENV]))
@@ -166,8 +176,8 @@ def start_openai(dep, ports: Ports, port: int):
     from .supervisor import die_with_parent
 
     log = open(dep.workdir / "openai_frontend.log", "ab")
-    cmd = [sys.executable, "-m", "backends.openai_frontend", "--grpc-url", f"127.0.0.1:{ports.grpc}", "--model",
-           dep.model, "--port", str(port)]  # fmt: skip
+    cmd = [sys.executable, "-m", "backends.openai_frontend", "--grpc-url", f"{ports.host}:{ports.grpc}", "--model",
+           dep.model, "--host", ports.address, "--port", str(port)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
                             preexec_fn=die_with_parent(os.getpid()))  # fmt: skip
     log.close()
@@ -181,7 +191,7 @@ def start_openai(dep, ports: Ports, port: int):
                   file=sys.stderr)  # fmt: skip
             return None
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+            with urllib.request.urlopen(f"http://{ports.host}:{port}/v1/models", timeout=2):
                 return proc
         except OSError:
             time.sleep(0.2)
@@ -199,9 +209,9 @@ def print_ready(ports: Ports, role: str = "all", openai_port: int = 0) -> None:
           flush=True)  # fmt: skip
     print(
         "[triton-pd] try:\n"
-        f"  {Path(sys.executable).parent}/triton-pd generate --url 127.0.0.1:{ports.grpc} --chat "
+        f"  {Path(sys.executable).parent}/triton-pd generate --url {ports.host}:{ports.grpc} --chat "
         '--prompt "What is the capital of France?" --temperature 0\n'
-        f"  curl -s -X POST 127.0.0.1:{ports.http}/v2/models/pd_master/generate_stream "
+        f"  curl -s -X POST {ports.host}:{ports.http}/v2/models/pd_master/generate_stream "
         '-d \'{"text_input": "What is the capital of France?", "apply_chat_template": true, '
         '"stream": true, "sampling_parameters": "{\\"temperature\\": 0, \\"max_tokens\\": 32}"}\'',
         flush=True,

@@ -65,8 +65,10 @@ class ServerProcess:
     ):
         self.http, self.grpc, self.metrics = free_ports(3)
         self.workdir = Path(workdir) if workdir is not None else ROOT / ".run" / f"serve-{self.http}"
-        cmd = [sys.executable, "-m", "backends.cli", "serve", "--http-port", str(self.http), "--grpc-port",
-               str(self.grpc), "--metrics-port", str(self.metrics), "--workdir", str(self.workdir)]  # fmt: skip
+        # this host only: the servers that scripts and tests start are reached at 127.0.0.1
+        cmd = [sys.executable, "-m", "backends.cli", "serve", "--address", "127.0.0.1", "--http-port",
+               str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--workdir",
+               str(self.workdir)]  # fmt: skip
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log, "w")
         self.proc = subprocess.Popen(

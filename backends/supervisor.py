@@ -22,8 +22,9 @@ WATCHED = ("pd_master", "pd_decode")
 
 class Supervisor:
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, http_port: int, models=MODELS, *,
-                 exit_timeout: float):  # fmt: skip
+                 exit_timeout: float, host: str = "127.0.0.1"):  # fmt: skip
         self.log_path, self.http_port, self.models = log_path, http_port, tuple(models)
+        self.host = host  # where the server's HTTP endpoint answers on this host
         self.exit_timeout = exit_timeout
         self.stopping: list[int] = []
         self.stubs: dict[str, tuple[int, str]] = {}
@@ -47,7 +48,7 @@ class Supervisor:
     def wait_ready(self, timeout: float) -> bool:
         """True once every model and the server are ready; False if a stop was asked for first."""
         t0, shown = time.monotonic(), set()
-        url = f"http://127.0.0.1:{self.http_port}"
+        url = f"http://{self.host}:{self.http_port}"
         while not self.stopping:
             self._scan()  # each stub as soon as it runs: one may die before the launcher sees the server ready
             if self.proc.poll() is not None:
@@ -186,9 +187,9 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM):
     return set_signal
 
 
-def ports_in_use(ports: dict[str, int]) -> list[str]:
+def ports_in_use(ports: dict[str, int], address: str = "0.0.0.0") -> list[str]:
     """The options whose port another process listens on (`--http-port 8000`), checked by binding it as
-    tritonserver will (all interfaces, SO_REUSEADDR: a closed connection's TIME_WAIT does not count)."""
+    tritonserver will (at `address`, SO_REUSEADDR: a closed connection's TIME_WAIT does not count)."""
     import socket
 
     busy = []
@@ -196,7 +197,7 @@ def ports_in_use(ports: dict[str, int]) -> list[str]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind(("0.0.0.0", port))
+                s.bind((address, port))
             except OSError:
                 busy.append(f"{flag} {port}")
     return busy

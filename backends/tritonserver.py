@@ -80,9 +80,17 @@ def render(repo: Path, values: dict[str, str], models: tuple[str, ...] = MODELS,
 
 @dataclass(frozen=True)
 class Ports:
+    """The server's endpoints: their ports, and the address they bind (every interface by default, as Triton's)."""
+
     http: int
     grpc: int
     metrics: int
+    address: str = "0.0.0.0"
+
+    @property
+    def host(self) -> str:
+        """Where a client on this host reaches them: loopback when they bind every interface."""
+        return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.address, self.address)
 
 
 def command(layout: Layout, repo: Path, ports: Ports, dep: Deployment, shm_mb: int, log_verbose: int) -> list[str]:
@@ -90,8 +98,11 @@ def command(layout: Layout, repo: Path, ports: Ports, dep: Deployment, shm_mb: i
         str(layout.tritonserver),
         f"--model-repository={repo}",
         f"--backend-directory={layout.backend_dir}",
+        f"--http-address={ports.address}",
         f"--http-port={ports.http}",
+        f"--grpc-address={ports.address}",
         f"--grpc-port={ports.grpc}",
+        f"--metrics-address={ports.address}",
         f"--metrics-port={ports.metrics}",
         "--allow-metrics=true",
         "--exit-on-error=true",

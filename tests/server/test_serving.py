@@ -260,3 +260,16 @@ def test_process_rss_and_metrics_as_the_soak_reads_them(server):
     assert all(v > 10 << 20 for v in rss.values()), rss  # each a live process of more than 10 MB
     got = server.read_metrics({"total": "pd_kv_slots_total", "absent": ("pd_no_such_metric", {"path": "x"})})
     assert got == {"total": 4096.0, "absent": 0.0}
+
+
+def test_endpoints_bind_only_the_address_given(server):
+    """`--address 127.0.0.1` (what tests and scripts start servers with, and `make serve`): HTTP, gRPC and metrics
+    answer at that address and refuse a connection at another address of this host (127.0.0.2, also loopback),
+    which every-interface binding (0.0.0.0, Triton's default) would accept."""
+    import socket
+
+    for port in (server.http, server.grpc, server.metrics):
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()
