@@ -64,7 +64,7 @@ def test_the_report_names_every_read_first_reason_the_decode_loop_counts():
 
 def test_the_report_names_every_part_of_the_decode_loop():
     """Likewise the loop's parts of pd_decode_loop_seconds_total, which the report reads by label."""
-    from backends.pd_decode.loop import LOOP_PARTS
+    from backends.pd_decode.loop_metrics import LOOP_PARTS
 
     assert seed_stalls.LOOP_PARTS == LOOP_PARTS
 
