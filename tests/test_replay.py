@@ -12,7 +12,7 @@ import pytest
 
 from tests.server.conftest import ROOT, Server
 
-TRACE = Path(__file__).parent / "data" / "mooncake_slice.jsonl"  # rows 17-40 of the Mooncake trace (see README)
+TRACE = Path(__file__).parent / "perf" / "data" / "mooncake_slice.jsonl"  # rows 17-40 of the Mooncake trace (see README)
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
