@@ -23,9 +23,9 @@ def register(sub) -> None:
     )
     add_deployment_options(p)
     add_address_option(p)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--http-port", type=int, default=8000, help="Triton's HTTP endpoint (generate_stream)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC endpoint (streaming clients)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Triton's Prometheus metrics (/metrics)")
     p.add_argument(
         "--openai-port",
         type=int,

@@ -12,7 +12,8 @@ import pytest
 
 from tests.server.conftest import ROOT, Server
 
-TRACE = Path(__file__).parent / "perf" / "data" / "mooncake_slice.jsonl"  # rows 17-40 of the Mooncake trace (see README)
+# rows 17-40 of the Mooncake trace (tests/perf/data/README.md)
+TRACE = Path(__file__).parent / "perf" / "data" / "mooncake_slice.jsonl"
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 

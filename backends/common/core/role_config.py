@@ -117,8 +117,8 @@ FAULTS = (
 DETERMINISTIC = (
     "on: batch-invariant kernels on the GPU (every matmul and attention reduces a row in an order fixed by its own "
     "shape), so an answer paused, swapped, recomputed or served from the prefix cache is bit for bit the answer "
-    "given alone; costs decode and prefill speed (README, deterministic mode). Dense models; give the same value to "
-    "every prefill and decode server of a deployment. `--deterministic` alone means on"
+    "given alone; costs decode and prefill speed (docs/engine.md, deterministic mode). Dense models; give the same "
+    "value to every prefill and decode server of a deployment. `--deterministic` alone means on"
 )
 STATE_PAGES = (
     "hybrid (linear-attention) models: state pages per prefill and decode instance, one per running request plus "
@@ -285,7 +285,7 @@ class MasterConfig(RoleConfig):
         "master: decode streams open at once; further requests wait in master (their wait counts in TTFT and in "
         "the deadline). Also sizes the Python backend's thread pool (this + 64). Default: --decode-instances x "
         "--max-batch, at least 64 (256 for a role given none). At 512-1,024 streams on 2 cores, a memory corruption "
-        "inside Triton 2.51's Python backend crashed the server in about one run in five (README, operating notes)",
+        "inside Triton 2.51's Python backend crashed the server in about one run in five (docs/operations.md)",
         minimum=0,
         flag_default=None,
     )
