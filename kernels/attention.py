@@ -184,7 +184,7 @@ def default_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
 def decode_settings(batch: int, num_kv_heads: int, head_dim: int = 128) -> dict:
     """Launch settings of `decode_attention` for a decode graph of `batch` sequences (keyword arguments). Heads of
     256 dims (Qwen3-Next, Qwen3.5) take smaller key blocks once there are 64 or more (sequence, kv head) pairs, and
-    eight warps below that (perf/hybrid_sweep.py on an H200: 71 against 105 µs at batch 128 with 2 kv heads, 8.0
+    eight warps below that (perf/kernels.py hybrid-steps on an H200: 71 against 105 µs at batch 128 with 2 kv heads, 8.0
     against 9.5 µs at batch 1); from 64 to 127 pairs, 4 splits and 3 stages (one wave of programs at two an SM: at
     the layout's batch 32 on an H100, 31.6 against 37.3 µs a layer alone and 0.04 ms off the decode step, where 256
     pairs lost 0.14 ms with 3 stages: perf/results/attn_kvp_h100, attn_preload_h100, instep_h100)."""
@@ -366,7 +366,7 @@ def prefill_attention(
     sequences written; others untouched). block_m: queries per program (default 64; 128 for heads over 128 dims);
     block_n: keys per step; num_warps: default 4, 8 for heads over 128 dims. For 256-dim heads (Qwen3-Next,
     Qwen3.5) 128 x 64 in 8 warps took 1.30 ms for 8,192 causal tokens on an H200 against 4.69 ms for the earlier
-    64 x 32 (`perf/prefill_attention_bench.py --sweep`, which times the settings against PyTorch's flash
+    64 x 32 (`perf/kernels.py prefill-attention --sweep`, which times the settings against PyTorch's flash
     attention; perf/results/prefill_attention_h200)."""
     N = rows.shape[0]
     _, H, D = q.shape

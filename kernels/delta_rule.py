@@ -225,7 +225,7 @@ def _chunk_out_kernel(
     tl.store(o_ptr + rows[:, None] * DV + rv[None, :], out, mask=(rc < n)[:, None] & mv[None, :])
 
 
-# Launch settings of the chunked prefill (perf/delta_rule_roofline.py --scan-sweep measures them). The matmuls
+# Launch settings of the chunked prefill (perf/kernels.py delta-rule --scan-sweep measures them). The matmuls
 # take float32 operands in three TF32 passes ("tf32x3"): tensor cores, with about float32's accuracy. For models
 # whose activations are 16-bit (chunked(low_precision=True)) one TF32 pass ("precision_16bit"): on an H200 one layer
 # of 8,192 tokens took 2.50 ms against 4.02 ms (2.37 ms with the chunk algebra in 4 warps: "prep_warps_16bit"),
@@ -703,7 +703,7 @@ def gated_norm_rows(core: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, e
 
 def step_settings(batch: int, preload: bool = False) -> dict:
     """`gated_delta_step`'s keyword settings for a batch: whole 128-dim heads for a few sequences, 64 from 16 up
-    (perf/hybrid_sweep.py on an H200, Qwen3-Next's shapes: 146 against 150 µs at batch 128, 41 against 42 at 32,
+    (perf/kernels.py hybrid-steps on an H200, Qwen3-Next's shapes: 146 against 150 µs at batch 128, 41 against 42 at 32,
     4.8 against 5.2 at 1), with preload as given: the state read before the programmatic-dependent-launch wait
     (the caller's promise that the launch before wrote no page read here; 3.7 against 4.3 µs at batch 1 on an H200,
     perf/results/preload_h200/)."""

@@ -12,15 +12,15 @@ import triton
 
 from kernels import delta_rule, linear
 
-# `tune_step`'s candidates (value dims per block, the second block read with the first), from perf/hybrid_sweep.py on an
-# H200 (perf/results/preload_h200/): 4 warps won everywhere, blocks of 16 value dims nowhere; a head shared among
-# programs (split) only while the programs are fewer than 4 per SM
+# `tune_step`'s candidates (value dims per block, the second block read with the first), from `perf/kernels.py
+# hybrid-steps` on an H200 (perf/results/preload_h200/): 4 warps won everywhere, blocks of 16 value dims nowhere; a
+# head shared among programs (split) only while the programs are fewer than 4 per SM
 STEP_CANDIDATES = [dict(block_v=128), dict(block_v=64), dict(block_v=64, ahead=True), dict(block_v=32, ahead=True)]
 SPLIT_STEP_CANDIDATES = [dict(block_v=64, split=2), dict(block_v=32, split=4), dict(block_v=32, ahead=True, split=2)]
 TUNE_STATE_BYTES = 128 << 20  # tune_step's state copies: at least two, and enough to pass through L2
 # the conv in the step's launch: each candidate as it is, and with 8 warps where it has blocks of 64 value dims or
 # more: compiled for sm_90 by triton 3.6, the conv's tiles beside a [128, 128] state block spill 1,256 bytes per
-# thread at 4 warps and 16 at 8, beside two blocks of 64 read together 288 and none (perf/kernel_regs.py)
+# thread at 4 warps and 16 at 8, beside two blocks of 64 read together 288 and none (perf/kernels.py regs)
 CONV_WARPS_FROM_BLOCK = 64
 
 

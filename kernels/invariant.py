@@ -100,7 +100,7 @@ def _linear_tma_kernel(
 # launch settings by row count: rows and columns per tile, warps, stages, and columns per step (bk, default
 # BLOCK_K). Every one runs the same chain of tensor-core steps of 16 columns, in order, on each output, so a row's
 # bits do not depend on which one a batch gets (tests/kernels/test_invariant.py checks TILES against each other on
-# the H200; perf/invariant_sweep.py found no difference among 22-40 settings on Llama-3.1-8B's projections).
+# the H200; perf/kernels.py invariant found no difference among 22-40 settings on Llama-3.1-8B's projections).
 # Defaults from that sweep (graph-timed, H200: within 0.94-1.10x cuBLAS up to 32 rows; at 8,192 rows the persistent
 # TMA kernel, 0.97-1.04x cuBLAS, where the plain loop took 1.31-1.35x).
 SETTINGS = [

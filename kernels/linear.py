@@ -28,7 +28,7 @@ from kernels.pdl import enter, launch
 MAX_ROWS = 128
 TUNE_ROWS = 128  # decode graphs of up to this many rows choose between cuBLAS and skinny_linear (`tune`)
 
-# settings worth trying, from perf/linear_sweep.py on an H200 (Llama-3.1-8B projections); the narrow column blocks
+# settings worth trying, from perf/kernels.py linear on an H200 (Llama-3.1-8B projections); the narrow column blocks
 # give outputs of 2,048 columns (small models' o/out/down projections) more programs than the H200 has SMs
 CANDIDATES = {
     "one row": [

@@ -343,7 +343,7 @@ SMALL_BATCH = 2  # tokens up to which `routed` takes the matrix-vector path (two
 
 # Launch settings: the two grouped GEMMs' tiles (columns per program, reduction step, warps, stages), the
 # matrix-vector path's (small_*) and the batch up to which that path is taken, chosen on the H200 with
-# `python -m perf.moe_bench --sweep` (perf/results/moe_h200/; the small path's preload and the route's warps:
+# `python perf/engine.py moe --sweep` (perf/results/moe_h200/; the small path's preload and the route's warps:
 # perf/results/preload_h200/).
 SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
             "down_stages": 3, "small_batch": SMALL_BATCH, "small_bn": 8, "small_bk": 512, "small_down_bn": 2,

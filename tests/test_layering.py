@@ -153,4 +153,4 @@ def test_the_graph_sees_known_edges():
     assert "backends.common.model.batch" in g["backends.common.engine.runner"]  # from .batch import Span (module level)
     assert "backends.common.model.gpu_model" in g["backends.common.engine.runner"]  # lazy, inside ModelRunner.__init__
     assert "backends.common.serving.wire" in g["backends.pd_decode.model"]  # absolute
-    assert "perf.limits" in imports(ROOT / "perf" / "hybrid_bench.py")  # perf/ imports are seen too
+    assert "perf.tools.limits" in imports(ROOT / "perf" / "tools" / "hybrid_bench.py")  # perf/ imports are seen too

@@ -1,7 +1,7 @@
 """perf.hybrid_bench --profile's split of a kernel by launch grid, on a Chrome trace shaped like torch.profiler's
 (kernel events carry their grid in args): the GPU host is where it runs, the arithmetic is checked here."""
 
-from perf.hybrid_bench import kernels_by_grid
+from perf.tools.hybrid_bench import kernels_by_grid
 
 
 def kernel(name, grid, dur):
@@ -39,7 +39,7 @@ def test_a_trace_without_grids_gives_nothing():
 def test_cuda_series_times_each_series_of_calls(monkeypatch):
     """cuda_series: one untimed call, then `series` series of `reps` calls, each timed between its own pair of
     events (a fake event here reads a call counter, and elapsed_time gives calls between two events as ms)."""
-    from perf import hybrid_bench
+    from perf.tools import hybrid_bench
 
     calls = [0]
 

@@ -17,13 +17,13 @@ pytest.importorskip("triton")
 def test_candidates_compile_for_sm90_and_report_registers_and_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "regs.md"
-    subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--first", "1", "--out", str(out), "--time-limit", "120"],
-                   env=env, check=True, capture_output=True, timeout=180)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "perf.tools.kernel_regs", "--first", "1", "--out", str(out), "--time-limit",
+                    "120"], env=env, check=True, capture_output=True, timeout=180)  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [r["setting"] for r in rows] == [{"block_v": 128}] and not rows[0]["conv"]
     assert 0 < rows[0]["REG"] <= 255 and rows[0]["STACK"] >= 0
     assert "| {'block_v': 128} | no | 4 |" in out.read_text()
-    interpreted = subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--first", "1"], capture_output=True,
+    interpreted = subprocess.run([sys.executable, "-m", "perf.tools.kernel_regs", "--first", "1"], capture_output=True,
                                  text=True, env=dict(env, TRITON_INTERPRET="1"), timeout=120)  # fmt: skip
     assert interpreted.returncode == 2 and "unset it" in interpreted.stderr
 
@@ -34,14 +34,14 @@ def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_pat
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "skinny.md"
     command = ["--skinny", "--rows", "32", "--first", "1", "--out", str(out), "--time-limit", "150"]
-    subprocess.run([sys.executable, "-m", "perf.kernel_regs", *command], env=env, check=True, capture_output=True,
+    subprocess.run([sys.executable, "-m", "perf.tools.kernel_regs", *command], env=env, check=True, capture_output=True,
                    timeout=200)  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [r["conv"] for r in rows] == ["no", "epilogue"]
     assert all(r["block_n"] == 32 and 0 < r["REG"] <= 255 for r in rows)
     assert rows[1]["REG"] > rows[0]["REG"]  # the conv's tiles cost registers beside the product's
-    one = subprocess.run([sys.executable, "-m", "perf.kernel_regs", "--skinny", "--rows", "1"], capture_output=True,
-                         text=True, env=env, timeout=120)  # fmt: skip
+    one = subprocess.run([sys.executable, "-m", "perf.tools.kernel_regs", "--skinny", "--rows", "1"],
+                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert one.returncode == 2 and "--rows 2 or more" in one.stderr
 
 
@@ -52,7 +52,7 @@ def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_pat
 COMPILE_HYBRID = """
 import json
 from kernels import attention, norm
-from perf.kernel_regs import resource_use
+from perf.tools.kernel_regs import resource_use
 
 attn = {n: "*bf16" for n in ("Q", "K", "V", "O", "KNew", "VNew", "Gate")}
 attn |= {n: "*fp32" for n in ("MidO", "MidL", "Cos", "Sin")}
@@ -67,7 +67,7 @@ consts = dict(HAS_RES=True, BLOCK=2048, OFFSET=True, PARTS=4, PRELOAD=True, PDL=
 pointers = {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Out": "*bf16"}
 use["norm"] = resource_use(norm._add_rms_norm_kernel, consts, 8, 90, None, pointers, set())
 from kernels import linear
-from perf.kernel_regs import SKINNY_ALIGNED, SKINNY_PLAIN, SKINNY_POINTERS
+from perf.tools.kernel_regs import SKINNY_ALIGNED, SKINNY_PLAIN, SKINNY_POINTERS
 
 consts = dict(SKINNY_PLAIN, BLOCK_M=32, NORM=True, HAS_RES=True, PRELOAD=True, K_FIRST=128, GLU=True, PREFETCH=True)
 use["skinny norm"] = resource_use(linear._skinny_kernel, consts, 4, 90, 3, SKINNY_POINTERS, SKINNY_ALIGNED)

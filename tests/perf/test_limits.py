@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, time
-from perf.limits import wall_clock_limit
+from perf.tools.limits import wall_clock_limit
 
 class FakeServer:
     def stop(self):
@@ -42,7 +42,7 @@ def test_a_run_within_its_limit_is_left_alone():
 def test_report_writer_writes_what_the_lists_hold_when_called(tmp_path):
     import json
 
-    from perf.limits import report_writer
+    from perf.tools.limits import report_writer
 
     lines, rows = ["# r"], []
     out = tmp_path / "r.md"

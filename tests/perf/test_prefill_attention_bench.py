@@ -1,4 +1,4 @@
-"""perf/prefill_attention_bench.py runs end to end at a tiny size (without a GPU through Triton's interpreter): the
+"""`perf/kernels.py prefill-attention` runs end to end at a tiny size (without a GPU through Triton's interpreter): the
 report lists the reference and the kernel with the slots in order and scattered, and the kernel agrees with the
 reference."""
 
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from perf import prefill_attention_bench  # noqa: E402
+from perf.tools import prefill_attention_bench  # noqa: E402
 
 
 def test_report_lists_the_reference_and_both_slot_orders(tmp_path):

@@ -1,8 +1,8 @@
-"""perf/rotation_sim.py: the scheduler on a fake clock in the seed scenario's second phase."""
+"""perf/scenario.py rotation-sim: the scheduler on a fake clock in the seed scenario's second phase."""
 
 from __future__ import annotations
 
-from perf.rotation_sim import POLICIES, main, simulate
+from perf.tools.rotation_sim import POLICIES, main, simulate
 
 
 def test_smallest_victims_lose_less_than_round_robin_and_every_gap_stays_bounded():
@@ -34,7 +34,7 @@ def test_a_turn_cost_is_paid_at_every_rotation_and_each_wait_gets_its_rows(capsy
 def test_the_hybrid_shape_prefetches_kv_ahead_of_its_turns():
     """--shape qwen3.5-9b: state pages on the device and in the host tier; prefetch brings K/V back ahead of a
     hybrid turn as for a dense model, so decode waits for fewer tokens at its turns, gaps stay bounded."""
-    from perf.rotation_sim import SHAPES
+    from perf.tools.rotation_sim import SHAPES
 
     shape = SHAPES["qwen3.5-9b"]
     late = simulate([5300] * 3, **shape, **POLICIES["smallest"])

@@ -1,11 +1,11 @@
-"""perf/seed_stalls.py's answer comparison: which streams equal the reference policy's token for token, and where
+"""perf/scenario.py seed's answer comparison: which streams equal the reference policy's token for token, and where
 the others first differ (the served check of `--deterministic`, issue #29)."""
 
 from __future__ import annotations
 
 import pytest
 
-from perf import seed_stalls
+from perf.tools import seed_stalls
 
 
 def test_same_answers_names_the_first_difference_of_each_stream():
@@ -71,7 +71,7 @@ def test_the_report_names_every_part_of_the_decode_loop():
 
 def _summary(setup: str, runs: dict) -> dict:
     phase = lambda tok, gap: {"output_tok_s": tok, "largest_gap_s": gap, "completed": 3, "streams": 3}  # noqa: E731
-    return {"setup": setup, "command": "python perf/seed_stalls.py ...", "policies": {
+    return {"setup": setup, "command": "python perf/scenario.py seed ...", "policies": {
         pol: {"3x5500": phase(*r), "close_all": {}} for pol, r in runs.items()}}  # fmt: skip
 
 

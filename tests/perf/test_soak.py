@@ -1,8 +1,8 @@
-"""perf/soak.py's arithmetic: which windows a compared span takes."""
+"""perf/soak.py steady's arithmetic: which windows a compared span takes."""
 
 from __future__ import annotations
 
-from perf.soak import _mean_rate
+from perf.tools.soak import _mean_rate
 
 
 def window(t: float, tokens: float, seconds: float = 60.0) -> dict:

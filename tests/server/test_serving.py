@@ -253,8 +253,9 @@ def test_sampling_values_as_strings_are_taken_as_the_vllm_backend_takes_them(ser
 
 
 def test_process_rss_and_metrics_as_the_soak_reads_them(server):
-    """What perf/soak.py writes per window: the RSS of tritonserver and of every Python stub (one instance of each
-    role here), found from the launcher's pid, and several metrics at once with 0 for a counter not yet touched."""
+    """What `perf/soak.py steady` writes per window: the RSS of tritonserver and of every Python stub (one instance
+    of each role here), found from the launcher's pid, and several metrics at once with 0 for a counter not yet
+    touched."""
     rss = server.process_rss()
     assert set(rss) == {"tritonserver", "pd_master_0_0", "pd_decode_0_0", "pd_prefill_0_0"}, rss
     assert all(v > 10 << 20 for v in rss.values()), rss  # each a live process of more than 10 MB

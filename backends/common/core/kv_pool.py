@@ -1,7 +1,7 @@
 """Token-granular KV slot allocator (page size 1). Pure Python over integers: it never touches a device. A call of
 many slots (a paused stream's thousands of positions released, a recovery's allocated) takes them off the stack as
 one slice and marks the free map in one tight loop: the general per-slot loop was most of a rotation turn's
-scheduling time (perf/rotation_sim.py)."""
+scheduling time (perf/scenario.py rotation-sim)."""
 
 from __future__ import annotations
 
