@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 	$(PIP) install -q --no-deps -e .
 	@echo "== default model (converted once into the cache)"
 	$(PY) -c "from backends.common.model import loader; print(loader.resolve('smollm2').folder)"
-	@echo "== perf_analyzer's libcudart.so.12 (a link to nvidia-pytriton's copy; README, Benchmarks)"
+	@echo "== perf_analyzer's libcudart.so.12 (a link to nvidia-pytriton's copy; docs/api.md)"
 	$(PY) -c "from backends.perf_analyzer import library_dir; print(library_dir())"
 	touch $(STAMP)
 

@@ -70,8 +70,8 @@ def default_max_streams(decode_instances: int, max_batch: int) -> int:
     """Decode streams master opens at once: what the decode instances can run at once, and at least 64 (the earlier
     default), so that small batches still have requests waiting on decode. Not more: with 512 or 1,024 streams on
     2 cores a memory corruption in the 2.51 Python backend's shared-memory messages brought the server down in
-    about one run in five (a stub's or tritonserver's SIGSEGV, then boost::interprocess::lock_exception; README,
-    operating notes), while 256 ran 110 rounds on an H200 and 200 ran 7 rounds on 2 cores without a fault."""
+    about one run in five (a stub's or tritonserver's SIGSEGV, then boost::interprocess::lock_exception;
+    docs/operations.md), while 256 ran 110 rounds on an H200 and 200 ran 7 rounds on 2 cores without a fault."""
     return max(64, decode_instances * max_batch)
 
 

@@ -8,7 +8,7 @@ Updates are coalesced: a gauge sends its last value, a counter the sum of its in
 Prometheus keeps one, cumulative `<name>_bucket{le=...}`, `<name>_sum` and `<name>_count` counters, so that a burst
 of observations is one increment per bucket touched. The worker sends what changed as soon as it is idle, then at
 most every FLUSH_INTERVAL seconds while updates keep coming. Each message is a blocking round trip between the
-stub and tritonserver (with the free-while-waking hand-off described in the README's operating notes), and
+stub and tritonserver (with the free-while-waking hand-off described in docs/operations.md), and
 pd_master used to send one per token generated (its inter-token latency histogram). Coalescing did not remove the
 512+-stream crash.
 
