@@ -10,6 +10,8 @@ import fcntl
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -898,10 +900,76 @@ def _tune_key(weights: list[torch.Tensor], rows: int, prologue, conv_channels: i
     return json.dumps(fields)
 
 
+@dataclass(frozen=True)
+class TuneContext:
+    """What `tune`'s stages know of the projection being tuned."""
+
+    rows: int
+    K: int
+    prologue: str | None
+    pflag: str | None  # the prologue's settings flag (PROLOGUE_FLAGS), None without one
+    norm_after: bool  # an add + RMSNorm launch reads the product next (epilogue "norm")
+    candidates: list[dict]  # the settings of the first stage: the tile candidates, with and without the fusions
+
+
+@dataclass(frozen=True)
+class TuneStage:
+    """One stage of `tune`'s search: where it applies (`when`), and the settings it times next (`propose`) from the
+    settings timed so far, their times and the pick so far; each proposal is a compile at capture time, so a stage
+    crosses its variant with a few of the fastest settings, not with every candidate."""
+
+    name: str
+    when: Callable[[TuneContext], bool]
+    propose: Callable[[TuneContext, list, dict, dict | None], list[dict]]
+
+
+def _stage_prefetch(c: TuneContext, settings: list, times: dict, best) -> list[dict]:
+    """The two fastest with the prologue fused, with their input tiles loaded a step ahead; the norm's fastest also
+    with its sum of squares in fewer, wider steps (tiles of 256 columns)."""
+    ahead = [dict(s, prefetch=True) for s in by_time(settings, times, lambda s: s.get(c.pflag))[:2]]
+    if c.prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and c.K % 256 == 0:
+        ahead.append(dict(ahead[0], norm_tile=256))
+    return ahead
+
+
+def _stage_unroll(c: TuneContext, settings: list, times: dict, best) -> list[dict]:
+    """One row: the three fastest with a loop over K, with the loop unrolled."""
+    if best is None:
+        return []
+    return [dict(s, unroll=True) for s in by_time(settings, times, lambda s: not s.get("preload"))[:3]]
+
+
+def _stage_preload(c: TuneContext, settings: list, times: dict, best) -> list[dict]:
+    """The first weight tile loaded before the PDL wait: at one row the pick's, at more rows the fastest
+    candidate's even where cuBLAS was the faster so far (cuBLAS's launches cannot start early; a preloading one
+    overlaps the launch before)."""
+    if c.rows == 1:
+        return [dict(best, preload=True)] if best is not None and not best.get("preload") else []
+    timed = by_time(settings, times)
+    return [dict(timed[0], preload=True)] if timed else []
+
+
+# `tune`'s stages, in order (the first proposes the candidates themselves, `tune` computes them)
+TUNE_STAGES = (
+    TuneStage("candidates", lambda c: True, lambda c, settings, times, best: c.candidates),
+    TuneStage("prefetch", lambda c: c.pflag is not None and c.rows > 1, _stage_prefetch),
+    TuneStage(
+        "defer",  # the two fastest with K split, their partial sums left for the norm's launch to add
+        lambda c: c.norm_after,
+        lambda c, settings, times, best: [
+            dict(s, defer=True) for s in by_time(settings, times, lambda s: s.get("splits", 1) > 1)[:2]
+        ],
+    ),
+    TuneStage("unroll", lambda c: c.rows == 1, _stage_unroll),
+    TuneStage("preload", lambda c: True, _stage_preload),
+)
+
+
 def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, conv_channels: int = 0,
          epilogue: str | None = None) -> tuple[dict | None, dict]:  # fmt: skip
     """The fastest way to multiply `rows` rows by each of `weights` (one projection of every layer, all the same
-    shape): None for cuBLAS, or skinny_linear's settings. Each candidate is timed as a CUDA graph running all the
+    shape): None for cuBLAS, or skinny_linear's settings, searched in the stages TUNE_STAGES declares (below, in
+    their order). Each candidate is timed as a CUDA graph running all the
     weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. prologue: what the
     input is computed from, cuBLAS timed with the launches that compute it before it and skinny_linear with it
     fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
@@ -970,17 +1038,18 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         base = CANDIDATES[_kind(rows)] + (SPLIT_CANDIDATES[_kind(rows)] if N <= SPLIT_MAX_N else [])
         base += whole_range_candidates(K) if rows == 1 and N <= WHOLE_RANGE_MAX_N else []
         base = [s for s in base if fits(s)]
-        settings = [dict(s, **flag) for s in base]
+        settings: list[dict] = []
+        candidates = [dict(s, **flag) for s in base]
         # more rows: the prologue also as its own launch before skinny_linear (the flag left out), since at 16 rows and
         # more a prologue computed in the product's loop can cost more than its launch (x passes through registers
         # on its way to the tensor cores, which stalls the loop's pipelined loads)
         if pflag and rows > 1:
-            settings += [dict(s, **{k: v for k, v in flag.items() if k != pflag}) for s in base]
+            candidates += [dict(s, **{k: v for k, v in flag.items() if k != pflag}) for s in base]
             if conv is not None:  # and the conv step as its own launch after (no flag of either)
-                settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in base]
+                candidates += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in base]
         # K split with the product as w @ x.T, after the prologue's launch and before the conv's (it fuses neither)
         swap = SWAP_CANDIDATES.get(_kind(rows), []) if N <= SPLIT_MAX_N and not glu else []
-        settings += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in swap if fits(s)]
+        candidates += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in swap if fits(s)]
         extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
         if conv is not None:
             extra = dict(extra, conv=conv)
@@ -990,34 +1059,12 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
                 return [apply(w, dict(s, out=out)) for w in weights]
             return [after(_skinny(x, w, dict(s, out=out), **extra)) for w in weights]
 
-        best, times = fastest(settings, run, len(weights), None, times["cublas"], times)
-        if pflag and rows > 1:
-            # the two fastest with the prologue fused, again with their input tiles loaded a step ahead (prefetch)
-            ahead = [dict(s, prefetch=True) for s in by_time(settings, times, lambda s: s.get(pflag))[:2]]
-            if prologue == "norm" and ahead and ahead[0]["block_k"] < 256 and K % 256 == 0:
-                ahead.append(dict(ahead[0], norm_tile=256))  # the sum of squares in fewer, wider steps
-            best, times = fastest(ahead, run, len(weights), best, time_of(best, times), times)
-            settings += ahead
-        if norm_after:
-            # the two fastest with K split, again with their partial sums left for the norm's launch to add (defer)
-            deferred = [dict(s, defer=True) for s in by_time(settings, times, lambda s: s.get("splits", 1) > 1)[:2]]
-            best, times = fastest(deferred, run, len(weights), best, time_of(best, times), times)
-            settings += deferred
-        if best is not None and rows == 1:
-            # then the three fastest with a loop over K with the loop unrolled, and the best with its first weight
-            # tile loaded before the PDL wait (each a compile: not crossed with every candidate)
-            top = by_time(settings, times, lambda s: not s.get("preload"))[:3]
-            unrolled = [dict(s, unroll=True) for s in top]
-            best, times = fastest(unrolled, run, len(weights), best, times[str(best)], times)
-            if best is not None and not best.get("preload"):
-                best, times = fastest([dict(best, preload=True)], run, len(weights), best, times[str(best)], times)
-        elif rows > 1:
-            # the fastest candidate with its first weight tile loaded before the PDL wait, even where cuBLAS was
-            # the faster so far: cuBLAS's launches cannot start early, a preloading one overlaps the launch before
-            timed = by_time(settings, times)
-            if timed:
-                pre = dict(timed[0], preload=True)
-                best, times = fastest([pre], run, len(weights), best, time_of(best, times), times)
+        ctx, best = TuneContext(rows, K, prologue, pflag, norm_after, candidates), None
+        for stage in TUNE_STAGES:  # each stage times what it proposes from what the stages before it timed
+            proposed = stage.propose(ctx, settings, times, best) if stage.when(ctx) else []
+            if proposed:
+                best, times = fastest(proposed, run, len(weights), best, time_of(best, times), times)
+                settings += proposed
         if best is not None and rows > CUBLAS_MARGIN_ROWS and times[str(best)] > times["cublas"] * (1 - CUBLAS_MARGIN):
             best = None  # within the margin of cuBLAS: cuBLAS
         return best, times
