@@ -141,10 +141,10 @@ def _before(k, end):
 
 
 @triton.jit
-def _prologue_raw(X, G, R, offs_m, offs_k, k, mask_m, ok, stride_xm, stride_gm, stride_rm, K,
-                  GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+def _prologue_raw(X, R, offs_m, offs_k, k, mask_m, ok, stride_xm, stride_rm, K,
+                  GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
     """What the input columns offs_k + k of rows offs_m are computed from (`_prologue_math`), as loaded: x's tile
-    and up's (GATED), the gate's (SIGMOID) or the residual's (NORM with HAS_RES), else x's again. ok (rows): a
+    and up's (GATED) or the residual's (NORM with HAS_RES), else x's again. ok (rows): a
     scalar that masks every load off (a prefetch past the end of the loop)."""
     if offs_m is None:
         ptr = X + k + offs_k
@@ -152,8 +152,6 @@ def _prologue_raw(X, G, R, offs_m, offs_k, k, mask_m, ok, stride_xm, stride_gm, 
         a = x
         if GATED:
             a = tl.load(ptr + K)
-        if SIGMOID:
-            a = tl.load(G + k + offs_k)
         if NORM:
             if HAS_RES:
                 a = tl.load(R + k + offs_k)
@@ -165,8 +163,6 @@ def _prologue_raw(X, G, R, offs_m, offs_k, k, mask_m, ok, stride_xm, stride_gm, 
         a = x
         if GATED:
             a = tl.load(ptr + K, mask=mask, other=0.0)
-        if SIGMOID:
-            a = tl.load(G + offs_m[:, None] * stride_gm + cols, mask=mask, other=0.0)
         if NORM:
             if HAS_RES:
                 a = tl.load(R + offs_m[:, None] * stride_rm + cols, mask=mask, other=0.0)
@@ -175,16 +171,13 @@ def _prologue_raw(X, G, R, offs_m, offs_k, k, mask_m, ok, stride_xm, stride_gm, 
 
 @triton.jit
 def _prologue_math(x, a, NW, offs_k, k, rstd, dtype, ROWS: tl.constexpr, GATED: tl.constexpr,
-                   SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """The input from `_prologue_raw`'s tiles x, a: silu(gate) * up (GATED), x * sigmoid(g) (SIGMOID), or
+                   NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The input from `_prologue_raw`'s tiles x, a: silu(gate) * up (GATED) or
     rmsnorm(x + r) * (1 + w) with the row's rstd (NORM; ROWS: each row's), each rounded step by step as its
     unfused launches round it."""
     if GATED:
         g = x.to(tl.float32)
         x = ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * a.to(tl.float32)).to(dtype)
-    if SIGMOID:  # kernels' order: sigmoid(g) rounded, then the product rounded (torch.sigmoid, then *)
-        g = a.to(tl.float32)
-        x = (x.to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)).to(dtype)
     if NORM:  # kernels.norm.add_rms_norm's rounding, offset weights
         w = tl.load(NW + k + offs_k).to(tl.float32)
         if HAS_RES:
@@ -197,32 +190,31 @@ def _prologue_math(x, a, NW, offs_k, k, rstd, dtype, ROWS: tl.constexpr, GATED: 
 
 
 @triton.jit
-def _prologue(X, G, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_gm, stride_rm, K, rstd, dtype,
-              GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+def _prologue(X, R, NW, offs_m, offs_k, k, mask_m, stride_xm, stride_rm, K, rstd, dtype,
+              GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
     """The input columns offs_k + k of rows offs_m ([BLOCK_M, BLOCK_K], or [BLOCK_K] for offs_m None), computed as
     it is read (`_prologue_raw`, then `_prologue_math`)."""
-    x, a = _prologue_raw(X, G, R, offs_m, offs_k, k, mask_m, True, stride_xm, stride_gm, stride_rm, K, GATED,
-                         SIGMOID, NORM, HAS_RES)  # fmt: skip
+    x, a = _prologue_raw(X, R, offs_m, offs_k, k, mask_m, True, stride_xm, stride_rm, K, GATED, NORM, HAS_RES)
     if offs_m is None:
-        x = _prologue_math(x, a, NW, offs_k, k, rstd, dtype, False, GATED, SIGMOID, NORM, HAS_RES)
+        x = _prologue_math(x, a, NW, offs_k, k, rstd, dtype, False, GATED, NORM, HAS_RES)
     else:
-        x = _prologue_math(x, a, NW, offs_k, k, rstd, dtype, True, GATED, SIGMOID, NORM, HAS_RES)
+        x = _prologue_math(x, a, NW, offs_k, k, rstd, dtype, True, GATED, NORM, HAS_RES)
     return x
 
 
 @triton.jit
-def _row_step(acc2, w, X, G, R, NW, offs_k, k, K, rstd, dtype, GATED: tl.constexpr, SIGMOID: tl.constexpr,
-              NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+def _row_step(acc2, w, X, R, NW, offs_k, k, K, rstd, dtype, GATED: tl.constexpr, NORM: tl.constexpr,
+              HAS_RES: tl.constexpr):  # fmt: skip
     """One row: acc2 [BLOCK_N, BLOCK_K] plus the weight tile w times the input columns offs_k + k (`_prologue`)."""
-    x = _prologue(X, G, R, NW, None, offs_k, k, None, 0, 0, 0, K, rstd, dtype, GATED, SIGMOID, NORM, HAS_RES)
+    x = _prologue(X, R, NW, None, offs_k, k, None, 0, 0, K, rstd, dtype, GATED, NORM, HAS_RES)
     return acc2 + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
 def _skinny_kernel(
-    X, W, Y, P, C, G, R, RO, NW, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_gm, eps,
+    X, W, Y, P, C, R, RO, NW, M, N, K, k_split, stride_xm, stride_wn, stride_ym, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr,
-    GATED: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
     PRELOAD: tl.constexpr, CONV: tl.constexpr, CS, CW, CPages, COutPages, Mixed, s_mix, CC, cs_page,
     KM1: tl.constexpr,
     UNROLL: tl.constexpr, K_FIRST: tl.constexpr, K_SPLIT: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
@@ -231,7 +223,7 @@ def _skinny_kernel(
     """Program (column block, K split). With SPLITS > 1 each writes its float32 partial sums to P [SPLITS, M, N],
     and the last of a column block's programs to finish (counted in C, which it resets to 0 for the next launch)
     adds them in split order, so the result does not depend on which finished last. The input as it is read
-    (`_prologue`): GATED, x's row is [gate | up] of width 2K and the input silu(gate) * up; SIGMOID, x * sigmoid(G);
+    (`_prologue`): GATED, x's row is [gate | up] of width 2K and the input silu(gate) * up;
     NORM, rmsnorm(x (+ R with HAS_RES)) * (1 + NW), every program taking each row's sum of squares over all K
     columns (one row: at once, BLOCK_H a power of 2 >= K; DOT: in tiles of BLOCK_K; R and RO have x's row stride)
     and the first writing x + R to RO (the residual stream's next value, never in place: the other programs still
@@ -275,11 +267,11 @@ def _skinny_kernel(
             first = (pid == 0) & (ps == 0)
             if PREFETCH:  # in tiles of NORM_TILE columns, each loaded a step ahead
                 offs_c = tl.arange(0, NORM_TILE)
-                v, r = _prologue_raw(X, G, R, offs_r, offs_c, 0, mask_r, True, stride_xm, stride_gm, stride_xm, K,
-                                     False, False, NORM, HAS_RES)  # fmt: skip
+                v, r = _prologue_raw(X, R, offs_r, offs_c, 0, mask_r, True, stride_xm, stride_xm, K,
+                                     False, NORM, HAS_RES)  # fmt: skip
                 for k0 in range(0, K, NORM_TILE):
-                    vn, rn = _prologue_raw(X, G, R, offs_r, offs_c, k0 + NORM_TILE, mask_r, _before(k0 + NORM_TILE, K),
-                                           stride_xm, stride_gm, stride_xm, K, False, False, NORM, HAS_RES)  # fmt: skip
+                    vn, rn = _prologue_raw(X, R, offs_r, offs_c, k0 + NORM_TILE, mask_r, _before(k0 + NORM_TILE, K),
+                                           stride_xm, stride_xm, K, False, NORM, HAS_RES)  # fmt: skip
                     if HAS_RES:
                         v = (v.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
                         if first:
@@ -318,21 +310,21 @@ def _skinny_kernel(
         if GLU:
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the up half's
         if PRELOAD:
-            x = _prologue(X, G, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
-                          W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+            x = _prologue(X, R, NW, offs_m, offs_k, 0, mask_m, stride_xm, stride_xm, K, rstd,
+                          W.dtype.element_ty, GATED, NORM, HAS_RES)  # fmt: skip
             acc += tl.dot(x, tl.trans(w0))
             if GLU:
                 acc_u += tl.dot(x, tl.trans(u0))
         if PREFETCH:
-            xr, ar = _prologue_raw(X, G, R, offs_m, offs_k, K_FIRST, mask_m, _before(K_FIRST, k_split), stride_xm,
-                                   stride_gm, stride_xm, K, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+            xr, ar = _prologue_raw(X, R, offs_m, offs_k, K_FIRST, mask_m, _before(K_FIRST, k_split), stride_xm,
+                                   stride_xm, K, GATED, NORM, HAS_RES)  # fmt: skip
             for k0 in range(K_FIRST, k_split, BLOCK_K):
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 if GLU:
                     u = tl.load(u_ptr + k0, mask=mask_n[:, None], other=0.0)
-                xn, an = _prologue_raw(X, G, R, offs_m, offs_k, k0 + BLOCK_K, mask_m, _before(k0 + BLOCK_K, k_split),
-                                       stride_xm, stride_gm, stride_xm, K, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
-                x = _prologue_math(xr, ar, NW, offs_k, k0, rstd, W.dtype.element_ty, True, GATED, SIGMOID, NORM,
+                xn, an = _prologue_raw(X, R, offs_m, offs_k, k0 + BLOCK_K, mask_m, _before(k0 + BLOCK_K, k_split),
+                                       stride_xm, stride_xm, K, GATED, NORM, HAS_RES)  # fmt: skip
+                x = _prologue_math(xr, ar, NW, offs_k, k0, rstd, W.dtype.element_ty, True, GATED, NORM,
                                    HAS_RES)  # fmt: skip
                 acc += tl.dot(x, tl.trans(w))
                 if GLU:
@@ -340,8 +332,8 @@ def _skinny_kernel(
                 xr, ar = xn, an
         else:
             for k0 in range(K_FIRST, k_split, BLOCK_K):
-                x = _prologue(X, G, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_gm, stride_xm, K, rstd,
-                              W.dtype.element_ty, GATED, SIGMOID, NORM, HAS_RES)  # fmt: skip
+                x = _prologue(X, R, NW, offs_m, offs_k, k0, mask_m, stride_xm, stride_xm, K, rstd,
+                              W.dtype.element_ty, GATED, NORM, HAS_RES)  # fmt: skip
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
                 acc += tl.dot(x, tl.trans(w))
                 if GLU:
@@ -353,17 +345,17 @@ def _skinny_kernel(
     else:  # one row: products summed along K at the end
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PRELOAD:
-            acc2 = _row_step(acc2, w0, X, G, R, NW, offs_k, 0, K, rstd, W.dtype.element_ty, GATED, SIGMOID, NORM,
+            acc2 = _row_step(acc2, w0, X, R, NW, offs_k, 0, K, rstd, W.dtype.element_ty, GATED, NORM,
                              HAS_RES)  # fmt: skip
         if UNROLL:
             for k0 in tl.static_range(K_FIRST, K_SPLIT, BLOCK_K):
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
-                acc2 = _row_step(acc2, w, X, G, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED, SIGMOID,
+                acc2 = _row_step(acc2, w, X, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED,
                                  NORM, HAS_RES)  # fmt: skip
         else:
             for k0 in range(K_FIRST, k_split, BLOCK_K):
                 w = tl.load(w_ptr + k0, mask=mask_n[:, None], other=0.0)
-                acc2 = _row_step(acc2, w, X, G, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED, SIGMOID,
+                acc2 = _row_step(acc2, w, X, R, NW, offs_k, k0, K, rstd, W.dtype.element_ty, GATED,
                                  NORM, HAS_RES)  # fmt: skip
         acc = tl.sum(acc2, 1)
         offs_y = offs_n
@@ -549,7 +541,6 @@ def skinny_linear(
     dot: bool | None = None,
     splits: int = 1,
     gated: bool = False,
-    sigmoid_gate: torch.Tensor | None = None,
     norm: tuple | None = None,
     preload: bool = False,
     conv: tuple | None = None,
@@ -565,7 +556,6 @@ def skinny_linear(
     that many parts, each its own program (more programs in flight for outputs of few columns), added in a fixed
     order. What multiplies w is computed as it is read (one launch instead of two or three):
     - gated: x is [M, 2K] = [gate | up] and the input is silu(gate) * up (kernels.act.silu_mul fused);
-    - sigmoid_gate [M, K] (unit stride along K): the input is x * sigmoid(sigmoid_gate) (a gated attention output);
     - norm = (residual or None, weight, eps, residual_out): the input is rmsnorm(x + residual) * (1 + weight) as
       kernels.norm.add_rms_norm(..., offset=True) gives it, row by row, and x + residual is written to residual_out
       (a tensor of its own: the residual is not updated in place); x, residual and residual_out contiguous.
@@ -575,7 +565,7 @@ def skinny_linear(
     kernels.delta_rule.conv_step (its state read at pages[m], written at out_pages[m]) into mixed[m]. unroll
     (one row): the loop over K unrolled (a compile per K). glu (tensor cores): w is [gate | up] ([2C, K]) and the
     result [M, C] is silu(x @ gate.T) * (x @ up.T), kernels.act.silu_mul fused after the product. prefetch
-    (tensor cores with gated, sigmoid_gate or norm): each step's input tiles loaded a step ahead, the norm's sum
+    (tensor cores with gated or norm): each step's input tiles loaded a step ahead, the norm's sum
     of squares read in tiles of norm_tile columns (a power of 2 dividing K; 0: block_k). defer (splits > 1, no
     glu, no conv): returns the K split's partial sums unadded (`Partials`, for kernels.norm.add_rms_norm to add);
     out is not written. swap (tensor cores; with splits,
@@ -603,14 +593,11 @@ def skinny_linear(
         part, counters = torch.empty(splits, M, N, device=x.device, dtype=torch.float32), _counters(x.device)
     else:
         part = counters = out
-    g = x if sigmoid_gate is None else sigmoid_gate
-    if sigmoid_gate is not None:
-        assert g.shape == (M, K) and g.stride(1) == 1, g.shape
     res = res_out = nw = x
     eps = 0.0
     if norm is not None:
         residual, nw, eps, res_out = norm
-        assert not gated and sigmoid_gate is None, "norm: no other prologue"
+        assert not gated, "norm: no other prologue"
         assert nw.shape == (K,) and x.is_contiguous()
         if residual is not None:
             assert residual.shape == x.shape and residual.is_contiguous() and res_out.shape == x.shape
@@ -620,7 +607,7 @@ def skinny_linear(
     if unroll:
         assert not dot, "unroll: one row"
     if prefetch:
-        assert dot and (gated or sigmoid_gate is not None or norm is not None), "prefetch: tensor cores, a prologue"
+        assert dot and (gated or norm is not None), "prefetch: tensor cores, a prologue"
     norm_tile = norm_tile or block_k
     assert K % norm_tile == 0 and norm_tile & (norm_tile - 1) == 0, ("norm_tile", norm_tile, K)
     cw, cs, cpages, cout_pages, mixed = (x, x, x, x, x) if conv is None else conv
@@ -629,8 +616,9 @@ def skinny_linear(
         assert cpages.numel() >= M and cout_pages.numel() >= M and mixed.shape[0] >= M
         assert cw.shape[0] <= N and cw.is_contiguous()
     if swap:
-        assert dot and not (gated or sigmoid_gate is not None or norm is not None or conv is not None or unroll
-                            or prefetch), "swap: tensor cores, no prologue, no conv"  # fmt: skip
+        assert dot and not (gated or norm is not None or conv is not None or unroll or prefetch), (
+            "swap: tensor cores, no prologue, no conv"
+        )
         assert not (glu and splits > 1), "swap: glu without a K split"
         _swap_kernel[grid](
             x, w, out, part, counters, M, N, K // splits, x.stride(0), w.stride(0), out.stride(0),
@@ -640,10 +628,10 @@ def skinny_linear(
         )  # fmt: skip
         return Partials(part, x.dtype) if defer else out
     _skinny_kernel[grid](
-        x, w, out, part, counters, g, res, res_out, nw, M, N, K, K // splits, x.stride(0), w.stride(0),
-        out.stride(0), g.stride(0), eps,
+        x, w, out, part, counters, res, res_out, nw, M, N, K, K // splits, x.stride(0), w.stride(0),
+        out.stride(0), eps,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits,
-        GATED=gated, SIGMOID=sigmoid_gate is not None, NORM=norm is not None,
+        GATED=gated, NORM=norm is not None,
         HAS_RES=norm is not None and norm[0] is not None, BLOCK_H=triton.next_power_of_2(K), PRELOAD=preload,
         CONV=conv is not None, CS=cs, CW=cw, CPages=cpages, COutPages=cout_pages, Mixed=mixed,
         s_mix=0 if conv is None else mixed.stride(0),
@@ -678,7 +666,7 @@ class Partials:
         return total.to(self.dtype)
 
 
-FUSED = ("norm", "sigmoid", "conv")  # settings' flags for fused work whose inputs the caller passes
+FUSED = ("norm", "conv")  # settings' flags for fused work whose inputs the caller passes
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor, settings: dict, conv: tuple | None = None, **fused) -> torch.Tensor:
@@ -730,14 +718,6 @@ def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, settings: dict | None) 
     return linear(silu_mul(gate_up), w, settings)
 
 
-def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, settings: dict | None) -> torch.Tensor:
-    """(x * sigmoid(gate)) @ w.T (a gated attention output into its o projection): one skinny_linear launch where
-    `settings` say sigmoid, else torch.sigmoid, the product and `linear` (the same roundings)."""
-    if settings is not None and settings.get("sigmoid"):
-        return _skinny(x, w, settings, sigmoid_gate=gate)
-    return linear(x * torch.sigmoid(gate), w, settings)
-
-
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, w: torch.Tensor,
                   settings: dict | None, conv: tuple | None = None,
                   preload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -756,20 +736,17 @@ def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 
 
 # `tune`'s prologues -> the flag of a skinny_linear setting that computes that input as it reads it
-PROLOGUE_FLAGS = {"silu": "gated", "sigmoid": "sigmoid", "norm": "norm"}
+PROLOGUE_FLAGS = {"silu": "gated", "norm": "norm"}
 
 
 def prologue_linear(prologue: str | None, x: torch.Tensor, w: torch.Tensor, settings: dict | None,
-                    gate: torch.Tensor | None = None, norm: tuple | None = None,
-                    conv: tuple | None = None) -> torch.Tensor:  # fmt: skip
+                    norm: tuple | None = None, conv: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """w times the input that `prologue` (one of PROLOGUE_FLAGS, or None: x itself) computes from x, fused or not
-    as `settings` say: "silu" (`gated_linear`), "sigmoid" with gate (`sigmoid_gated_linear`), "norm" with norm =
+    as `settings` say: "silu" (`gated_linear`), "norm" with norm =
     (residual, weight, eps) (`normed_linear`'s product; an unfused norm updates the residual in place). conv: as
     for `linear` (with no prologue or the norm)."""
     if prologue == "silu":
         return gated_linear(x, w, settings)
-    if prologue == "sigmoid":
-        return sigmoid_gated_linear(x, gate, w, settings)
     if prologue == "norm":
         residual, weight, eps = norm
         return normed_linear(x, residual, weight, eps, w, settings, conv)[0]
@@ -972,8 +949,8 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     their order). Each candidate is timed as a CUDA graph running all the
     weights in turn, as a decode graph does, so launch overheads and L2 behave as they will. prologue: what the
     input is computed from, cuBLAS timed with the launches that compute it before it and skinny_linear with it
-    fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "sigmoid"
-    (`sigmoid_gated_linear`), "norm" (`normed_linear`, after kernels.norm's launch for cuBLAS). conv_channels: the
+    fused (a chosen setting carries the flag): "silu" (`gated_linear`, flag gated), "norm" (`normed_linear`, after
+    kernels.norm's launch for cuBLAS). conv_channels: the
     first that many outputs of each row go through a conv step after, on a state page of its own (timed as its own
     launch after cuBLAS, fused into skinny_linear: flag conv). epilogue "glu" (more than one row; weights
     [gate | up]): the result is silu(gate) * up, kernels.act.silu_mul after cuBLAS, fused into skinny_linear (flag
@@ -1003,7 +980,6 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
     norm_after = epilogue == "norm"
     x = torch.randn(rows, 2 * K if prologue == "silu" else K, device=dev, dtype=dt)
     out = torch.empty(rows, N // 2 if glu else N, device=dev, dtype=dt)
-    gate = torch.randn(rows, K, device=dev, dtype=dt)
     res, res_out, nw = torch.randn_like(x), torch.empty_like(x), torch.randn(K, device=dev, dtype=dt) * 0.1
     conv = None
     if conv_channels:  # each row on a state page of its own
@@ -1020,7 +996,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         return norm_module.add_rms_norm(y, stream, nw_after, 1e-6, out=normed, offset=True) if norm_after else y
 
     def apply(w, settings, res=res, conv=conv, stream=stream):  # res grows by x per unfused norm
-        y = prologue_linear(prologue, x, w, settings, gate, (res, nw, 1e-6), conv)
+        y = prologue_linear(prologue, x, w, settings, (res, nw, 1e-6), conv)
         return glu_after(y, settings) if glu else after(y, stream)
 
     def fits(s):  # K cut in block_k tiles of every split
@@ -1050,7 +1026,7 @@ def tune(weights: list[torch.Tensor], rows: int, prologue: str | None = None, co
         # K split with the product as w @ x.T, after the prologue's launch and before the conv's (it fuses neither)
         swap = SWAP_CANDIDATES.get(_kind(rows), []) if N <= SPLIT_MAX_N and not glu else []
         candidates += [dict(s, **{k: v for k, v in flag.items() if k not in (pflag, "conv")}) for s in swap if fits(s)]
-        extra = {"sigmoid": dict(sigmoid_gate=gate), "norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
+        extra = {"norm": dict(norm=(res, nw, 1e-6, res_out))}.get(prologue, {})
         if conv is not None:
             extra = dict(extra, conv=conv)
 

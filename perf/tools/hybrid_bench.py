@@ -378,8 +378,7 @@ def main(argv=None) -> int:
                       + (f" (prefetching {ahead * 1e6:.1f} us)" if ahead is not None else "")
                       + (f" (K split {split * 1e6:.1f} us, partials added by the norm {dfr * 1e6:.1f} us)"
                          if dfr is not None and split is not None else ""), flush=True)  # fmt: skip
-        flags = ("swap", "splits", "gated", "sigmoid", "norm", "norm_late", "conv", "glu", "unroll", "preload",
-                 "prefetch", "conv_early", "defer")  # fmt: skip
+        flags = ("swap", "splits", "gated", "norm", "conv", "glu", "unroll", "preload", "prefetch", "defer")
         for bs in sorted({bs for _, bs in choice} & set(a.batches)):
             fused = {n: "+".join(k for k in flags if c.get(k)) for (n, b), c in sorted(choice.items()) if b == bs}
             print(f"{name}, graph of {bs}: skinny_linear for " + ", ".join(f"{n} ({f or 'plain'})" for n, f in

@@ -34,12 +34,12 @@ ALIGNED_INTS = {"stride_m", "stride_p", "stride_out", "s_page", "s_head", "s_k",
 
 # skinny_linear's kernel (kernels.linear._skinny_kernel): its pointers' element types, and the integer arguments a
 # launch at Qwen3-Next's in_proj (12,352 x 2,048, conv channels 8,192) specialises as multiples of 16
-SKINNY_POINTERS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "G": "*bf16", "R": "*bf16", "RO": "*bf16",
+SKINNY_POINTERS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16", "RO": "*bf16",
                    "NW": "*bf16", "CW": "*bf16", "P": "*fp32", "CS": "*fp32", "Mixed": "*fp32", "C": "*i32",
                    "CPages": "*i32", "COutPages": "*i32"}  # fmt: skip
-SKINNY_ALIGNED = {"N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_gm", "s_mix", "CC", "cs_page"}
+SKINNY_ALIGNED = {"N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "s_mix", "CC", "cs_page"}
 # skinny_linear's constexprs for a plain tensor-core launch of up to 16 rows (callers set BLOCK_M and what they fuse)
-SKINNY_PLAIN = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT=True, SPLITS=1, GATED=False, SIGMOID=False, NORM=False,
+SKINNY_PLAIN = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT=True, SPLITS=1, GATED=False, NORM=False,
                     HAS_RES=False, BLOCK_H=2048, PRELOAD=False, CONV=False, KM1=3, UNROLL=False,
                     K_FIRST=0, K_SPLIT=0, GLU=False, PDL=True, PREFETCH=False, NORM_TILE=128, DEFER=False)  # fmt: skip
 # (block_n, block_k, num_stages) of skinny_linear's tensor-core candidates, 4 warps (kernels.linear.CANDIDATES)

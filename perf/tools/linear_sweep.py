@@ -2,8 +2,8 @@
 over a grid of launch settings (K split in parts too: --splits), for the Llama-3.1-8B shapes or
 random:qwen3-next-layout's (--shapes next_in next_out ...), each timed in a CUDA graph of 32 launches over 32
 distinct weights (as the 32 layers run, so L2 holds none of them), against the weight bytes at the copy bandwidth
-measured in the same run. --prologue silu|sigmoid|norm: the input is computed first (an MLP's silu(gate) * up, a
-gated attention output, add + RMSNorm); cuBLAS is timed after the prologue's own launch, and each skinny setting
+measured in the same run. --prologue silu|norm: the input is computed first (an MLP's silu(gate) * up, or add +
+RMSNorm); cuBLAS is timed after the prologue's own launch, and each skinny setting
 both after that launch and with the prologue fused (--prefetch 0 1: without and with its input loaded a step
 ahead; --norm-tile: the fused norm's sum of squares in tiles of that many columns, 0 for block_k).
 
@@ -46,9 +46,6 @@ def prologue_inputs(kind: str, M: int, K: int):
         return x, lambda: x, {}, lambda: None
     if kind == "silu":
         return x, lambda: silu_mul(x), {}, lambda: None
-    g = torch.randn(M, K, device="cuda", dtype=dt)
-    if kind == "sigmoid":
-        return x, lambda: x * torch.sigmoid(g), dict(sigmoid_gate=g), lambda: None
     res, nw = torch.randn(M, K, device="cuda", dtype=dt), torch.randn(K, device="cuda", dtype=dt) * 0.1
     scratch = res.clone()
     fused = dict(norm=(res, nw, 1e-6, torch.empty_like(x)))
@@ -62,7 +59,7 @@ def reference(kind: str, x: torch.Tensor, fused: dict, w: torch.Tensor) -> torch
     if kind == "none":
         return F.linear(x.float(), w.float())
     norm = None if "norm" not in fused else (fused["norm"][0].clone(), *fused["norm"][1:3])
-    return linear.prologue_linear(kind, x, w, None, fused.get("sigmoid_gate"), norm).float()
+    return linear.prologue_linear(kind, x, w, None, norm).float()
 
 
 def main(argv=None) -> int:
@@ -77,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--top", type=int, default=3, help="print this many fastest settings per matrix and row count")
-    ap.add_argument("--prologue", choices=("none", "silu", "sigmoid", "norm"), default="none",
+    ap.add_argument("--prologue", choices=("none", "silu", "norm"), default="none",
                     help="what the input is computed from (see above)")  # fmt: skip
     ap.add_argument("--prefetch", type=int, nargs="+", choices=(0, 1), default=[0, 1],
                     help="a prologue fused on tensor cores: its input loaded a step ahead (1) or not (0)")  # fmt: skip

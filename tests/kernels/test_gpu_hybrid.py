@@ -489,15 +489,13 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
 
 
 def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, defer: bool = False):
-    """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms into
-    in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the conv step
-    into in_proj and out's loop over K unrolled; at every size the attention output's sigmoid gate flagged into o (the
-    decode attention applies it as it stores its output, so o's flag is dropped for want of a gate) and silu(gate) *
-    up into down (block_k 32 divides the tiny shapes' K of 64, 96 and
-    128). rows_fused: at more than one row too, the norms and the conv step (each row on its own state page) fused, and
-    gate_up giving silu(gate) * up itself (glu) with down reading it plain. defer: out, o and down split K in two
-    (tiles of 16) and leave their partial sums to the add + RMSNorm launch after them, which GpuHybrid._lin undoes at
-    one row, where the norms are fused into the next projections."""
+    """Every projection on skinny_linear with what its input is computed from fused in: at one row the layer norms
+    into in_proj / qkv / gate_up (the residual stream written by the launch, the first weight tile preloaded), the
+    conv step into in_proj and out's loop over K unrolled; at every size silu(gate) * up into down (block_k 32
+    divides the tiny shapes' K of 64, 96 and 128). rows_fused: at more than one row too, the norms and the conv step
+    (each row on its own state page) fused, and gate_up giving silu(gate) * up itself (glu) with down reading it
+    plain. defer: out, o and down split K in two (tiles of 16) and leave their partial sums to the add + RMSNorm
+    launch after them, which GpuHybrid._lin undoes at one row, where the norms are fused into the next projections."""
     one = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, dot=False)
     choice = {}
     for bs in sizes:
@@ -507,7 +505,7 @@ def fused_prologues(sizes=(1, 2, 4), rows_fused: bool = False, defer: bool = Fal
         if bs == 1 or rows_fused:  # the conv step in in_proj's launch, K split: the last program of a block runs it
             choice[("in_proj", bs)] = dict(choice[("in_proj", bs)], conv=True, splits=2)
         choice[("out", bs)] = dict(base, splits=2, unroll=True) if bs == 1 else dict(base, splits=2)
-        choice[("o", bs)] = dict(base, sigmoid=True)
+        choice[("o", bs)] = base
         choice[("down", bs)] = dict(base, gated=True)
         if bs > 1 and rows_fused:
             choice[("gate_up", bs)] = dict(choice[("gate_up", bs)], glu=True)

@@ -365,13 +365,14 @@ def test_skinny_linear_swap(M, N, K, splits, glu, defer):
         parts = linear.skinny_linear(x, w, swap=True, defer=True, **settings)
         assert isinstance(parts, linear.Partials) and torch.equal(parts.sum(), got)
     with pytest.raises(AssertionError, match="swap"):
-        linear.skinny_linear(x, w, swap=True, sigmoid_gate=x, **settings)
+        ones = torch.ones(K, device=DEVICE, dtype=BF16)
+        linear.skinny_linear(x, w, swap=True, norm=(None, ones, 1e-6, x), **settings)
     with pytest.raises(AssertionError, match="glu without a K split"):
         linear.skinny_linear(x, w[: N - N % 2], swap=True, **dict(settings, glu=True, splits=2))
 
 
 @pytest.mark.parametrize(
-    "M,splits,prologue", [(3, 1, None), (40, 2, "gated"), (20, 2, "sigmoid"), (64, 1, None), (128, 2, None)]
+    "M,splits,prologue", [(3, 1, None), (40, 2, "gated"), (20, 2, "gated"), (64, 1, None), (128, 2, None)]
 )
 def test_skinny_linear_preload_on_tensor_cores(M, splits, prologue):
     """More than one row (tensor cores): the first weight tile loaded before the wait for the launch before gives
@@ -381,17 +382,12 @@ def test_skinny_linear_preload_on_tensor_cores(M, splits, prologue):
     K, N = 512, 96
     gen = torch.Generator().manual_seed(M + splits)
     x = torch.randn(M, 2 * K if prologue == "gated" else K, generator=gen).to(DEVICE, BF16)
-    gate = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
     w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
     settings = dict(block_n=32, block_k=128, num_stages=3, dot=True, splits=splits, gated=prologue == "gated")
-    if prologue == "sigmoid":
-        settings["sigmoid_gate"] = gate
     plain = linear.skinny_linear(x, w, **settings)
     pre = linear.skinny_linear(x, w, preload=True, **settings)
     assert torch.equal(pre, plain)
     xin = act.silu_mul(x) if prologue == "gated" else x
-    if prologue == "sigmoid":
-        xin = (x.float() * torch.sigmoid(gate.float())).to(BF16)
     close(pre, (xin.float() @ w.float().T).to(BF16))
 
 
@@ -400,8 +396,7 @@ def test_skinny_linear_preload_on_tensor_cores(M, splits, prologue):
     [
         (3, 1, "gated", {}),
         (40, 2, "gated", dict(preload=True)),
-        (20, 2, "sigmoid", {}),
-        (32, 4, "sigmoid", dict(preload=True)),
+        (32, 4, "gated", dict(preload=True)),
         (20, 1, "norm", {}),
         (40, 2, "norm+res", dict(glu=True, norm_tile=256)),
         (100, 2, "norm+res", dict(preload=True, norm_tile=512)),
@@ -416,7 +411,7 @@ def test_skinny_linear_prefetch_gives_the_same_bits(M, splits, prologue, extra):
     K, N = 512, 96
     gen = torch.Generator().manual_seed(M + 3 * splits)
     x = torch.randn(M, 2 * K if prologue == "gated" else K, generator=gen).to(DEVICE, BF16)
-    gate, res = (torch.randn(M, K, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    res = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
     x[0] *= 4  # rows of different scales: a row normed with another's sum of squares is wrong
     nw = (torch.randn(K, generator=gen) * 0.1).to(DEVICE, BF16)
     w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
@@ -425,8 +420,6 @@ def test_skinny_linear_prefetch_gives_the_same_bits(M, splits, prologue, extra):
     def launch(prefetch, settings=settings):
         if prologue == "gated":
             return linear.skinny_linear(x, w, gated=True, prefetch=prefetch, **settings), None
-        if prologue == "sigmoid":
-            return linear.skinny_linear(x, w, sigmoid_gate=gate, prefetch=prefetch, **settings), None
         r = res if prologue == "norm+res" else None
         r_out = torch.empty_like(x) if r is not None else x
         return linear.skinny_linear(x, w, norm=(r, nw, 1e-6, r_out), prefetch=prefetch, **settings), r_out
@@ -439,8 +432,6 @@ def test_skinny_linear_prefetch_gives_the_same_bits(M, splits, prologue, extra):
     assert got_res is None or torch.equal(got_res, plain_res)
     if prologue == "gated":
         want = linear.gated_linear(x, w, None)
-    elif prologue == "sigmoid":
-        want = linear.sigmoid_gated_linear(x, gate, w, None)
     else:
         want = linear.normed_linear(x, res.clone() if prologue == "norm+res" else None, nw, 1e-6, w, None)[0]
     close(got, linear.glu_after(want, None) if extra.get("glu") else want)
@@ -450,7 +441,7 @@ def test_skinny_linear_prefetch_gives_the_same_bits(M, splits, prologue, extra):
 
 @pytest.mark.parametrize(
     "M,N,splits,prologue,offset",
-    [(1, 96, 2, None, True), (3, 80, 2, "sigmoid", True), (32, 160, 4, None, False), (40, 64, 2, "gated", True)],
+    [(1, 96, 2, None, True), (3, 80, 2, "gated", False), (32, 160, 4, None, False), (40, 64, 2, "gated", True)],
 )
 def test_skinny_linear_deferred_partials_give_the_added_bits(M, N, splits, prologue, offset):
     """defer: a K split's partial sums come back unadded (Partials) and add_rms_norm adds them in split order: the
@@ -462,12 +453,11 @@ def test_skinny_linear_deferred_partials_give_the_added_bits(M, N, splits, prolo
     K = 512
     gen = torch.Generator().manual_seed(M * N + splits)
     x = torch.randn(M, 2 * K if prologue == "gated" else K, generator=gen).to(DEVICE, BF16)
-    gate = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
     w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
     res = torch.randn(M, N, generator=gen).to(DEVICE, BF16)
     nw = (0.1 * torch.randn(N, generator=gen)).to(DEVICE, BF16)
     settings = dict(block_n=32, block_k=128, num_stages=3, splits=splits, dot=M > 1, gated=prologue == "gated")
-    fused = dict(sigmoid_gate=gate) if prologue == "sigmoid" else {}
+    fused = {}
     added = linear.skinny_linear(x, w, **settings, **fused)
     parts = linear.skinny_linear(x, w, **settings, **fused, defer=True)
     assert isinstance(parts, linear.Partials) and tuple(parts.shape) == (M, N) and parts.parts.shape[0] == splits
@@ -481,23 +471,6 @@ def test_skinny_linear_deferred_partials_give_the_added_bits(M, N, splits, prolo
         linear.skinny_linear(x, w, **dict(settings, splits=1), **fused, defer=True)
     with pytest.raises(AssertionError, match="no defer"):
         linear.normed_linear(parts, res, nw, 1e-6, w[:, :N].contiguous(), dict(settings, norm=True))
-
-
-@pytest.mark.parametrize("M,splits", [(1, 1), (1, 2), (3, 1), (20, 2)])
-def test_skinny_linear_sigmoid_gate(M, splits):
-    """x * sigmoid(gate) computed as it is read, the gate a strided view (a gated attention output's gate columns
-    inside its q|gate|k|v projection): torch.sigmoid, the product and the projection."""
-    from kernels import linear
-
-    K, N = 512, 80
-    gen = torch.Generator().manual_seed(M + 7 * splits)
-    x = torch.randn(M, K, generator=gen).to(DEVICE, BF16)
-    qkv = torch.randn(M, 3 * K, generator=gen).to(DEVICE, BF16)
-    w = torch.randn(N, K, generator=gen).to(DEVICE, BF16) / K**0.5
-    settings = dict(block_n=32, block_k=128, num_stages=3, splits=splits, sigmoid=True)
-    got = linear.sigmoid_gated_linear(x, qkv[:, K : 2 * K], w, settings)
-    want = linear.sigmoid_gated_linear(x, qkv[:, K : 2 * K], w, None)
-    close(got, want)
 
 
 @pytest.mark.parametrize(
@@ -612,7 +585,7 @@ def test_skinny_linear_conv_epilogue(rows, splits, preload, unroll, block_k):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
-@pytest.mark.parametrize("rows,prologue", [(1, "norm"), (4, "norm"), (32, "norm"), (1, "sigmoid"), (4, "silu")])
+@pytest.mark.parametrize("rows,prologue", [(1, "norm"), (4, "norm"), (32, "norm"), (1, "silu"), (4, "silu")])
 def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     """tune with what the input is computed from (the norm and the conv step at any number of rows): whatever it
     picks gives the unfused result; at more than one row it also timed skinny_linear after the prologue's own
@@ -623,7 +596,7 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
     ws = [(torch.randn(512, 1024, generator=gen) / 32).to(DEVICE, BF16) for _ in range(4)]
     choice, times = linear.tune(ws, rows, prologue, conv_channels=256 if prologue == "norm" else 0)
     assert isinstance(times["cublas"], float) and len(times) > 1
-    flag = {"norm": "norm", "sigmoid": "sigmoid", "silu": "gated"}[prologue]
+    flag = {"norm": "norm", "silu": "gated"}[prologue]
     unfused = [k for k in times if k != "cublas" and f"'{flag}': True" not in k]
     assert bool(unfused) == (rows > 1), list(times)
     assert any("'prefetch': True" in k for k in times) == (rows > 1), list(times)
@@ -653,9 +626,6 @@ def test_tune_with_a_prologue_picks_a_setting_that_runs(rows, prologue):
         )[0]
         close(got, want)
         torch.testing.assert_close(got_mixed, want_mixed, atol=3e-2, rtol=3e-2)  # fmt: skip
-    elif prologue == "sigmoid":
-        g = torch.randn_like(x)
-        close(linear.sigmoid_gated_linear(x, g, ws[0], choice), linear.sigmoid_gated_linear(x, g, ws[0], None))
     else:
         close(linear.gated_linear(x, ws[0], choice), linear.gated_linear(x, ws[0], None))
 
@@ -684,7 +654,7 @@ def test_tune_with_the_glu_epilogue_gives_silu_of_gate_times_up(rows):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
-@pytest.mark.parametrize("rows,prologue", [(1, None), (32, None), (32, "sigmoid")])
+@pytest.mark.parametrize("rows,prologue", [(1, None), (32, None), (32, "silu")])
 def test_tune_with_the_norm_epilogue_times_deferred_partials(rows, prologue):
     """tune of a product that an add + RMSNorm reads next (epilogue "norm"): it timed K-split settings with their
     partials left to the norm's launch (defer), and whatever it picks, the product then add_rms_norm give the
@@ -696,14 +666,14 @@ def test_tune_with_the_norm_epilogue_times_deferred_partials(rows, prologue):
     choice, times = linear.tune(ws, rows, prologue, epilogue="norm")
     assert any("'defer': True" in k and isinstance(t, float) for k, t in times.items()), list(times)
     assert not any(isinstance(t, str) and "wrong" in t for t in times.values()), times
-    x, gate = (torch.randn(rows, 2048, generator=gen).to(DEVICE, BF16) for _ in range(2))
+    x = torch.randn(rows, 4096 if prologue == "silu" else 2048, generator=gen).to(DEVICE, BF16)
     res, nw = torch.randn(rows, 1024, generator=gen).to(DEVICE, BF16), (torch.randn(1024) * 0.1).to(DEVICE, BF16)
-    y = linear.prologue_linear(prologue, x, ws[0], choice, gate)
+    y = linear.prologue_linear(prologue, x, ws[0], choice)
     assert isinstance(y, linear.Partials) == bool((choice or {}).get("defer")), choice
     r1, r2 = res.clone(), res.clone()
     close(
         norm.add_rms_norm(y, r1, nw, 1e-6, offset=True),
-        norm.add_rms_norm(linear.prologue_linear(prologue, x, ws[0], None, gate), r2, nw, 1e-6, offset=True),
+        norm.add_rms_norm(linear.prologue_linear(prologue, x, ws[0], None), r2, nw, 1e-6, offset=True),
     )
     close(r1, r2)
 

@@ -61,8 +61,7 @@ class _Norm:
 class GpuHybrid(DecodeGraphs):
     # the inputs a skinny_linear launch can compute as it reads them (kernels.linear.tune's prologues): the layer
     # norms before in_proj / qkv / gate_up, the MLP's silu(gate) * up. The attention output's sigmoid gate is
-    # applied as the decode attention stores its output; TRITON_PD_ATTN_GATE=0 (for comparisons) gives it to o's
-    # launch instead ("o": "sigmoid", or its own two launches where o's pick does not fuse it)
+    # applied as the decode attention stores its output
     PROLOGUES = {"in_proj": "norm", "qkv": "norm", "gate_up": "norm", "down": "silu"}
     # gate_up: or silu(gate) * up after it, at more than one row; out, o, down: their product goes to the add + RMSNorm
     # of the residual stream (in a launch of its own, or in the next projection's where its choice says norm)
