@@ -14,19 +14,20 @@ import numpy as np
 
 
 def ordered_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
-    """acc + a @ b over the last two axes, added in k order: ((acc + a[:, 0] b[0]) + a[:, 1] b[1]) + ...
-    a: [..., M, K], b: [..., K, N], acc: [..., M, N]. An explicit loop over k: numpy's own reductions may sum
-    pairwise or reorder their axes by shape, which would make the order depend on M and N again."""
+    """acc + a @ b over the last two axes, the products summed in a fixed pairwise tree over k (k 2i with 2i + 1,
+    then the pairs' sums likewise, zeros padding K to a power of two), then added to acc. a: [..., M, K],
+    b: [..., K, N], acc: [..., M, N]. Every step is one elementwise numpy add over all the rows and columns at
+    once, never a reduction (numpy sums pairwise or reorders its axes by shape in those), so an element's order of
+    additions depends on K alone."""
     dtype = acc.dtype
-    a_k = np.ascontiguousarray(np.moveaxis(a.astype(dtype, copy=False), -1, 0)[..., :, None])  # [K, ..., M, 1]
-    b_k = np.ascontiguousarray(np.moveaxis(b.astype(dtype, copy=False), -2, 0)[..., None, :])  # [K, ..., 1, N]
-    shape = np.broadcast_shapes(acc.shape, a_k.shape[1:], b_k.shape[1:])
-    out = np.array(np.broadcast_to(acc, shape), dtype=dtype)
-    term = np.empty(shape, dtype=dtype)
-    for k in range(a_k.shape[0]):
-        np.multiply(a_k[k], b_k[k], out=term)
-        np.add(out, term, out=out)
-    return out
+    a_k = np.moveaxis(a.astype(dtype, copy=False), -1, 0)[..., :, None]  # [K, ..., M, 1]
+    b_k = np.moveaxis(b.astype(dtype, copy=False), -2, 0)[..., None, :]  # [K, ..., 1, N]
+    terms = a_k * b_k  # [K, ..., M, N]
+    while terms.shape[0] > 1:
+        if terms.shape[0] % 2:
+            terms = np.concatenate((terms, np.zeros_like(terms[:1])))
+        terms = terms[0::2] + terms[1::2]
+    return acc + terms[0]
 
 
 def install() -> None:
