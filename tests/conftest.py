@@ -13,17 +13,6 @@ if not torch.cuda.is_available():
     # Triton's interpreter for the kernel tests that run on the CPU: it must be on before triton is first
     # imported, or triton.language's own helpers stay compiled-only and every interpreted kernel fails
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # no triton: the kernel tests skip
-        pass
-    else:
-        from tests import interpreter_dot
-
-        # the bitwise checks of the interpreted kernels rest on a dot whose rounding does not depend on the BLAS
-        # build or the CPU (the host's OPENBLAS_* variables are left as they are): tests/interpreter_dot.py
-        interpreter_dot.install()
 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, torch.get_num_threads()))
 
@@ -35,6 +24,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("server"):
             item.add_marker(pytest.mark.xdist_group("server"))
+
+
+@pytest.fixture(scope="module")
+def ordered_dot():
+    """For a module whose interpreted kernels are compared bit for bit: Triton's CPU interpreter computes tl.dot
+    with a dot whose rounding does not depend on the BLAS build or the CPU (tests/interpreter_dot.py; the host's
+    OPENBLAS_* variables are left as they are), for the module's tests, then as shipped again. On a GPU: nothing."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from tests import interpreter_dot
+
+    restore = interpreter_dot.install()
+    yield
+    restore()
 
 
 @pytest.fixture(scope="session")

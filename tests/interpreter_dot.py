@@ -4,9 +4,11 @@ The interpreter computes `tl.dot` with numpy's matmul, and OpenBLAS picks its ma
 `OPENBLAS_CORETYPE`): the FMA kernels (Haswell, Zen) round an element differently by its place in the tile, so a
 row's bits then depend on how many rows the tile holds. On a GPU a tensor-core dot has a fixed reduction order per
 tile shape, which is what the batch-invariant kernels rest on. This dot gives the interpreter the same property:
-each output element is the accumulator plus the products added one k at a time, in float32 (or the accumulator's
-dtype), with separately rounded multiplies and adds (numpy's ufuncs never fuse them). So an element depends only on
-its own row and column and on K, never on the BLAS build, the CPU or the tile's other rows."""
+each output element is the accumulator plus its products summed in an order fixed by K, in float32 (or the
+accumulator's dtype), with separately rounded multiplies and adds (numpy's ufuncs never fuse them). So an element
+depends only on its own row and column and on K, never on the BLAS build, the CPU or the tile's other rows. Tests
+that compare interpreted kernels bit for bit take the `ordered_dot` fixture (tests/conftest.py); the others compare
+within float tolerances and keep numpy's faster matmul."""
 
 from __future__ import annotations
 
@@ -30,13 +32,12 @@ def ordered_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
     return acc + terms[0]
 
 
-def install() -> None:
-    """Replace the interpreter's `create_dot` (call after triton is imported with TRITON_INTERPRET=1)."""
+def install():
+    """Replace the interpreter's `create_dot` (with TRITON_INTERPRET=1); returns the function that puts the
+    shipped one back."""
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_ordered", False):
-        return
     original = builder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -44,5 +45,9 @@ def install() -> None:
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)  # fp8 / integer dots: as shipped
         return interpreter.TensorHandle(ordered_dot(a.data, b.data, d.data), d.dtype.scalar)
 
-    create_dot._ordered = True
     builder.create_dot = create_dot
+
+    def restore() -> None:
+        builder.create_dot = original
+
+    return restore

@@ -4,7 +4,7 @@ model in that mode gives a sequence the same logits alone and among random compa
 writes the same K/V for a position whether a prefill (in any chunks) or a decode step computed it.
 
 On a CUDA GPU in bfloat16; on the CPU through Triton's interpreter in float32 (smaller shapes), where the same
-equalities are asserted bit for bit as well."""
+equalities are asserted bit for bit as well, with an order-fixed tl.dot (the `ordered_dot` fixture)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conft
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 from kernels import invariant, reference  # noqa: E402
+
+# bit-for-bit checks of interpreted kernels: a tl.dot whose rounding is the CPU's and BLAS build's own would make
+# them pass on some hosts only (tests/interpreter_dot.py)
+pytestmark = pytest.mark.usefixtures("ordered_dot")
 
 GPU = DEVICE == "cuda"
 DTYPE = torch.bfloat16 if GPU else torch.float32
