@@ -194,7 +194,7 @@ def ports_in_use(ports: dict[str, int], address: str = "0.0.0.0") -> list[str]:
 
     busy = []
     for flag, port in ports.items():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((address, port))
