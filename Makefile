@@ -43,9 +43,9 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
-# the edit loop: every in-process test, no tritonserver (2 min 47 s on 2 cores); `make test` runs them all
+# the edit loop: every in-process test, no tritonserver, on the same workers; `make test` runs them all
 test-fast: setup
-	$(PY) -m pytest -q -m "not server and not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not server and not slow" tests
 
 serve: setup
 	$(VENV)/bin/triton-pd serve --address $(SERVE_ADDRESS) $(SERVE_ARGS)
