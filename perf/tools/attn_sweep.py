@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from perf.tools.engine_bench import measure_bandwidth, write_report  # noqa: E402
+from perf.tools.engine_bench import write_report  # noqa: E402
+from perf.tools.timing import copy_bandwidth  # noqa: E402
 
 LAYERS, H, HKV, D = 32, 32, 8, 128  # Llama-3.1-8B
 
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     from kernels.linear import graph_time
 
     dev = "cuda"
-    bw = measure_bandwidth()
+    bw = copy_bandwidth()
     ctx = a.context
     bmax = max(a.batches)
     slots = bmax * ctx + 1

@@ -20,21 +20,7 @@ import time
 import torch
 
 from perf.tools.limits import report_writer, wall_clock_limit
-
-
-def cuda_time(fn, reps: int) -> float:
-    """Median seconds of fn() over reps, with CUDA events, after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+from perf.tools.timing import cuda_median
 
 
 def main(argv=None) -> int:
@@ -98,15 +84,15 @@ def main(argv=None) -> int:
         nbytes = 2 * B * H * DK * DV * 4
         src = torch.empty(nbytes // 8, device=dev, dtype=torch.float32)
         dst = torch.empty_like(src)
-        t_copy = cuda_time(lambda: dst.copy_(src), a.reps)  # reads and writes nbytes / 2 each: nbytes in all
-        t_kernel = cuda_time(lambda: kd.recurrent_step(q, k, v, g, beta, state, pages), a.reps)
+        t_copy = cuda_median(lambda: dst.copy_(src), a.reps)  # reads and writes nbytes / 2 each: nbytes in all
+        t_kernel = cuda_median(lambda: kd.recurrent_step(q, k, v, g, beta, state, pages), a.reps)
 
         def torch_step():
             s = state[pages]
             dr.recurrent_step(q, k, v, g, beta, s)
             state[pages] = s
 
-        t_torch = cuda_time(torch_step, a.reps)
+        t_torch = cuda_median(torch_step, a.reps)
         gbs, copy_gbs = nbytes / t_kernel / 1e9, nbytes / t_copy / 1e9
         rows.append(dict(kind="decode", batch=B, bytes=nbytes, copy_s=t_copy, kernel_s=t_kernel, torch_s=t_torch))
         lines.append(
@@ -141,8 +127,8 @@ def main(argv=None) -> int:
                 out.append(dr.chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], s))
             return torch.cat(out)
 
-        t_kernel = cuda_time(kernel, max(5, a.reps // 5))
-        t_ref = cuda_time(reference, max(5, a.reps // 5))
+        t_kernel = cuda_median(kernel, max(5, a.reps // 5))
+        t_ref = cuda_median(reference, max(5, a.reps // 5))
         diff = (kernel() - reference()).abs().max().item()
         rows.append(dict(kind="prefill", tokens=T, kernel_s=t_kernel, torch_s=t_ref, max_abs_diff=diff))
         lines.append(
@@ -177,7 +163,7 @@ def main(argv=None) -> int:
             write()
         from backends.common.model.delta_rule import chunk_prep
 
-        t = cuda_time(lambda: chunk_prep(q, k, v, g, beta, kd.CHUNK), 5)
+        t = cuda_median(lambda: chunk_prep(q, k, v, g, beta, kd.CHUNK), 5)
         lines += ["", f"chunk_prep alone (the PyTorch chunk algebra, one sequence of {T}): {t * 1e3:.2f} ms"]
     timer.cancel()
     lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
@@ -227,7 +213,7 @@ def _one_setting(a, setting: dict) -> int:
                    torch.zeros(H, DK, DV, device=dev))
         for s0, n in zip(starts, lens)
     ])  # fmt: skip
-    t = cuda_time(kernel, 5)
+    t = cuda_median(kernel, 5)
     print("RESULT " + json.dumps({"s": t, "max_abs_diff": (kernel() - ref).abs().max().item()}), flush=True)
     return 0
 

@@ -28,25 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from perf.tools.timing import copy_bandwidth, cuda_time  # noqa: E402
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def measure_bandwidth(gib: int = 2, reps: int = 20) -> float:
-    x = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        y.copy_(x)
-    e.record()
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * reps / (s.elapsed_time(e) / 1e3)
-    del x, y
-    return bw
 
 
 def write_report(text: str, res: dict, out: str | None, json_path: str | None) -> None:
@@ -75,19 +61,6 @@ def kv_bytes_read(cfg, batch: int, ctx: int, dtype_size: int) -> int:
     return dtype_size * batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
 
 
-def cuda_time(fn, reps: int = 50) -> float:
-    """Seconds per call, CUDA events around `reps` back-to-back calls (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps / 1e3
-
-
 def engine_step(runner, spans) -> list[int]:
     """What the engine does for a greedy decode batch: the graph's own argmax when it can, else logits + argmax."""
     tokens = runner.greedy(spans)
@@ -105,7 +78,7 @@ def ours_decode_steps(engine, batches, ctx, bw):
         for _ in range(3):
             engine_step(runner, spans)
         reps = 50
-        t_graph = cuda_time(runner.model.graphs[runner.model.graph_size(b)].replay, reps)
+        t_graph = cuda_time(runner.model.graphs[runner.model.graph_size(b)].replay, reps, warmup=3)
         t0 = time.perf_counter()
         for _ in range(reps):
             engine_step(runner, spans)
@@ -233,7 +206,7 @@ def main(argv=None) -> int:
     from backends.common.engine.engine import Engine
 
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": a.model}
-    bw = measure_bandwidth()
+    bw = copy_bandwidth()
     res["bandwidth_TBps"] = bw / 1e12
     log(f"HBM copy bandwidth {bw / 1e12:.2f} TB/s")
     t0 = time.perf_counter()

@@ -37,41 +37,7 @@ from pathlib import Path
 import torch
 
 from perf.tools.limits import report_writer, wall_clock_limit
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    n = 2**29  # float32 elements: 2 GiB
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return 2 * 4 * n / cuda_time(lambda: dst.copy_(src), 10)
-
-
-def matmul_rate(n: int = 8192) -> float:
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    a @ b
-    return 2 * n**3 / cuda_time(lambda: a @ b, 10)
-
-
-def cuda_time(fn, reps: int) -> float:
-    """Seconds per call of fn, by CUDA events around `reps` calls (after one untimed call)."""
-    return cuda_series(fn, reps, 1)[0]
-
-
-def cuda_series(fn, reps: int, series: int) -> list[float]:
-    """Seconds per call of fn in each of `series` back-to-back series of `reps` calls, CUDA events around each
-    series (after one untimed call)."""
-    fn()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(series + 1)]
-    torch.cuda.synchronize()
-    events[0].record()
-    for e in events[1:]:
-        for _ in range(reps):
-            fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) / 1e3 / reps for a, b in zip(events, events[1:])]
+from perf.tools.timing import copy_bandwidth, cuda_series, cuda_time, matmul_rate
 
 
 def weights_read_per_step(runner, batch: int = 1) -> tuple[int, int]:

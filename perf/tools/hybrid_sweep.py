@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         print("hybrid_sweep: needs a CUDA GPU", file=sys.stderr)
         return 2
     from kernels import attention, delta_rule, linear
-    from perf.tools.hybrid_bench import copy_bandwidth
+    from perf.tools.timing import copy_bandwidth, graph_time
 
     lines = [f"# Hybrid decode kernels on {torch.cuda.get_device_name()}", ""]
     rows: list[dict] = []
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     def timed(fn) -> float | str:
         try:
-            return linear.graph_time(fn, 20) / L
+            return graph_time(fn, 20) / L
         except Exception as e:  # a setting that does not compile or fit
             return repr(e)[:80]
 

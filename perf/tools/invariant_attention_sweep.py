@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from perf.tools.invariant_sweep import timed, try_candidates, write_report
+from perf.tools.invariant_sweep import try_candidates, write_report
+from perf.tools.timing import unrolled_graph_time
 
 H, HKV, D = 32, 8, 128  # Llama-3.1-8B's attention
 
@@ -72,7 +73,7 @@ def main() -> int:
         write_report(a.out, lines, results)
 
     def sweep(case: str, t_default: float, run, cands: list[dict]) -> None:
-        t_current = timed(lambda: run(None), a.reps)
+        t_current = unrolled_graph_time(lambda: run(None), a.reps)
         times, differ = try_candidates(cands, run, a.reps, stop=lambda: time.time() - t0 > a.time_limit)
         if len(times) < len(cands):
             lines.append(f"\n(time limit reached in {case})")
@@ -97,7 +98,7 @@ def main() -> int:
         out = torch.empty_like(q)
         ctr = torch.zeros(b * HKV, device="cuda", dtype=torch.int32)
         launch = attention.decode_settings(b, HKV)
-        t_default = timed(
+        t_default = unrolled_graph_time(
             lambda: attention.decode_attention(
                 q, k_pool, v_pool, table, rows, lens, scale, out=out, counters=ctr, **launch
             ),  # fmt: skip
@@ -111,7 +112,9 @@ def main() -> int:
         sin = torch.randn(a.max_ctx, D // 2, device="cuda", dtype=torch.float32, generator=gen)
         slots = torch.full((b,), b * ctx, device="cuda", dtype=torch.int32)  # the spare slot
         qr = q.clone()
-        t_rope = timed(lambda: rope.rope_store_kv_(qr, kn, vn, pos, cos, sin, k_pool, v_pool, slots), a.reps)
+        t_rope = unrolled_graph_time(
+            lambda: rope.rope_store_kv_(qr, kn, vn, pos, cos, sin, k_pool, v_pool, slots), a.reps
+        )
         lines.append(f"| batch {b}: rotary + K/V store launch (deterministic only) | | {t_rope * 1e6:.1f} us | | | | |")
 
         def run(st):
@@ -134,7 +137,7 @@ def main() -> int:
         qlen = torch.full((1,), n, device="cuda", dtype=torch.int32)
         q = torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty_like(q)
-        t_default = timed(
+        t_default = unrolled_graph_time(
             lambda: attention.prefill_attention(q, k_pool, v_pool, table, one, one, qlen, qlen, n, scale, out=out), 3
         )
 

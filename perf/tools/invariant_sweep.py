@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from perf.tools.timing import unrolled_graph_time
+
 SHAPES = {  # (name, N, K) of one layer's projections and the LM head
     "llama3.1-8b": [
         ("qkv", 6144, 4096),
@@ -47,24 +49,6 @@ def candidates(rows: int) -> list[dict]:
     return out
 
 
-def timed(fn, reps: int) -> float:
-    """GPU seconds per call: `reps` calls captured in one CUDA graph and replayed (no launch overhead)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e-3
-
-
 def write_report(out: str, lines: list[str], results: list[dict]) -> None:
     """The markdown table (with the time of measuring) at `out`, the raw results beside it as JSON."""
     Path(out).write_text("\n".join(lines + [f"\nMeasured {time.strftime('%Y-%m-%d %H:%M')}."]) + "\n")
@@ -88,7 +72,7 @@ def try_candidates(cands: list[dict], run, reps: int, stop=lambda: False) -> tup
             first = y
         elif not torch.equal(y, first):
             differ += 1
-        times.append((timed(lambda st=st: run(st), reps), st, ""))
+        times.append((unrolled_graph_time(lambda st=st: run(st), reps), st, ""))
     return times, differ
 
 
@@ -127,8 +111,8 @@ def main() -> int:
                 return 0
             x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=gen)
             reps = a.reps if m < 1024 else 3
-            t_cublas = timed(lambda x=x, w=w: F.linear(x, w), reps)
-            t_default = timed(lambda x=x, w=w: invariant.linear(x, w), reps)
+            t_cublas = unrolled_graph_time(lambda x=x, w=w: F.linear(x, w), reps)
+            t_default = unrolled_graph_time(lambda x=x, w=w: invariant.linear(x, w), reps)
             run = lambda st, x=x, w=w: invariant.linear(x, w, settings=st)  # noqa: E731
             times, differ = try_candidates(candidates(m), run, reps)
             best_t, best_st, _ = min(times, key=lambda r: r[0])

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from perf.tools.engine_bench import measure_bandwidth, write_report  # noqa: E402
+from perf.tools.engine_bench import write_report  # noqa: E402
+from perf.tools.timing import copy_bandwidth  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           # random:qwen3-next-layout's (hidden 2,048): a linear layer's in_proj (q, k, v, z, b, a) and out_proj, a
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     from kernels import linear
     from kernels.linear import graph_time
 
-    bw = measure_bandwidth()
+    bw = copy_bandwidth()
     pro = a.prologue
     lines = [f"# Small-batch projections: cuBLAS against skinny_linear ({torch.cuda.get_device_name()})", "",
              f"Command: `python perf/kernels.py linear {' '.join(sys.argv[1:])}`  ",

@@ -26,9 +26,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import capture_graph
-from perf.tools.hybrid_bench import cuda_time
 from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.timing import capture_graph, cuda_time, graph_time
 
 
 def loop_layer(x, w, K, norm):
@@ -73,11 +72,10 @@ LAYER_SWEEP = [dict(route_warps=wp) for wp in (1, 2, 4)] + [
 
 
 def timed(fn, reps: int, cuda: bool, graph: bool = False) -> float:
-    """Seconds per call: CUDA events on the GPU (hybrid_bench's timer; `graph`: fn captured once and replayed),
+    """Seconds per call: CUDA events on the GPU (perf.tools.timing; `graph`: fn captured once and replayed),
     wall time on the CPU."""
     if cuda and graph:
-        g = capture_graph(fn)
-        return cuda_time(g.replay, reps)
+        return graph_time(fn, reps)
     if cuda:
         return cuda_time(fn, reps)
     fn()

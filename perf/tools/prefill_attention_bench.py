@@ -20,8 +20,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from perf.tools.delta_rule_roofline import cuda_time
 from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.timing import cuda_median, wall_median
 
 # (query heads, KV heads, head dim) of the full-attention layers
 SHAPES = {
@@ -42,15 +42,8 @@ SWEEP = [
 
 
 def timed(fn, reps: int, cpu: bool) -> float:
-    """Median seconds of fn(): CUDA events (perf.delta_rule_roofline.cuda_time), or the wall clock for --cpu."""
-    if not cpu:
-        return cuda_time(fn, reps)
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[reps // 2]
+    """Median seconds of one call of fn(): CUDA events, or the wall clock for --cpu (perf.tools.timing)."""
+    return wall_median(fn, reps) if cpu else cuda_median(fn, reps)
 
 
 def main(argv=None) -> int:

@@ -34,32 +34,3 @@ def test_a_trace_without_grids_gives_nothing():
     trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "dur": 3.0, "args": {}}]}
     assert kernels_by_grid(trace, 1) == []
     assert kernels_by_grid({}, 1) == []
-
-
-def test_cuda_series_times_each_series_of_calls(monkeypatch):
-    """cuda_series: one untimed call, then `series` series of `reps` calls, each timed between its own pair of
-    events (a fake event here reads a call counter, and elapsed_time gives calls between two events as ms)."""
-    from perf.tools import hybrid_bench
-
-    calls = [0]
-
-    class Event:
-        def __init__(self, enable_timing):
-            assert enable_timing
-
-        def record(self):
-            self.at = calls[0]
-
-        def elapsed_time(self, later):
-            return float(later.at - self.at) * (1 + self.at)  # later series take longer per call
-
-    monkeypatch.setattr(hybrid_bench.torch.cuda, "Event", Event)
-    monkeypatch.setattr(hybrid_bench.torch.cuda, "synchronize", lambda: None)
-
-    def fn():
-        calls[0] += 1
-
-    got = hybrid_bench.cuda_series(fn, reps=4, series=3)
-    assert calls[0] == 1 + 3 * 4
-    assert got == [1e-3 * (1 + at) for at in (1, 5, 9)]
-    assert hybrid_bench.cuda_time(fn, 5) == 1e-3 * (1 + 14)
