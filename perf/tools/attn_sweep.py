@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from perf.tools.engine_bench import write_report  # noqa: E402
+from perf.tools.engine_bench import print_report  # noqa: E402
 from perf.tools.timing import copy_bandwidth  # noqa: E402
 
 LAYERS, H, HKV, D = 32, 32, 8, 128  # Llama-3.1-8B
@@ -98,10 +98,7 @@ def main(argv=None) -> int:
         for r in rows_out[:8]:
             lines.append(f"| {r['splits']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['us']:.1f} |")
         lines.append("")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    write_report(text, res, a.out, a.json)
-    return 0
+    return print_report(lines, res, a.out, a.json)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
 import torch
 
-from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.limits import finish, needs_cuda, report_writer, wall_clock_limit
 from perf.tools.timing import cuda_median
 
 
@@ -37,8 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=300)
     ap.add_argument("--out", default=None, help="markdown file for the results (also printed), plus .json beside it")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("delta_rule_roofline: needs a CUDA GPU", file=sys.stderr)
+    if needs_cuda("delta_rule_roofline"):
         return 2
     from backends.common.model import delta_rule as dr
     from kernels import delta_rule as kd
@@ -165,10 +163,7 @@ def main(argv=None) -> int:
 
         t = cuda_median(lambda: chunk_prep(q, k, v, g, beta, kd.CHUNK), 5)
         lines += ["", f"chunk_prep alone (the PyTorch chunk algebra, one sequence of {T}): {t * 1e3:.2f} ms"]
-    timer.cancel()
-    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
-    write()
-    return 0
+    return finish(timer, lines, write)
 
 
 def _run_setting(a, T: int, N: int, setting: dict) -> dict:

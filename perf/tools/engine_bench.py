@@ -43,6 +43,14 @@ def write_report(text: str, res: dict, out: str | None, json_path: str | None) -
         Path(json_path).write_text(json.dumps(res, indent=1))
 
 
+def print_report(lines: list[str], res: dict, out: str | None, json_path: str | None) -> int:
+    """A sweep's end: its report printed and written (`write_report`); main's exit status 0."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    write_report(text, res, out, json_path)
+    return 0
+
+
 def workload(n: int, seed: int = 0, vocab: int = 32000) -> list[tuple[list[int], int]]:
     g = torch.Generator().manual_seed(seed)
     ins = torch.randint(100, 1025, (n,), generator=g).tolist()

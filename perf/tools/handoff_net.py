@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.limits import bounded_report
 
 
 def prefill_side(port: int, backend: str, device: str, shape: dict, cmds, acks) -> None:
@@ -101,8 +101,7 @@ def main(argv=None) -> int:
         "| tokens | MB | transport ms | transport GB/s | bare ms | bare GB/s | transport / bare | rows equal |",
         "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    write = report_writer(lines, a.out, rows)
-    timer = wall_clock_limit(a.limit, write, [])
+    write, timer = bounded_report(lines, a.out, rows, a.limit)
     ctx = mp.get_context("spawn")
     cmds, acks = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=prefill_side, args=(sink.port, a.backend, a.src_device, shape, cmds, acks),

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.limits import bounded_report, finish, needs_cuda
 from perf.tools.timing import copy_bandwidth, cuda_series, cuda_time, matmul_rate
 
 
@@ -239,8 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=540)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("hybrid_bench: needs a CUDA GPU", file=sys.stderr)
+    if needs_cuda("hybrid_bench"):
         return 2
     from backends.common.engine.runner import GRAPH_SIZES, ModelRunner
     from backends.common.model.batch import Span
@@ -248,8 +247,7 @@ def main(argv=None) -> int:
 
     rows: list[dict] = []
     lines = [f"# Hybrid models on {torch.cuda.get_device_name()} (bfloat16, random weights)", ""]
-    write = report_writer(lines, a.out, rows)
-    timer = wall_clock_limit(a.time_limit, write, [])
+    write, timer = bounded_report(lines, a.out, rows, a.time_limit)
     bw, mm = copy_bandwidth(), matmul_rate()
     lines += [
         f"Measured here: copy bandwidth {bw / 1e9:,.0f} GB/s (read + written), bf16 8192^3 matmul "
@@ -390,10 +388,7 @@ def main(argv=None) -> int:
     if prefill_lines:
         lines += ["", "| model | prompt | prefill | tokens/s | model FLOP rate | of matmul rate |",
                   "|---|---:|---:|---:|---:|---:|", *prefill_lines]  # fmt: skip
-    timer.cancel()
-    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
-    write()
-    return 0
+    return finish(timer, lines, write)
 
 
 if __name__ == "__main__":

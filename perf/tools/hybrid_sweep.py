@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.limits import bounded_report, needs_cuda
 
 
 def main(argv=None) -> int:
@@ -32,16 +32,14 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=300)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("hybrid_sweep: needs a CUDA GPU", file=sys.stderr)
+    if needs_cuda("hybrid_sweep"):
         return 2
     from kernels import attention, delta_rule, linear
     from perf.tools.timing import copy_bandwidth, graph_time
 
     lines = [f"# Hybrid decode kernels on {torch.cuda.get_device_name()}", ""]
     rows: list[dict] = []
-    write = report_writer(lines, a.out, rows)
-    timer = wall_clock_limit(a.time_limit, write, [])
+    write, timer = bounded_report(lines, a.out, rows, a.time_limit)
     bw = copy_bandwidth()
     lines += [f"Copy bandwidth {bw / 1e9:,.0f} GB/s. Command: `python perf/kernels.py hybrid-steps`.", ""]
     dev, L = "cuda", a.layers

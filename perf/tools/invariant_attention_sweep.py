@@ -14,6 +14,7 @@ import argparse
 import itertools
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -69,8 +70,7 @@ def main() -> int:
         "|---|---:|---:|---:|---|---:|---:|",
     ]
 
-    def write() -> None:
-        write_report(a.out, lines, results)
+    write = partial(write_report, a.out, lines, results)
 
     def sweep(case: str, t_default: float, run, cands: list[dict]) -> None:
         t_current = unrolled_graph_time(lambda: run(None), a.reps)

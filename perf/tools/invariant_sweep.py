@@ -13,6 +13,7 @@ import itertools
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -99,8 +100,7 @@ def main() -> int:
         "|---|---|---:|---:|---:|---:|---|---:|---:|",
     ]
 
-    def write() -> None:
-        write_report(a.out, lines, results)
+    write = partial(write_report, a.out, lines, results)
 
     for name, N, K in SHAPES[a.shapes]:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.limits import bounded_report
 
 POINTERS_32 = {"Mixed", "ALog", "DtBias", "S", "Part", "CS"}
 POINTERS_16 = {"Proj", "NormW", "Out", "CW"}
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
              "Command: `python perf/kernels.py regs" + "".join(f" {x}" for x in (argv or sys.argv[1:])) + "`.", "",
              "| setting | conv | warps | registers | spilled bytes |", "|---|---|---:|---:|---:|"]  # fmt: skip
     rows: list[dict] = []
-    write = report_writer(lines, a.out, rows)
-    timer = wall_clock_limit(a.time_limit, write, [])
+    write, timer = bounded_report(lines, a.out, rows, a.time_limit)
     plain = delta_tune.step_candidates(a.rows, HV, DV, sms=132)
     for s in (plain + delta_tune.conv_candidates(plain))[: a.first]:
         bv, split = s["block_v"], s.get("split", 1)
@@ -158,8 +157,7 @@ def skinny(a, argv) -> int:
              "", f"Command: `{command}`.", "", "| block_n | block_k | stages | conv | registers | spilled bytes |",
              "|---:|---:|---:|---|---:|---:|"]  # fmt: skip
     found: list[dict] = []
-    write = report_writer(lines, a.out, found)
-    timer = wall_clock_limit(a.time_limit, write, [])
+    write, timer = bounded_report(lines, a.out, found, a.time_limit)
     base = dict(SKINNY_PLAIN, BLOCK_M=max(16, triton.next_power_of_2(rows)))
     for bn, bk, stages in SKINNY_TILES[: a.first]:
         for conv in ("no", "epilogue"):

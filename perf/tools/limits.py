@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -40,3 +42,29 @@ def report_writer(lines: list[str], out: str | None, rows: list | None = None) -
                     json.dump(rows, f, indent=1)
 
     return write
+
+
+def finish(timer: threading.Timer, lines: list[str], write: Callable[[str], None]) -> int:
+    """The end of a bounded run: cancel `wall_clock_limit`'s timer, close the report with the time of measuring,
+    write it, and give main's exit status 0."""
+    timer.cancel()
+    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
+    write("")
+    return 0
+
+
+def bounded_report(lines: list[str], out: str | None, rows: list | None, seconds: float, servers: list | None = None):
+    """(write, timer): `report_writer`'s write for `lines` and `rows`, and a `wall_clock_limit` of `seconds` that
+    writes through it; pass the timer to `finish` at the end."""
+    write = report_writer(lines, out, rows)
+    return write, wall_clock_limit(seconds, write, [] if servers is None else servers)
+
+
+def needs_cuda(tool: str) -> bool:
+    """True, after saying so on stderr, when there is no CUDA GPU for `tool` (its main then returns 2)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{tool}: needs a CUDA GPU", file=sys.stderr)
+    return True

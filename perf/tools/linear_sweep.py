@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from perf.tools.engine_bench import write_report  # noqa: E402
+from perf.tools.engine_bench import print_report  # noqa: E402
 from perf.tools.timing import copy_bandwidth  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -172,10 +172,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if cut:
         lines += ["", f"TIME LIMIT ({a.time_limit:.0f} s): not measured: {', '.join(cut)}"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    write_report(text, res, a.out, a.json)
-    return 0
+    return print_report(lines, res, a.out, a.json)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.limits import bounded_report, finish
 from perf.tools.timing import capture_graph, cuda_time, graph_time
 
 
@@ -201,8 +201,7 @@ def main(argv=None) -> int:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows: list[dict] = []
-    write = report_writer(lines, a.out, rows)
-    timer = wall_clock_limit(a.time_limit, write, [])
+    write, timer = bounded_report(lines, a.out, rows, a.time_limit)
     norm = True
     sizes = list(a.batches) + ([a.prefill] if a.prefill else [])
     # the router as the decode graphs take it, tuned over 8 routers (a model's layers: not one left in L2)
@@ -305,10 +304,7 @@ def main(argv=None) -> int:
             rows.append(dict(tuned=True, tokens=T, settings=st, fused_graph_s=t, roofline_s=roof))
             lines.append(f"| {T} | {t * 1e3:.3f} ms | **{t / roof:.2f}x** | `{st}` |")
             write()
-    timer.cancel()
-    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
-    write()
-    return 0
+    return finish(timer, lines, write)
 
 
 if __name__ == "__main__":

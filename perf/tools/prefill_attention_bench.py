@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from perf.tools.limits import report_writer, wall_clock_limit
+from perf.tools.limits import bounded_report, finish
 from perf.tools.timing import cuda_median, wall_median
 
 # (query heads, KV heads, head dim) of the full-attention layers
@@ -74,8 +73,7 @@ def main(argv=None) -> int:
         "| shape (H, Hkv, D) | what | setting | time | TFLOP/s | / flash SDPA | max abs diff |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
-    write = report_writer(lines, a.out, rows)
-    timer = wall_clock_limit(a.time_limit, write, [])
+    write, timer = bounded_report(lines, a.out, rows, a.time_limit)
     gen = torch.Generator(device=dev).manual_seed(0)
     for name in a.shapes:
         H, Hkv, D = SHAPES[name]
@@ -122,10 +120,7 @@ def main(argv=None) -> int:
                 )
                 rows.append(dict(shape=name, what=f"kernel {order}", setting=setting, s=t, ratio=t / t_ref, diff=diff))
                 write()
-    timer.cancel()
-    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M')}."]
-    write()
-    return 0
+    return finish(timer, lines, write)
 
 
 if __name__ == "__main__":
