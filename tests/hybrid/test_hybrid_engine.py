@@ -114,20 +114,25 @@ def test_random_hybrid_shape_generates():
 
 @WHOLE_MODEL
 def test_delta_rule_kernels_in_the_engine_give_the_same_tokens(hybrid_folder, engine):
-    """The engine with the Triton delta-rule kernels (the interpreter on a CPU) against the PyTorch reference:
-    mixed prefill spans (one varlen launch) and batched decode steps writing the pages in place."""
+    """The engine with the Triton kernels (the interpreter on a CPU; MoE layers included) against the PyTorch
+    reference: ragged prefill spans in one varlen launch, batched decode steps writing the pages in place, then the
+    same prompts again in the other order, where prefix hits restore the checkpoints of a shared prefix."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
-    prompts = [prompt(80 + i, 30 + 45 * i) for i in range(3)]
+    shared = prompt(79, 66)  # past the first chunk of 64: a checkpoint to hit
+    prompts = [shared + prompt(80 + i, 1 + 12 * i) for i in range(3)]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = engine if device == "cpu" else make_engine(hybrid_folder, device=device, backend="torch")
     fast = make_engine(hybrid_folder, device=device, backend="triton")
     fast_model = fast.runner.model  # the graph step (GpuHybrid) over an eager model with the kernels
     assert getattr(fast_model, "eager", fast_model).kd is not None and ref.runner.model.kd is None
-    want = [o.output_ids for o in ref.generate(prompts, greedy(6))]  # 6 steps: each takes seconds interpreted
-    assert [o.output_ids for o in fast.generate(prompts, greedy(6))] == want
+    for batch in (prompts, prompts[::-1]):  # 6 steps: each takes seconds interpreted
+        want = [o.output_ids for o in ref.generate(batch, greedy(6))]
+        assert [o.output_ids for o in fast.generate(batch, greedy(6))] == want
+    assert fast.scheduler.num_cached_tokens > 0
     assert_idle(fast)
+    assert_idle(ref)
 
 
 def test_a_saved_folder_with_an_mtp_head_loads_as_the_same_model(tmp_path):

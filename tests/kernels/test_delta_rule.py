@@ -19,10 +19,6 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # tests/conft
 # interpreter: the tiny model's shapes; GPU: Qwen3-Next's (32 value heads of 128 x 128)
 SHAPES = [(2, 16, 32)] if DEVICE == "cpu" else [(2, 16, 32), (32, 128, 128)]
 
-# whole-model runs through the kernels: seconds each on a GPU, tens of seconds in Triton's CPU interpreter, so
-# `make test-fast` (-m "not slow") leaves them to `make test`
-WHOLE_MODEL = pytest.mark.slow
-
 
 def inputs(T, H, DK, DV, gen):
     def r(*s):
@@ -120,28 +116,3 @@ def test_chunked_from_the_conv_output_equals_chunked_from_its_gates(HK, H, DK, D
                      raw=(mixed, b, a, a_log, dt_bias, HK))  # fmt: skip
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(buf2, buf, atol=1e-5, rtol=1e-5)
-
-
-@WHOLE_MODEL
-def test_engine_with_the_kernels_equals_the_pytorch_path():
-    """random:tiny-hybrid end to end (fp32, greedy): ragged prefill spans in one varlen launch, batched decode
-    steps in place, prefix hits restoring checkpoints; the same tokens as the PyTorch path. On the CPU with dense
-    MLPs (the interpreter runs the MoE kernels slowly; tests/kernels/test_moe.py and test_gpu_hybrid.py cover
-    them there)."""
-    from backends.common.core.request import SamplingParams
-    from backends.common.engine.engine import Engine
-
-    gen = torch.Generator().manual_seed(3)
-    shared = torch.randint(3, 300, (70,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 300, (n,), generator=gen).tolist() for n in (1, 20, 90)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)  # seconds a step, interpreted
-    outs = {}
-    for backend in ("torch", "triton"):
-        shape = "random:tiny-hybrid" if DEVICE == "cuda" else "random:tiny-hybrid-dense"
-        eng = Engine(shape, dtype="float32", device=DEVICE, kv_tokens=2048, chunk_size=64, backend=backend)
-        model = eng.runner.model  # with the kernels: the graph step (GpuHybrid) over the eager model
-        assert (getattr(model, "eager", model).kd is not None) == (backend == "triton")
-        outs[backend] = [o.output_ids for o in eng.generate(prompts, params)]
-        outs[backend] += [o.output_ids for o in eng.generate(prompts[::-1], params)]  # now with prefix hits
-        assert eng.scheduler.num_cached_tokens > 0
-    assert outs["triton"] == outs["torch"]

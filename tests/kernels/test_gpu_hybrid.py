@@ -434,10 +434,10 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
     torch.testing.assert_close(gpu.forward(spans), ref_forward(r, spans), **TOL)
     assert gpu.stats == {"graph_steps": 0, "eager_steps": 1}
     pad_before = gpu.state.buffer[gpu.pad_page].clone()
-    for _ in range(4):
+    for _ in range(2):
         dec = seqs.step([0, 1, 2])
         torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
-    assert gpu.stats["graph_steps"] == 4
+    assert gpu.stats["graph_steps"] == 2
     used = [s for sl in slots for s in sl]
     kv, kv_ref = gpu.kv.buffer[:, :, used].float(), r[1].buffer[:, :, used].float()
     if DTYPE == torch.float32:
@@ -461,6 +461,7 @@ def test_graph_decode_steps_equal_the_pytorch_model(name, cfg):
 
 
 @WHOLE_MODEL
+@pytest.mark.skipif(DTYPE == torch.float32, reason="a 16-bit model's default: float32 (the CPU) runs the exact scan")
 def test_16bit_prefill_default_stays_near_the_pytorch_model():
     """The serving default for 16-bit models runs the chunked delta rule's matmuls in one TF32 pass (2.4e-4 from
     float32 per layer). Its prefill logits, two graph decode steps after it and the state pages stay within 2.5x
@@ -470,12 +471,11 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
     near-tied logits moved, so the element-wise tests above keep TF32x3."""
     name, cfg = shapes()[-1]
     errs = {}
-    # float32 (the CPU): the default is the exact scan, so the two builds would run the same computation
-    for lp in (False, None) if DTYPE != torch.float32 else (None,):
+    for lp in (False, None):
         r, gpu = build(cfg, low_precision_scan=lp)
         assert gpu.eager.low_precision_scan == (lp is None and DTYPE != torch.float32)
-        # prompts of several chunks (64 tokens); shorter in the CPU interpreter, whose steps take seconds
-        seqs = Seqs(cfg, [300, 77] if DEVICE == "cuda" else [100, 30], [2, 5], gen(13))
+        # prompts of several chunks (64 tokens)
+        seqs = Seqs(cfg, [300, 77], [2, 5], gen(13))
         spans = seqs.prefill()
         e = [rel_err(gpu.forward(spans), ref_forward(r, spans))]
         for _ in range(2):
@@ -484,7 +484,7 @@ def test_16bit_prefill_default_stays_near_the_pytorch_model():
         assert gpu.stats["graph_steps"] == 2
         e.append(rel_err(gpu.state.buffer[seqs.pages], r[2].buffer[seqs.pages]))
         errs[lp] = e
-    for exact, default in zip(errs.get(False, errs[None]), errs[None]):
+    for exact, default in zip(errs[False], errs[None]):
         assert exact < 2e-2 and default <= 2.5 * exact + 1e-3, errs
 
 
@@ -568,15 +568,16 @@ def test_graph_steps_with_fused_prologues_equal_the_pytorch_model(cfg, rows_fuse
     pages = seqs.pages
     spans = seqs.prefill()
     torch.testing.assert_close(gpu.forward(spans), ref_forward(r, spans), **TOL)
-    for step in range(4):
-        dec = seqs.step([0] if step % 2 == 0 else [0, 1, 2])
+    for rows in ([0], [0, 1, 2]):  # sequence 0 goes on from the graph of 1 into the graph of 4
+        dec = seqs.step(rows)
         torch.testing.assert_close(gpu.forward(dec), ref_forward(r, dec), **TOL)
-    assert gpu.stats["graph_steps"] == 4
+    assert gpu.stats["graph_steps"] == 2
     if delta == "defer":  # the bodies of the graphs of 2 and 4 rows (each step's on the CPU, the captures' on a GPU)
         assert "Partials" in deferred and "Tensor" in deferred, deferred
     if conv_in_delta:
         linear_layers = sum(not L["full"] for L in gpu.layers)
-        assert len(fused_convs) >= len(sizes) * linear_layers and all(c is not None for c in fused_convs)
+        bodies = len(sizes) if DEVICE == "cuda" else 2  # the captures' on a GPU, each step's on the CPU
+        assert len(fused_convs) >= bodies * linear_layers and all(c is not None for c in fused_convs)
         assert gpu.delta_choice == CONV_IN_DELTA
     if DTYPE == torch.float32:
         torch.testing.assert_close(gpu.state.buffer[pages], r[2].buffer[pages], atol=2e-3, rtol=2e-3)

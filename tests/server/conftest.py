@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -103,8 +104,30 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server():
-    s = Server("--kv-tokens", "4096", name="serve")
+    """One SmolLM2 server, with the OpenAI front end, for the modules that only send it requests (test_serving,
+    test_openai): a server start and stop fewer. Each test leaves it idle."""
+    port = free_ports(1)[0]
+    s = Server("--kv-tokens", "4096", "--openai-port", str(port), name="serve")
+    s.openai_url = f"http://127.0.0.1:{port}/v1"
+    t0 = time.monotonic()
+    while True:  # serve prints ready once the front end answers; the test's readiness is Triton's
+        try:
+            with urllib.request.urlopen(f"{s.openai_url}/models", timeout=2):
+                break
+        except OSError:
+            assert time.monotonic() - t0 < 120, s.log_tail()
+            time.sleep(0.2)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """random:tiny-test, whose steps cost next to nothing, for the tests whose load is on the stubs and the relay
+    rather than the model (test_churn's many short streams, test_fuzz's malformed requests): one server for both.
+    Each test leaves it idle."""
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "2048", "--exit-timeout", "2", name="tiny")
     yield s
     s.stop()

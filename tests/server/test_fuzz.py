@@ -19,7 +19,6 @@ from backends.client import infer_inputs
 from backends.common.core.request import SamplingParams
 from backends.common.serving.wire import DecodeRequest, PrefillRequest
 from tests.server.client import StreamClient, grpc_generate, http_post
-from tests.server.conftest import Server
 
 pytestmark = [pytest.mark.server]
 
@@ -61,12 +60,9 @@ prompt_ids = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def fuzz_server():
-    s = Server(
-        "--model", "random:tiny-test", "--kv-tokens", "2048", "--max-batch", "16", "--exit-timeout", "2", name="fuzz"
-    )
-    yield s
-    s.stop()
+def fuzz_server(tiny_server):
+    """The shared random:tiny-test server (tests/server/conftest.py)."""
+    return tiny_server
 
 
 def names_a_field(message: str) -> bool:

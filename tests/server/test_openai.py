@@ -5,16 +5,12 @@ and a client that goes away mid-stream cancels its answer."""
 from __future__ import annotations
 
 import json
-import time
-import urllib.request
 
 import openai
 import pytest
 
 from backends.common.core.request import SamplingParams
-from backends.server_process import free_ports
 from tests.server.client import http_post
-from tests.server.conftest import Server
 
 pytestmark = pytest.mark.server
 
@@ -22,20 +18,9 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 @pytest.fixture(scope="module")
-def oai():
-    port = free_ports(1)[0]
-    s = Server("--kv-tokens", "4096", "--openai-port", str(port), name="openai")
-    s.openai_url = f"http://127.0.0.1:{port}/v1"
-    t0 = time.monotonic()
-    while True:  # serve prints ready once the front end answers; the test's readiness is Triton's
-        try:
-            with urllib.request.urlopen(f"{s.openai_url}/models", timeout=2):
-                break
-        except OSError:
-            assert time.monotonic() - t0 < 120, s.log_tail()
-            time.sleep(0.2)
-    yield s
-    s.stop()
+def oai(server):
+    """The shared server (tests/server/conftest.py), which serves the OpenAI API too."""
+    return server
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Pause and recovery end to end on a real server: a 512-token decode pool and SmolLM2 answers that need far more
+"""Pause and recovery end to end on a real server: a 384-token decode pool and SmolLM2 answers that need far more
 than that, streamed over gRPC. Recovery by prefill under new epochs, the restart baseline and deadlines run
 in-process (tests/inprocess/test_roles.py), as do the hybrid model's cases (test_hybrid_roles.py)."""
 
@@ -13,8 +13,8 @@ from tests.server.conftest import Server
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 TOPICS = ["the history of astronomy", "how bridges are built", "the life cycle of stars", "ocean currents"]
-POOL = 512
-N_OUT = 120  # with prompts of ~160 tokens, four answers need more than twice the pool
+POOL = 384
+N_OUT = 80  # with prompts of ~160 tokens, four answers need more than twice the pool
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def run_streams(server, prompts, n_out: int = N_OUT) -> list:
     return grpc_generate_all(server.grpc_url, prompts, [params(i, n_out) for i in range(len(prompts))])
 
 
-def test_four_streams_on_512_slots_pause_and_recover_exactly(tight, expected):
+def test_four_streams_on_384_slots_pause_and_recover_exactly(tight, expected):
     prompts, want = expected
     results = run_streams(tight, prompts)
     for i, (res, exp) in enumerate(zip(results, want)):
