@@ -9,6 +9,7 @@ import os
 import shutil
 import string
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,21 @@ def pytriton_layout(workdir: Path) -> Layout:
         dst = py / src.name
         if not dst.exists():
             shutil.copy2(src, dst)
-    return Layout(base / "bin" / "tritonserver", be, [libs])
+    return Layout(base / "bin" / "tritonserver", be, [*python_lib_dir(), libs])
+
+
+def python_lib_dir() -> list[Path]:
+    """The folder of this Python's own libpython, when it has one (a Python built with --enable-shared, such as
+    pyenv's): first on the stubs' library path, so that a stub embeds the interpreter whose standard library it
+    imports. With the system's libpython instead (Debian's 3.11.2 under a 3.11.7), extension modules built for
+    the newer patch release fail to load in the stub (`_ssl`: undefined symbol _PyModule_Add), and with them
+    anything that imports ssl, transformers included."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    name = sysconfig.get_config_var("INSTSONAME") or ""
+    system = libdir is None or libdir in ("/lib", "/usr/lib", "/usr/lib64") or libdir.startswith("/usr/lib/")
+    if not system and name and (Path(libdir) / name).is_file():
+        return [Path(libdir)]
+    return []
 
 
 def layout_for(workdir: Path, tritonserver: str | None, backend_dir: str | None) -> Layout:

@@ -62,3 +62,20 @@ def test_snapshot_and_read_metrics_take_one_scrape(monkeypatch):
     assert s.read_metrics({"used": "pd_kv_slots_used"}) == {"used": 0.0}
     with pytest.raises(OSError):
         s.snapshot({"used": "pd_kv_slots_used"})
+
+
+def test_the_stubs_embed_this_pythons_own_libpython(monkeypatch, tmp_path):
+    """A Python built with a shared libpython outside the system's folders (pyenv's) puts that folder first on
+    the stubs' library path: with the system's older libpython, the stub could not load this Python's `_ssl` and
+    nothing that imports ssl (transformers, for the image processor) loaded in a role. A system Python adds
+    nothing."""
+    from backends import tritonserver
+
+    (tmp_path / "libpython3.11.so.1.0").write_bytes(b"")
+    values = {"LIBDIR": str(tmp_path), "INSTSONAME": "libpython3.11.so.1.0"}
+    monkeypatch.setattr(tritonserver.sysconfig, "get_config_var", values.get)
+    assert tritonserver.python_lib_dir() == [tmp_path]
+    values["LIBDIR"] = "/usr/lib/x86_64-linux-gnu"
+    assert tritonserver.python_lib_dir() == []
+    values.update(LIBDIR=str(tmp_path), INSTSONAME="libpython3.11.a")  # a static build: nothing to put first
+    assert tritonserver.python_lib_dir() == []
