@@ -178,7 +178,7 @@ class DecodeLoop(LoopMetrics):
         spans = []
         for job in plan.recomputes:
             req = self.sched.reqs[job.rid]
-            spans.append(Span(job.ids[job.start :], job.start, req.slots, req.rid, req.state_page))
+            spans.append(Span(job.ids[job.start :], job.start, req.slots, req.rid, req.state_page, mm=req.mm))
         self.runner.forward(spans)
         self.watchdog.progress()
         for job in plan.recomputes:

@@ -65,7 +65,7 @@ class PauseRecovery:
             # a match trades evictable entries for positions one to one: only entries that others lock can make
             # room, so when even those could not, skip the walk of a history of thousands of tokens (on an H200 a
             # prefetched head was matched at every step)
-            if need_kv + 1 - self.radix.locked_bound(req.all_ids) > self._available() - self._reserve():
+            if need_kv + 1 - self.radix.locked_bound(req.cache_ids) > self._available() - self._reserve():
                 if self.quantum > 0:
                     return
                 continue

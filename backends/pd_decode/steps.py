@@ -135,7 +135,9 @@ class DecodeSteps:
             d = r.draft if r.draft is not None and len(r.slots) > n else None
             save = runner.scratch_page(i) if d is not None and state is not None else -1
             toks = r.token_slice(n - 1, n) + ([d] if d is not None else [])
-            spans.append(Span(toks, n - 1, r.slots, r.rid, r.state_page, logits_all=d is not None, save_page=save))
+            spans.append(
+                Span(toks, n - 1, r.slots, r.rid, r.state_page, logits_all=d is not None, save_page=save, mm=r.mm)
+            )
             drafts.append(d)
         mtp = self.speculative == "mtp"
         # a hybrid model on the graph path verifies in a graph; a greedy batch's MTP head is launched right behind
@@ -209,7 +211,7 @@ class DecodeSteps:
         mspans, hrows = [], []
         for i, toks in mtp_rows:
             r = reqs[i]
-            mspans.append(Span(toks, r.num_tokens - 1 - len(toks), r.slots, r.rid))
+            mspans.append(Span(toks, r.num_tokens - 1 - len(toks), r.slots, r.rid, mm=r.mm))
             hrows.extend(firsts[i] + j for j in range(len(toks)))
         for (i, _), d in zip(mtp_rows, runner.mtp_logits(mspans, hidden[hrows]).argmax(dim=-1).tolist()):
             reqs[i].draft = int(d)
@@ -221,7 +223,7 @@ class DecodeSteps:
     @staticmethod
     def _spans(reqs: list[InferReq]) -> list[Span]:
         return [
-            Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid, r.state_page)
+            Span(r.token_slice(r.num_tokens - 1, r.num_tokens), r.num_tokens - 1, r.slots, r.rid, r.state_page, mm=r.mm)
             for r in reqs
         ]
 

@@ -36,15 +36,20 @@ def test_config_is_the_language_model_of_the_checkpoint(saved):
     assert [cfg.is_moe_layer(i) for i in range(4)] == [moe] * 4
 
 
-def test_vision_tower_is_skipped_and_counted(saved, capfd):
-    _, folder, _, _ = saved
+def test_the_language_model_loads_without_the_vision_tower(saved):
+    """The language model's weights leave the tower out; a checkpoint with a tower but no image processor
+    (preprocessor_config.json) serves text, and refuses images naming the field and the reason (test_vision.py
+    serves them)."""
+    _, folder, _, engine = saved
+    from backends.common.core.request import ParamError, SamplingParams
     from backends.common.model.loader import load_weights
 
     w = load_weights(resolve(str(folder)), torch.float32, "cpu")
-    err = capfd.readouterr().err
-    assert "vision-tower tensors" in err and "text only" in err
     assert not any("visual" in k or "language_model" in k for k in w)
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in w and "lm_head.weight" in w
+    assert engine.runner.vision is None and "preprocessor_config.json" in engine.runner.vision_missing
+    with pytest.raises(ParamError, match="image: .* takes no images: .*preprocessor_config.json"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=2), [b"png"])
 
 
 def test_prefill_logits_match_transformers_whole_and_in_uneven_chunks(saved):

@@ -61,6 +61,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     mtp_layers: int = 0  # multi-token-prediction layers shipped with the weights (Qwen3-Next: 1)
+    # Qwen3.5's interleaved multimodal rope: how many of the rotary frequencies follow each of an image token's
+    # (t, row, column) positions; empty for text-only models (text positions are plain rope either way)
+    mrope_section: list[int] = field(default_factory=list)
 
     @property
     def is_hybrid(self) -> bool:
@@ -196,6 +199,7 @@ class ModelConfig:
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
             mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
             mtp_layers=cfg.get("num_nextn_predict_layers", cfg.get("mtp_num_hidden_layers", 0)),
+            mrope_section=list(rope.get("mrope_section") or [11, 11, 10]) if cfg.model_type != "qwen3_next" else [],
         )
 
     @classmethod
@@ -272,6 +276,7 @@ class ModelConfig:
                 "rope_type": "default",
                 "rope_theta": self.rope_theta,
                 "partial_rotary_factor": self.partial_rotary_factor,
+                **({"mrope_section": self.mrope_section, "mrope_interleaved": True} if self.mrope_section else {}),
             },
             "hidden_act": "silu",
             "torch_dtype": "float32",

@@ -172,10 +172,20 @@ class InferReq:
         self.num_pauses = 0
         self.paused_at = 0.0  # decode: when it last paused (the scheduler's clock)
         self.running_since = 0.0  # decode: when it last started or resumed running
+        # images (backends/common/model/multimodal.Multimodal): rotary positions, the tower's rows, cache keys
+        self.mm = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """What the prefix caches key this sequence by: its ids, with a request's image tokens replaced by keys
+        of the image's content (every image's tokens have the same id)."""
+        if self.mm is None:
+            return self.all_ids
+        return self.mm.cache_keys(self.prompt_ids) + self.output_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without building all_ids (the decode step needs one token of a long sequence)."""

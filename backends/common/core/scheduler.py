@@ -67,7 +67,7 @@ class KVAccounting:
         K/V alone and no live page (the caller brings the state from elsewhere: a host copy's page)."""
         live = self.state is not None and not kv_only
         page = self.alloc_state() if live else ZERO  # first: it may drop a checkpoint
-        slots, node = self.radix.match_prefix(req.all_ids[:limit], kv_only=kv_only)
+        slots, node = self.radix.match_prefix(req.cache_ids[:limit], kv_only=kv_only)
         self.radix.lock(node)
         req.slots, req.cached_len, req.last_node = slots, len(slots), node
         if live:
@@ -80,7 +80,7 @@ class KVAccounting:
         own = req.slots[req.cached_len :]
         page, req.state_page = req.state_page, ZERO
         if keep_in_cache and req.slots:
-            present = self.radix.insert(req.all_ids[: len(req.slots)], req.slots, priority, state_page=page)
+            present = self.radix.insert(req.cache_ids[: len(req.slots)], req.slots, priority, state_page=page)
             self.pool.free(req.slots[req.cached_len : present])  # duplicates of slots the tree already had
         else:
             self.pool.free(own)
@@ -97,9 +97,9 @@ class KVAccounting:
         ckpt = ZERO
         if self.state is not None and (ckpt := self.state.alloc()) is not None:
             self.state.copy(ckpt, req.state_page)
-        present = self.radix.insert(req.all_ids[:n], req.slots, state_page=ZERO if ckpt is None else ckpt)
+        present = self.radix.insert(req.cache_ids[:n], req.slots, state_page=ZERO if ckpt is None else ckpt)
         self.pool.free(req.slots[req.cached_len : present])
-        slots, node = self.radix.match_prefix(req.all_ids[:n], kv_only=True)
+        slots, node = self.radix.match_prefix(req.cache_ids[:n], kv_only=True)
         self.radix.lock(node)
         if req.last_node is not None:
             self.radix.unlock(req.last_node)

@@ -59,11 +59,13 @@ class Engine:
         state_pages: int | None = None,
         deterministic: bool = False,
     ):
+        """The engine of the offline path and of prefill: a multimodal checkpoint's vision tower is loaded too
+        (`add_request`'s images)."""
         self.overlap = overlap
         self._pending: LaunchedStep | None = None
         self.runner = ModelRunner(
             model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs,
-            state_pages=state_pages, deterministic=deterministic,
+            state_pages=state_pages, deterministic=deterministic, vision=True,
         )  # fmt: skip
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings
@@ -82,13 +84,43 @@ class Engine:
         if bad:
             raise ParamError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> InferReq:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, images: list | None = None) -> InferReq:
+        """images: PNG or JPEG bytes (or base64 text, or PIL images), one per `<|image_pad|>` placeholder in the
+        prompt, in order; preprocessed, expanded and encoded here, once (`prepare_images`)."""
         params.validate()
+        mm = None
+        if images:
+            prompt_ids, mm = self.prepare_images(prompt_ids, images)
         self.check_prompt(prompt_ids, params)
         n = next(self._ids)
         req = InferReq(f"offline-{n}", prompt_ids, params, arrival=n)
+        req.mm = mm
         self.scheduler.add(req)
         return req
+
+    def prepare_images(self, prompt_ids: list[int], images: list, field_name: str = "image"):
+        """(expanded prompt ids, Multimodal with the vision tower's rows) for a prompt and its images; a model
+        without a vision tower, or images that do not fit the prompt or the limits, is a ParamError naming
+        `field_name`."""
+        from backends.common.model import multimodal
+
+        if self.runner.vision is None:
+            raise ParamError(
+                field_name, f"the model {self.runner.source.spec} takes no images: {self.runner.vision_missing}"
+            )
+        imgs = self.runner.images(images, field_name)
+        ids, mm = multimodal.build(list(prompt_ids), imgs, self.runner.vision.vc, field_name)
+        self.encode_images(mm)
+        return ids, mm
+
+    def encode_images(self, mm) -> None:
+        """The vision tower's rows of a request's images, all of them in one pass (skipped when kept)."""
+        if mm.embeds is not None:
+            return
+        pixels = torch.cat([im.pixel_values for im in mm.images])
+        grid = torch.tensor([im.grid_thw for im in mm.images], dtype=torch.int64)
+        mm.embeds = self.runner.vision.encode(pixels, grid)
+        mm.encodes += 1
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._pending is not None
@@ -105,7 +137,14 @@ class Engine:
                 raise EngineError("KV pool too small: no request can make progress (raise --kv-tokens)")
             return done
         spans = [
-            Span(s.req.token_slice(s.start, s.start + s.num_new), s.start, s.req.slots, s.req.rid, s.req.state_page)
+            Span(
+                s.req.token_slice(s.start, s.start + s.num_new),
+                s.start,
+                s.req.slots,
+                s.req.rid,
+                s.req.state_page,
+                mm=s.req.mm,
+            )
             for s in plan
         ]
         if self.state_pages is not None:
@@ -194,9 +233,13 @@ class Engine:
             return
         self._finish(req, reason)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], images: list | None = None
+    ) -> list[Output]:
+        """images: None, or per prompt a list of its images (`add_request`)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ilist = images if images is not None else [None] * len(prompts)
+        reqs = [self.add_request(p, sp, im) for p, sp, im in zip(prompts, plist, ilist)]
         while self.has_work():
             self.step()
         return [

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -86,17 +87,22 @@ class ModelRunner:
         state_shm_name: str | None = None,
         deterministic: bool = False,
         graph_sizes: tuple[int, ...] = GRAPH_SIZES,
+        vision: bool = False,
     ):
         """deterministic: batch-invariant kernels on the GPU path (kernels.invariant; dense models only: a hybrid
         model on the GPU path is refused with loader.ModelError). The CPU path is exact without them.
         graph_sizes: the decode batch sizes captured in CUDA graphs on the GPU path (a batch runs in the smallest
-        one that holds it; each is tuned at capture); the default serves every batch up to 512."""
+        one that holds it; each is tuned at capture); the default serves every batch up to 512.
+        vision: also load a multimodal checkpoint's vision tower and image processor (`self.vision`,
+        `self.images`; None for a text-only model): the prefill side and the offline engine. Decode never does."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
         self.cfg = loader.load_config(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
         weights = loader.load_weights(self.source, self.dtype, self.device)
+        self.vision_missing = "it has no vision tower: text only"  # why `vision` is None, for a refusal
+        self.vision, self.images = self._load_vision() if vision else (None, None)
         cfg = self.cfg
         self.state: StateStore | None = None
         self.num_state_pages = 0
@@ -127,6 +133,21 @@ class ModelRunner:
             )  # fmt: skip
         else:
             self.model = LlamaModel(cfg, weights)
+
+    def _load_vision(self):
+        """(VisionTower, ImageProcessor) of a multimodal checkpoint folder, (None, None) for a text-only model."""
+        from backends.common.model.multimodal import ImageProcessor
+        from backends.common.model.vision import VisionConfig, VisionTower
+
+        folder = self.source.folder
+        if folder is None or VisionConfig.from_folder(folder) is None:
+            return None, None
+        if not (folder / "preprocessor_config.json").is_file():  # no processor: the tower could not be fed
+            self.vision_missing = "its folder has a vision tower but no preprocessor_config.json (image processor)"
+            print(f"[triton-pd] {self.source.spec}: {self.vision_missing}; serving text only", file=sys.stderr)
+            return None, None
+        tower = VisionTower.load(folder, self.dtype, self.device)
+        return tower, ImageProcessor(folder, tower.vc)
 
     def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages,
                      state_shm_name, graph_sizes):  # fmt: skip

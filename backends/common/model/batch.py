@@ -22,6 +22,21 @@ class Span:
     # a scratch page that receives the state after the first token, to roll back to when the draft is rejected
     logits_all: bool = False
     save_page: int = -1
+    # a request with images (backends/common/model/multimodal.Multimodal): its tokens' 3-D rotary positions and,
+    # in the prompt, the vision tower's rows in place of the image tokens' embeddings
+    mm: object = None
+
+
+def rope_offset(span: Span) -> int:
+    """What a span's generated tokens add to their index for their rotary position: a request's images shift the
+    text after them (multimodal.Multimodal.delta); 0 without images."""
+    return span.mm.delta if span.mm is not None else 0
+
+
+def past_images(span: Span) -> bool:
+    """Whether every token of the span lies past its request's prompt (or it has no images): then its positions
+    are plain rope at index + `rope_offset`, as the decode graphs compute them."""
+    return span.mm is None or span.start >= span.mm.prompt_len
 
 
 @dataclass(slots=True)
@@ -41,6 +56,9 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [N] int64: rows of T to compute logits for (usually each sequence's last)
     state_pages: list[int] | None = None  # hybrid models: each sequence's state page
     save_pages: list[int] | None = None  # hybrid models: a scratch page per sequence for speculative steps, or -1
+    # requests with images: positions is [3, T] (t, row, column; text rows all equal), and these rows of the
+    # input take the vision tower's outputs instead of the embedding table's: (row offset in T, rows)
+    embeds: list[tuple[int, torch.Tensor]] | None = None
     _decode: tuple | None = None
     _prefill: tuple | None = None
     _linear: LinearRows | None = None
@@ -138,7 +156,8 @@ class LinearRows:
 
 
 def build_batch(spans: list[Span], device) -> ForwardBatch:
-    """The spans as one ragged ForwardBatch on `device`."""
+    """The spans as one ragged ForwardBatch on `device`; with a request with images among them, 3-D positions and
+    the image rows' embeddings (`ForwardBatch.embeds`)."""
     ids, pos, out, starts, new_lens, ctx = [], [], [], [], [], []
     for s in spans:
         n, end = len(s.token_ids), s.start + len(s.token_ids)
@@ -155,7 +174,24 @@ def build_batch(spans: list[Span], device) -> ForwardBatch:
     def t(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    return ForwardBatch(
+    batch = ForwardBatch(
         t(ids), t(pos), t(out), starts, new_lens, ctx, t(rows), [s.state_page for s in spans],
         [s.save_page for s in spans],
     )  # fmt: skip
+    if any(s.mm is not None for s in spans):
+        batch.positions, batch.embeds = _multimodal(spans, starts, batch.positions)
+    return batch
+
+
+def _multimodal(spans: list[Span], starts: list[int], positions: torch.Tensor):
+    """[3, T] positions (a text-only span's rows repeat its 1-D positions) and the image rows' embeddings."""
+    pos3 = positions.expand(3, -1).clone()
+    embeds = []
+    for s, st in zip(spans, starts):
+        if s.mm is None:
+            continue
+        end = s.start + len(s.token_ids)
+        pos3[:, st : st + len(s.token_ids)] = s.mm.positions(s.start, end).to(pos3.device)
+        if s.start < s.mm.prompt_len:
+            embeds += [(st + off, rows) for off, rows in s.mm.embeds_in(s.start, end)]
+    return pos3, embeds or None

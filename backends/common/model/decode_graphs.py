@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from backends.common.model.batch import past_images, rope_offset
 from backends.common.model.slot_table import SlotTable, Uploader
 
 RING = 3  # pinned host buffers of each kind for graph steps: one is written again three steps later
@@ -68,12 +69,12 @@ class DecodeGraphs:
     def _fill_inputs(self, h: np.ndarray, spans) -> None:
         B = len(spans)
         h[0, :B] = [s.token_ids[0] for s in spans]
-        h[1, :B] = [s.start for s in spans]
+        h[1, :B] = [s.start + rope_offset(s) for s in spans]
         h[2, :B] = [s.slots[s.start] for s in spans]
         h[4, :B] = [s.start + 1 for s in spans]
 
     def _graphable(self, spans) -> bool:
-        return self.fits_graph(len(spans)) and all(len(s.token_ids) == 1 for s in spans)
+        return self.fits_graph(len(spans)) and all(len(s.token_ids) == 1 and past_images(s) for s in spans)
 
     # ----- decode steps -----
     def fits_graph(self, batch: int) -> bool:

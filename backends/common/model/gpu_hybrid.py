@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.common.model.batch import Span, build_batch
+from backends.common.model.batch import Span, build_batch, past_images, rope_offset
 from backends.common.model.decode_graphs import DecodeGraphs
 from backends.common.model.decode_graphs import _EagerGraph as _EagerBody
 from backends.common.model.hybrid_model import HybridModel
@@ -347,6 +347,7 @@ class GpuHybrid(DecodeGraphs):
             and self.fits_graph(len(spans))
             and all(
                 s.state_page >= 0
+                and past_images(s)
                 and (len(s.token_ids) == 1 and s.save_page < 0 or len(s.token_ids) == 2 and s.save_page >= 0)
                 for s in spans
             )
@@ -367,11 +368,11 @@ class GpuHybrid(DecodeGraphs):
         v = h[:7]
         v[:] = self._vpad[:, None]
         for i, (s, row) in enumerate(zip(spans, rows)):
-            n0 = s.start
-            v[:, i] = (s.token_ids[0], n0, s.slots[n0], row, n0 + 1, s.state_page, s.state_page)
+            n0, d = s.start, rope_offset(s)
+            v[:, i] = (s.token_ids[0], n0 + d, s.slots[n0], row, n0 + 1, s.state_page, s.state_page)
             if len(s.token_ids) == 2:
                 v[6, i] = s.save_page
-                v[:, bs + i] = (s.token_ids[1], n0 + 1, s.slots[n0 + 1], row, n0 + 2, s.save_page, s.state_page)
+                v[:, bs + i] = (s.token_ids[1], n0 + 1 + d, s.slots[n0 + 1], row, n0 + 2, s.save_page, s.state_page)
         self.verify_inputs[bs].copy_(self._spec_host[bs][:7], non_blocking=True)
         if self._spec_event is not None:
             self._spec_event.record()
@@ -410,10 +411,10 @@ class GpuHybrid(DecodeGraphs):
             nx = [-1, -1] if nexts is None else nexts[i]
             if nx is None:
                 continue
-            n0 = s.start
-            m[:, i] = (nx[0], n0, s.slots[n0], row, n0 + 1)
+            n0, d = s.start, rope_offset(s)
+            m[:, i] = (nx[0], n0 + d, s.slots[n0], row, n0 + 1)
             if len(nx) == 2 and len(s.token_ids) == 2:
-                m[:, bs + i] = (nx[1], n0 + 1, s.slots[n0 + 1], row, n0 + 2)
+                m[:, bs + i] = (nx[1], n0 + 1 + d, s.slots[n0 + 1], row, n0 + 2)
         self.mtp_inputs[bs].copy_(self._spec_host[bs][7:], non_blocking=True)
         if self._spec_event is not None:
             self._spec_event.record()

@@ -192,12 +192,27 @@ class HybridModel:
     def _linear(self, x, name):
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
+    def mrope_freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, rot_dim / 2] angles of Qwen3.5's interleaved multimodal rope: frequency j follows the row position
+        where j % 3 == 1 and the column position where j % 3 == 2 (within the config's mrope_section), the t
+        position otherwise (transformers' Qwen3_5TextRotaryEmbedding)."""
+        f = positions.float()[:, :, None] * self.inv_freq[None, None, :]  # [3, T, rot_dim / 2]
+        out = f[0].clone()
+        sec = self.cfg.mrope_section or [0, 0, 0]
+        for dim in (1, 2):
+            idx = slice(dim, sec[dim] * 3, 3)
+            out[:, idx] = f[dim][:, idx]
+        return out
+
     def rope(self, positions: torch.Tensor):
         """(cos, sin) of every row's position: [T, rot_dim] in the model's dtype, as the PyTorch path rotates; with
         the kernels, float32 [T, rot_dim / 2] (kernels.rope's table layout, indexed by row) and the row index."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        if positions.dim() == 2:  # [3, T]: (t, row, column) positions of a batch with images
+            freqs = self.mrope_freqs(positions)
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
         if self.k_rope is not None:
-            return freqs.cos(), freqs.sin(), torch.arange(positions.numel(), device=positions.device)
+            return freqs.cos(), freqs.sin(), torch.arange(positions.shape[-1], device=positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -404,6 +419,8 @@ class HybridModel:
         """Final-norm hidden states of every row [T, hidden] (before the LM head)."""
         cfg = self.cfg
         h = self.w["model.embed_tokens.weight"][batch.input_ids]
+        for row, rows in batch.embeds or ():  # a prompt's image tokens: the vision tower's rows
+            h[row : row + rows.shape[0]] = rows.to(h.dtype)
         rope = self.rope(batch.positions)
         for i in range(cfg.num_layers):
             h = self.layer(h, i, f"model.layers.{i}.", kv, state, batch, rope, kv_layer=self.kv_index.get(i))

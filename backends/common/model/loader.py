@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,42 +94,25 @@ def load_tokenizer(src: ModelSource):
 
 
 def load_weights(src: ModelSource, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """Weights by Hugging Face name. Random weights are N(0, 0.02), norms 1, drawn on the target device."""
+    """The language model's weights by Hugging Face name (a multimodal checkpoint's vision tower is left to
+    backends/common/model/vision.py). Random weights are N(0, 0.02), norms 1, drawn on the target device."""
     if src.folder is None:
         return random_weights(SHAPES[src.shape], dtype, device)
     from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
-    skipped, skipped_bytes = 0, 0
     for f in sorted(src.folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
-                if name.startswith(VISION_PREFIXES):  # a multimodal checkpoint's vision tower: text only for now
-                    skipped += 1
-                    skipped_bytes += _nbytes(st, name)
+                if name.startswith(VISION_PREFIXES):  # the vision tower: vision.load_vision_weights (prefill)
                     continue
                 key = "model." + name[len(LANGUAGE_MODEL) :] if name.startswith(LANGUAGE_MODEL) else name
                 weights[key] = st.get_tensor(name).to(device=device, dtype=dtype)
-    if skipped:
-        print(
-            f"[triton-pd] {src.spec}: skipped {skipped} vision-tower tensors ({skipped_bytes / 2**20:.1f} MiB); "
-            "serving the language model (text only)",
-            file=sys.stderr,
-            flush=True,
-        )
     return weights
 
 
 LANGUAGE_MODEL = "model.language_model."  # Qwen3.5's multimodal layout: the language model's weights
 VISION_PREFIXES = ("model.visual.", "visual.")
-
-
-def _nbytes(st, name: str) -> int:
-    sl = st.get_slice(name)
-    n = 1
-    for d in sl.get_shape():
-        n *= d
-    return n * {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4}.get(sl.get_dtype(), 2)
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,0 +1,217 @@
+"""A request's images, from the bytes a client sends to what the language model reads.
+
+- `ImageProcessor`: decodes PNG or JPEG bytes (Pillow) and preprocesses them with the checkpoint's own image
+  processor from transformers (`preprocessor_config.json`: resizing, normalising, cutting into patches, the
+  `image_grid_thw`), within the deployment's limits.
+- `build`: the prompt with each image's one `<|image_pad|>` expanded to one per merged patch, and Qwen3.5's
+  multimodal rotary positions (`mrope_positions`): text tokens count up as usual, an image's tokens take
+  (t, row, column) positions from where the text stopped, and the text after an image goes on from the largest of
+  them. What decode needs of it is one integer per request, `delta`: a generated token at index i of the sequence
+  sits at position i + delta in all three sections.
+- `Multimodal`: what a request carries from then on (the expanded ids, the positions, the preprocessed images and,
+  once encoded, the vision tower's rows), sliced per span by the model (`positions`, `embeds`).
+
+Nothing here unpickles or evaluates what a client sent: images are decoded by Pillow from their bytes only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from backends.common.core.request import ParamError
+from backends.common.model.vision import VisionConfig
+
+MAX_IMAGES_PER_REQUEST = 8
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+class ImageError(ParamError):
+    """An image input that cannot be served: INVALID_ARG (400 on the OpenAI endpoint) naming the input (`image`,
+    `image_url`, ...)."""
+
+
+@dataclass(slots=True)
+class Image:
+    """One preprocessed image: the processor's patch rows [t*h*w, patch_dim] (float32), its patch grid, and the
+    SHA-256 of the decoded pixels (what the prefix caches key its tokens by: the same picture sent as PNG or as
+    JPEG of the same pixels is the same image, two pictures never are)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    digest: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixel_values.numel() * self.pixel_values.element_size()
+
+
+def decode_image(data: bytes | str, field_name: str = "image", max_pixels: int = MAX_IMAGE_PIXELS):
+    """A PIL image (RGB) from PNG or JPEG bytes, or from their base64 text (a data URL's payload); anything else
+    is an ImageError naming `field_name`."""
+    from PIL import Image as PILImage
+
+    if isinstance(data, str):
+        try:
+            data = base64.b64decode(data.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError(field_name, "not valid base64") from None
+    if not data:
+        raise ImageError(field_name, "empty image")
+    try:
+        with PILImage.open(io.BytesIO(data)) as im:
+            if im.format not in ("PNG", "JPEG"):
+                raise ImageError(field_name, f"{im.format or 'unknown'} image; PNG or JPEG only")
+            w, h = im.size
+            if w * h > max_pixels:
+                raise ImageError(field_name, f"{w} x {h} pixels is more than the limit of {max_pixels:,}")
+            return im.convert("RGB")
+    except ImageError:
+        raise
+    except Exception as e:  # Pillow's errors for truncated or unknown data
+        raise ImageError(field_name, f"not a decodable PNG or JPEG image ({type(e).__name__})") from None
+
+
+class ImageProcessor:
+    """The checkpoint's image processor (transformers' AutoImageProcessor from the model folder, its PIL backend)
+    with the deployment's limits."""
+
+    def __init__(self, folder: Path | str, vc: VisionConfig, max_images: int = MAX_IMAGES_PER_REQUEST,
+                 max_pixels: int = MAX_IMAGE_PIXELS):  # fmt: skip
+        # (the module itself: the package-level name stands for the torchvision backend, not installed here)
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+        self.vc, self.max_images, self.max_pixels = vc, max_images, max_pixels
+        # the PIL backend: the same pixels on every host (torchvision's may differ, and is not installed here)
+        self.hf = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+
+    def __call__(self, images: list, field_name: str = "image") -> list[Image]:
+        """Each image (bytes, base64 text or a PIL image) preprocessed; too many is an ImageError."""
+        if len(images) > self.max_images:
+            raise ImageError(field_name, f"{len(images)} images; at most {self.max_images} per request")
+        out = []
+        for i, data in enumerate(images):
+            name = f"{field_name}[{i}]"
+            im = data if hasattr(data, "convert") else decode_image(data, name, self.max_pixels)
+            digest = hashlib.sha256(im.convert("RGB").tobytes() + repr(im.size).encode()).digest()
+            res = self.hf(images=[im], return_tensors="pt")
+            grid = tuple(int(x) for x in res["image_grid_thw"][0].tolist())
+            pixels = res["pixel_values"].float()
+            if pixels.shape[-1] != self.vc.patch_dim:
+                raise ImageError(name, f"the image processor gives {pixels.shape[-1]} values per patch, the "
+                                 f"vision tower takes {self.vc.patch_dim}")  # fmt: skip
+            out.append(Image(pixels, grid, digest))
+        return out
+
+
+def mrope_positions(ids: list[int], images: list[Image], vc: VisionConfig) -> tuple[torch.Tensor, int]:
+    """([3, len(ids)] int64 positions, delta) for an expanded prompt: Qwen3.5's get_rope_index for images. Text
+    counts up in all three sections; an image's merged patches take (start, start + row, start + column) with
+    start where the text stopped, and the text after it goes on from start + max(rows, columns)."""
+    m = vc.spatial_merge_size
+    pos = torch.empty(3, len(ids), dtype=torch.int64)
+    i, cur, k = 0, 0, 0
+    while i < len(ids):
+        if ids[i] != vc.image_token_id:
+            j = i
+            while j < len(ids) and ids[j] != vc.image_token_id:
+                j += 1
+            pos[:, i:j] = torch.arange(cur, cur + j - i)
+            cur += j - i
+            i = j
+            continue
+        t, h, w = images[k].grid_thw
+        gh, gw = h // m, w // m
+        n = t * gh * gw
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        pos[0, i : i + n] = tt.flatten() + cur
+        pos[1, i : i + n] = hh.flatten() + cur
+        pos[2, i : i + n] = ww.flatten() + cur
+        cur += max(h, w) // m
+        i += n
+        k += 1
+    delta = (int(pos.max()) + 1 - len(ids)) if len(ids) else 0
+    return pos, delta
+
+
+@dataclass(slots=True)
+class Multimodal:
+    """A request's multimodal part from preprocessing to its end: the images, the spans of their tokens in the
+    expanded prompt, the prompt's positions, and the vision tower's rows once encoded (kept while the request
+    lives, so a recovery re-encodes nothing)."""
+
+    images: list[Image]
+    spans: list[tuple[int, int]]  # (first token, count) of each image in the expanded prompt
+    positions_3d: torch.Tensor  # [3, prompt length] int64
+    delta: int
+    embeds: list[torch.Tensor] | None = None  # one [count, hidden] per image, from the vision tower
+    encodes: int = field(default=0)  # how many times the tower ran for this request (1 once encoded)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.positions_3d.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        kept = sum(im.nbytes for im in self.images) + self.positions_3d.numel() * 8
+        return kept + sum(e.numel() * e.element_size() for e in self.embeds or [])
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of the sequence's tokens [start, end): the prompt's own, then i + delta."""
+        out = (torch.arange(start, end) + self.delta).expand(3, -1).clone()
+        a = min(end, self.prompt_len)
+        if a > start:
+            out[:, : a - start] = self.positions_3d[:, start:a]
+        return out
+
+    def embeds_in(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset from start, rows) of the image tokens among the sequence's tokens [start, end)."""
+        if self.embeds is None:
+            raise RuntimeError("the request's images were not encoded before its prefill")
+        out = []
+        for (s, n), e in zip(self.spans, self.embeds):
+            a, b = max(s, start), min(s + n, end)
+            if a < b:
+                out.append((a - start, e[a - s : b - s]))
+        return out
+
+    def cache_keys(self, ids: list[int]) -> list[int]:
+        """The prompt's ids with each image's tokens replaced by keys derived from the image's digest (negative,
+        so no text token can equal them): what the prefix caches compare, so that two requests share K/V and
+        state over an image only when it is the same image."""
+        keys = list(ids)
+        for (s, n), im in zip(self.spans, self.images):
+            base = int.from_bytes(im.digest[:7], "little")
+            for j in range(n):
+                keys[s + j] = -1 - ((base + j) & ((1 << 62) - 1))
+        return keys
+
+
+def build(ids: list[int], images: list[Image], vc: VisionConfig, field_name: str = "image"):
+    """(expanded ids, Multimodal): each image placeholder `<|image_pad|>` in `ids` (one per image, in order)
+    becomes one per merged patch of its image. A count that differs from the images' is an ImageError."""
+    at = [i for i, t in enumerate(ids) if t == vc.image_token_id]
+    if len(at) != len(images):
+        raise ImageError(field_name, f"{len(images)} image(s) but {len(at)} image placeholder(s) "
+                         "(<|vision_start|><|image_pad|><|vision_end|>) in the prompt")  # fmt: skip
+    out, spans, prev = [], [], 0
+    for i, im in zip(at, images):
+        out.extend(ids[prev:i])
+        n = vc.tokens(im.grid_thw)
+        spans.append((len(out), n))
+        out.extend([vc.image_token_id] * n)
+        prev = i + 1
+    out.extend(ids[prev:])
+    pos, delta = mrope_positions(out, images, vc)
+    return out, Multimodal(images, spans, pos, delta)
+
+
+def placeholder(vc: VisionConfig) -> list[int]:
+    """The ids of one image's placeholder in a prompt: <|vision_start|><|image_pad|><|vision_end|>."""
+    return [vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id]

@@ -1,0 +1,166 @@
+"""Qwen3.5 with images on the CPU, against transformers: the vision tower's rows, the multimodal rotary positions,
+and greedy answers with one image and with two images of different sizes, token for token (dense and MoE
+checkpoints saved with `save_pretrained`, with the image processor beside them)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from backends.common.core.request import ParamError, SamplingParams
+from tests.hybrid.conftest import MOE_3_5, TEXT_3_5, VISION_3_5, long_memory, make_engine
+
+# the tiny vocabulary's last ids stand for Qwen3.5's vision tokens
+IDS = dict(image_token_id=300, vision_start_token_id=301, vision_end_token_id=302, video_token_id=303)
+IMAGE, START, END = IDS["image_token_id"], IDS["vision_start_token_id"], IDS["vision_end_token_id"]
+# patches of 14 pixels merged 2 x 2: images become multiples of 28 pixels a side, from 4 to 64 merged tokens
+PROCESSOR = dict(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+
+
+def _save(tmp_path_factory, moe: bool):
+    import transformers as tf
+
+    torch.manual_seed(3 if moe else 2)
+    if moe:
+        text = {k: v for k, v in TEXT_3_5.items() if k != "intermediate_size"}
+        hf = tf.Qwen3_5MoeForConditionalGeneration(
+            tf.Qwen3_5MoeConfig(text_config={**text, **MOE_3_5}, vision_config=VISION_3_5, **IDS)
+        )
+    else:
+        hf = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=TEXT_3_5, vision_config=VISION_3_5, **IDS))
+    hf = hf.float().eval()
+    long_memory(hf)
+    with torch.no_grad():  # the tower's norms and position table away from their init, so a slip shows
+        for name, p in hf.named_parameters():
+            if "visual" in name and ("norm" in name or "pos_embed" in name):
+                p.add_(torch.randn_like(p) * 0.3)
+    folder = tmp_path_factory.mktemp("tiny-qwen3.5-vl-moe" if moe else "tiny-qwen3.5-vl")
+    hf.save_pretrained(folder)
+    tf.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(folder)
+    return folder, hf
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def saved(request, tmp_path_factory):
+    return _save(tmp_path_factory, request.param == "moe")
+
+
+@pytest.fixture(scope="module")
+def engine(saved):
+    return make_engine(saved[0])
+
+
+def png(w: int, h: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rgb = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def hf_inputs(engine, ids: list[int], images: list[bytes]) -> dict:
+    """transformers' inputs for the same request: the expanded ids, the processor's pixels and grids, and which
+    tokens are image tokens."""
+    exp, mm = engine.prepare_images(ids, images)
+    return dict(
+        input_ids=torch.tensor([exp]),
+        pixel_values=torch.cat([im.pixel_values for im in mm.images]),
+        image_grid_thw=torch.tensor([im.grid_thw for im in mm.images]),
+        mm_token_type_ids=(torch.tensor([exp]) == IMAGE).int(),
+    ), mm
+
+
+def hf_greedy_mm(hf, inputs: dict, n: int) -> list[int]:
+    """Greedy decoding with transformers' own cache and no EOS stop; the first call sees the images (and sets the
+    model's rope delta, which its later steps add)."""
+    out_ids = []
+    with torch.no_grad():
+        out = hf(**inputs, use_cache=True)
+        for _ in range(n):
+            tok = int(out.logits[0, -1].argmax())
+            out_ids.append(tok)
+            out = hf(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return out_ids
+
+
+def test_vision_tower_equals_transformers(engine, saved):
+    _, hf = saved
+    tower = engine.runner.vision
+    grid = torch.tensor([[1, 4, 6], [1, 8, 4]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), tower.vc.patch_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf.model.visual(pixels, grid_thw=grid).pooler_output
+    got = tower.encode(pixels, grid)
+    assert [g.shape[0] for g in got] == [6, 8]
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_multimodal_positions_equal_transformers_rope_index(engine, saved):
+    _, hf = saved
+    ids = [5, 6, START, IMAGE, END, 7, 8, 9, START, IMAGE, END, 10]
+    inputs, mm = hf_inputs(engine, ids, [png(56, 112, 1), png(140, 84, 2)])
+    want, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    assert torch.equal(mm.positions_3d, want[:, 0]) and mm.delta == int(delta)
+    assert mm.delta < 0  # the images' tokens outnumber the positions they take
+    n = mm.prompt_len
+    assert torch.equal(mm.positions(n, n + 3), (torch.arange(n, n + 3) + mm.delta).expand(3, -1))
+
+
+@pytest.mark.parametrize("sizes", [[(84, 56)], [(56, 112), (140, 84)]], ids=["one-image", "two-images"])
+def test_greedy_with_images_equals_transformers(engine, saved, sizes):
+    _, hf = saved
+    images = [png(w, h, 10 + i) for i, (w, h) in enumerate(sizes)]
+    ids = [7, 8] + [t for _ in images for t in (START, IMAGE, END)] + [11, 12, 13]
+    inputs, _ = hf_inputs(engine, ids, images)
+    ref = hf_greedy_mm(hf, inputs, 12)
+    out = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), images=[images])[0]
+    assert out.output_ids == ref
+    assert out.num_prompt_tokens == inputs["input_ids"].shape[1]
+
+
+def test_an_image_changes_the_answer_and_the_same_image_is_encoded_once(engine):
+    ids = [7, START, IMAGE, END, 11, 12]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # 224 x 224: 64 image tokens, so the prompt passes the first prefill chunk (64) inside the image, where the
+    # cache keeps a checkpoint that a request with the same ids (not the same image) would hit
+    a, b = png(224, 224, 20), png(224, 224, 21)
+    ra = engine.add_request(ids, params, [a])
+    while engine.has_work():
+        engine.step()
+    assert ra.mm.encodes == 1
+    out_b = engine.generate([ids], params, images=[[b]])[0].output_ids
+    assert ra.output_ids != out_b  # the image is read: another picture, another answer
+    # the same text with image A, then with B, then A again: each its own answer, cached K/V never crossing images
+    again = engine.generate([ids, ids], params, images=[[b], [a]])
+    assert [o.output_ids for o in again] == [out_b, ra.output_ids]
+
+
+@pytest.mark.parametrize(
+    "ids,images,match",
+    [
+        ([7, START, IMAGE, END], [], None),  # no images: the placeholder stays a token of the prompt
+        ([7, 8], ["png"], "image: 1 image"),
+        ([7, START, IMAGE, END], ["!!notbase64"], "image\\[0\\]: not valid base64"),
+        ([7, START, IMAGE, END], [b"GIF89a"], "image\\[0\\]: not a decodable"),
+    ],
+    ids=["none", "no-placeholder", "bad-base64", "not-an-image"],
+)
+def test_bad_images_name_the_input(engine, ids, images, match):
+    images = [png(56, 56, 0) if x == "png" else x for x in images]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    if match is None:
+        assert len(engine.generate([ids], params, images=[images])[0].output_ids) == 2
+        return
+    with pytest.raises(ParamError, match=match):
+        engine.add_request(ids, params, images)
+    assert not engine.has_work()
+
+
+def test_a_text_only_model_refuses_images(hybrid_folder):
+    eng = make_engine(hybrid_folder)
+    with pytest.raises(ParamError, match="image: .* takes no images: it has no vision tower"):
+        eng.add_request([7, 8], SamplingParams(max_tokens=2), [png(56, 56, 0)])
