@@ -60,10 +60,10 @@ def test_banned_ids_never_drawn():
 def test_noise_is_finite_over_large_vocab_and_many_positions():
     from backends.common.engine.sampler import gumbel_noise, row_key
 
-    keys = torch.tensor([row_key(s, p) for s in range(4) for p in range(64)], dtype=torch.int64)
+    keys = torch.tensor([row_key(s, p) for s in range(4) for p in range(16)], dtype=torch.int64)
     g = gumbel_noise(keys, 152_000)
     assert torch.isfinite(g).all()
     # masked tokens are never drawn, however large their noise
     logits = torch.full((1, 152_000), float("-inf"))
     logits[0, 17] = 0.0
-    assert all(sample(logits, [1.0], [1.0], [-1], [s], [p])[0].item() == 17 for s in range(3) for p in range(50))
+    assert all(sample(logits, [1.0], [1.0], [-1], [s], [p])[0].item() == 17 for s in range(3) for p in range(16))

@@ -118,6 +118,7 @@ def test_attention_decode_equals_prefill_in_any_chunks(hkv, group, d):
             same(mixed[2], whole[p], f"decode at {p} among companions, {programs} programs")
 
 
+@pytest.mark.slow  # a whole model in Triton's CPU interpreter: `make test` runs it, `make test-fast` leaves it
 def test_gpu_model_deterministic_logits_and_kv():
     """GpuLlama(deterministic=True): a sequence's logits alone = among random companions in batches up to the
     largest graph (256 on the GPU), graphed and eager; the K/V decode wrote for generated positions = the K/V a
