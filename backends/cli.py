@@ -40,6 +40,8 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)
+    if a.image and not a.offline:
+        raise CLIError("--image: the served interfaces do not take images yet; use --offline")
     if a.offline:
         result = generate_offline(a, params)
     else:
@@ -63,9 +65,30 @@ def generate_offline(a: argparse.Namespace, params: SamplingParams) -> dict:
     loader.resolve(a.model)  # fail fast on a bad model spec, before loading anything
     engine = Engine(a.model, dtype=a.dtype, device=a.device, kv_tokens=a.kv_tokens, deterministic=a.deterministic)
     tok = engine.tokenizer
+    images = [_read_image(path) for path in a.image]
+    if images:
+        from .common.core.request import ParamError
+        from .common.model.multimodal import prompt_ids
+
+        if engine.runner.vision is None:
+            raise CLIError(f"--image: the model {a.model} takes no images: {engine.runner.vision_missing}")
+        try:
+            ids = prompt_ids(tok, engine.runner.vision.vc, a.prompt, len(images), a.chat)
+            out = engine.generate([ids], params, images=[images])[0]
+        except ParamError as e:
+            raise CLIError(str(e)) from None
+        return {"output_ids": out.output_ids, "text": out.text, "finish_reason": out.finish_reason}
     ids = tok.encode_chat(a.prompt) if a.chat else tok.encode(a.prompt)
     out = engine.generate([ids], params)[0]
     return {"output_ids": out.output_ids, "text": out.text, "finish_reason": out.finish_reason}
+
+
+def _read_image(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CLIError(f"--image {path}: {e.strerror}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate one answer, offline or from a running server")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="offline, Qwen3.5 checkpoints: a PNG or JPEG image (repeatable), one per "
+        "<|vision_start|><|image_pad|><|vision_end|> in the prompt, in order; with --chat and none in the prompt, "
+        "the images go before its text",
+    )
     g.add_argument(
         "--json",
         action="store_true",

@@ -164,3 +164,48 @@ def test_a_text_only_model_refuses_images(hybrid_folder):
     eng = make_engine(hybrid_folder)
     with pytest.raises(ParamError, match="image: .* takes no images: it has no vision tower"):
         eng.add_request([7, 8], SamplingParams(max_tokens=2), [png(56, 56, 0)])
+
+
+def _word_tokenizer(folder) -> None:
+    """A tokenizer for the tiny checkpoint: words t0..t299, Qwen3.5's three vision tokens at their ids, and a chat
+    template that wraps the user's text in t1 ... t2."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vision = {"<|image_pad|>": IMAGE, "<|vision_start|>": START, "<|vision_end|>": END}
+    vocab = {f"t{i}": i for i in range(300)} | vision
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(list(vision))
+    tok.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}t1 {{ m['content'] }} t2{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["placeholder-in-text", "chat-puts-it-first"])
+def test_generate_offline_takes_image_files(engine, saved, tmp_path, capsys, chat):
+    """`triton-pd generate --offline --image FILE`: the answer equals the engine's for the same ids and image; with
+    --chat and no placeholder in the text the image goes before the user's text."""
+    import json
+
+    from backends.cli import main
+
+    folder, _ = saved
+    _word_tokenizer(folder)
+    image = tmp_path / "a.png"
+    image.write_bytes(png(84, 56, 30))
+    text = "t7 t8" if chat else "t7 t8 <|vision_start|><|image_pad|><|vision_end|> t11"
+    argv = ["generate", "--offline", "--model", str(folder), "--prompt", text, "--image", str(image),
+            "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"]  # fmt: skip
+    argv += ["--chat"] if chat else []
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)["output_ids"]
+    ids = [1, START, IMAGE, END, 7, 8, 2] if chat else [7, 8, START, IMAGE, END, 11]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert got == engine.generate([ids], params, images=[[image.read_bytes()]])[0].output_ids
+    # a served generate does not take images yet, and a missing file is named
+    assert main(["generate", "--url", "127.0.0.1:1", "--prompt", text, "--image", str(image)]) == 2
+    assert "--image: the served interfaces do not take images yet" in capsys.readouterr().err
+    assert main(argv[:6] + ["--image", str(tmp_path / "none.png")]) == 2
+    assert "none.png: No such file" in capsys.readouterr().err

@@ -212,6 +212,16 @@ def build(ids: list[int], images: list[Image], vc: VisionConfig, field_name: str
     return out, Multimodal(images, spans, pos, delta)
 
 
-def placeholder(vc: VisionConfig) -> list[int]:
-    """The ids of one image's placeholder in a prompt: <|vision_start|><|image_pad|><|vision_end|>."""
-    return [vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id]
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's place in a prompt's text
+
+
+def prompt_ids(tokenizer, vc: VisionConfig, text: str, images: int, chat: bool) -> list[int]:
+    """A prompt's ids with room for `images` images: the text's own placeholders (PLACEHOLDER, one per image, in
+    order), or, in a chat prompt without any, one per image before the text of the user turn."""
+    if chat and images and "<|image_pad|>" not in text:
+        text = PLACEHOLDER * images + text
+    ids = tokenizer.encode_chat(text) if chat else tokenizer.encode(text)
+    if images and vc.image_token_id not in ids:
+        raise ImageError("image", f"{images} image(s), but the prompt has no {PLACEHOLDER} and no chat template "
+                         "puts them (--chat)")  # fmt: skip
+    return ids
