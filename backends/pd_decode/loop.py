@@ -344,13 +344,25 @@ class DecodeLoop(LoopMetrics):
             self.sink.forget(exp)  # nothing writes these slots for this attempt any more
         self.events.put(done)
 
+    def _release_images(self, rid: str) -> None:
+        """Runs on a transfer thread: tells every prefill server that `rid` ended, so that the one that keeps its
+        images (any of them, after a failover) lets go of them. A server that cannot be reached keeps nothing of
+        this deployment's any more, or will hear of the next request; an error is logged, never raised."""
+        msg = PrefillRequest.release_of(rid)
+        for server in self.prefill.order():
+            try:
+                self.prefill.ask(server, msg)
+            except Exception as e:  # noqa: BLE001 (Unreachable and the like: the notice is best effort)
+                print(f"[pd_decode] release of {rid}'s images: {e}", file=sys.stderr, flush=True)
+
     def _prefill_request(self, job: TransferJob) -> PrefillRequest:
         req = self.sched.reqs[job.rid]
         params = replace(req.params, seed=req.seed)  # resolved once here: prefill samples with decode's seed
         # the transport's handles are filled in per attempt (_transfer)
+        mm_info, images = req.mm_wire if req.mm is not None else ("", [])
         return PrefillRequest(
             job.rid, job.ids, job.start, job.dst_slots, job.epoch, job.sample, params, "",
-            "", job.state_page,
+            "", job.state_page, mm_info, images,
         )  # fmt: skip
 
     def _after_token(self, req: InferReq, token: int, num_out: int | None = None) -> None:
@@ -375,6 +387,8 @@ class DecodeLoop(LoopMetrics):
         if final:
             self._handover.pop(req.rid, None)
         stream = self.streams.pop(req.rid, None) if final else self.streams.get(req.rid)
+        if final and req.mm is not None:  # prefill keeps the request's images until it hears the request ended
+            self.transfers.submit(self._release_images, req.rid)
         self.watchdog.progress()
         if stream is not None:
             self.sender.push(Item(stream, DecodeResponse(ids, reason, error, num_pauses=req.num_pauses)))

@@ -19,6 +19,8 @@ from backends.common.core.state_pages import StatePages
 from backends.common.engine.runner import ModelRunner, set_cpu_threads
 from backends.common.engine.sizing import default_host_pages, resolve_decode
 from backends.common.model.loader import load_config, resolve
+from backends.common.model.multimodal import MMInfo, Multimodal
+from backends.common.model.vision import VisionConfig
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.reply_channel import ReplyChannels
@@ -53,6 +55,8 @@ class DecodeModel:
         cfg = DecodeConfig.from_params(tio.model_params(args))
         self.key = read_key(cfg)
         cfg = self.cfg = resolve_decode(cfg, load_config(resolve(cfg.model)), gpu, index, tio.instance_count(args))
+        # a multimodal checkpoint: the token ids and merge size of its images (decode loads no vision weights)
+        self.vision_cfg = VisionConfig.from_folder(resolve(cfg.model).folder)
         set_cpu_threads(cfg.cpu_threads)
         kv_tokens = cfg.kv_tokens
         shm = None if gpu else f"tpd_{cfg.deployment}_{self.instance}"
@@ -124,6 +128,17 @@ class DecodeModel:
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
+            req = InferReq(msg.request_id, msg.input_ids, msg.params)
+            if msg.mm_info:
+                try:
+                    req.mm, req.mm_wire = self._multimodal(msg), (msg.mm_info, msg.images)
+                except ParamError as e:
+                    pb = tio.pb()
+                    sender.send(
+                        pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), "INVALID_ARG")),
+                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                    )
+                    continue
             if msg.cancel:  # a notice from a master in another server: every instance here reads this mailbox
                 self.mailbox.post(msg.request_id, msg.cancel)
                 sender.send(flags=tio.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -143,8 +158,14 @@ class DecodeModel:
                 # the response exec() returns to master; the next on this stream is its final flag
                 sender.send(tio.pb().InferenceResponse(output_tensors=tio.to_tensors(DecodeResponse().encode())))
                 sender = Replied(sender, path)
-            self.loop.arrive(InferReq(msg.request_id, msg.input_ids, msg.params), sender)
+            self.loop.arrive(req, sender)
         return None
+
+    def _multimodal(self, msg: DecodeRequest):
+        """The positions and cache keys of a request with images (its prompt already expanded by master)."""
+        if self.vision_cfg is None:
+            raise ParamError("image", f"the model {self.cfg.model} takes no images")
+        return Multimodal.from_expanded(msg.input_ids, MMInfo.from_json(msg.mm_info), self.vision_cfg)
 
     def finalize(self):
         self.loop.stop()

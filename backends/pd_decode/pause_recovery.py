@@ -108,12 +108,17 @@ class PauseRecovery:
                 self.swapped_tokens["in"] += len(job.host_slots)
                 self.recovered_tokens["host"] += missing
                 plan.swap_ins.append(job)
-            elif self.state is not None and missing <= self.recompute_max:
+            elif self.state is not None and missing <= self.recompute_max and self._can_recompute(req):
                 self.recovered_tokens["recompute"] += missing
                 plan.recomputes.append(self._transfer(req, need_kv, sample=False, source="recompute"))
             else:
                 self.recovered_tokens["prefill"] += missing
                 plan.transfers.append(self._transfer(req, need_kv, sample=False))
+
+    @staticmethod
+    def _can_recompute(req: InferReq) -> bool:
+        """Decode computes positions itself only past a request's images: it has no vision tower."""
+        return req.mm is None or req.cached_len >= req.mm.prompt_len
 
     def _resume(self, req: InferReq) -> None:
         self._move(req, ReqState.RUNNING)

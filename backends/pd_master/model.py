@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from backends.common.core.request import ParamError, SamplingParams
 from backends.common.core.role_config import DEFAULT_MAX_STREAMS, MasterConfig, mailbox_dir, read_key
 from backends.common.model.loader import load_config, load_tokenizer, resolve
+from backends.common.model.multimodal import ImageProcessor
+from backends.common.model.multimodal import build as build_multimodal
+from backends.common.model.multimodal import prompt_ids as image_prompt_ids
 from backends.common.model.tokenizer import TemplateError
+from backends.common.model.vision import VisionConfig
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.reply_channel import ReplyInbox, socket_path
@@ -38,12 +42,9 @@ SAMPLING_KEYS = {
 }
 
 
-# Images (and other media) are refused until multimodal serving exists: a Qwen3.5 checkpoint's vision tower is
-# skipped at load time, so a request with one would otherwise be answered as if the image were not there.
+# Media in request parameters are refused (images come in the `image` input); video and audio are not served.
 MEDIA_KEYS = frozenset({"image", "images", "image_url", "video", "audio"})
-NOT_MULTIMODAL = (
-    "multimodal input is not served yet: this deployment serves the language model only (send text_input or input_ids)"
-)
+NOT_MULTIMODAL = "media in request parameters are not taken: send images in the `image` input (base64 PNG or JPEG)"
 
 
 @dataclass
@@ -63,6 +64,10 @@ class ClientRequest:
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # relay and watchdog both send
     seen_cancelled: bool = False  # is_cancelled() answered True (the stub caches it)
     remote: object = None  # the current segment's stream to a decode server of its own (remote.RemoteStream)
+    # a request with images: master's copy for the request's life (what it sent decode, which forwards it to prefill
+    # with each job, so any prefill can rebuild them): MMInfo's JSON and the images' base64 text as the client sent it
+    mm_info: str = ""
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -160,6 +165,7 @@ class MasterModel:
         self.tokenizer = load_tokenizer(src)
         model_cfg = load_config(src)
         self.max_context, self.vocab_size = model_cfg.max_position_embeddings, model_cfg.vocab_size
+        self.vision, self.images, self.no_images = self._image_processor(src, cfg)
         self.mailbox = Mailbox(mailbox_dir(cfg))
         # decode servers of their own, over gRPC; none: this server's pd_decode
         self.decoders = DecodeServers(parse_urls(cfg.decode_urls, "decode_urls"), DecodeRequest.MODEL,
@@ -197,10 +203,23 @@ class MasterModel:
         self.watchdog = threading.Thread(target=self._watch, name="pd-master-watchdog", daemon=True)
         self.watchdog.start()
 
+    @staticmethod
+    def _image_processor(src, cfg: MasterConfig):
+        """(VisionConfig, ImageProcessor, None) for a multimodal checkpoint with an image processor, else
+        (None, None, why images are refused)."""
+        vc = VisionConfig.from_folder(src.folder)
+        if vc is None:
+            return None, None, "it has no vision tower: text only"
+        if not (src.folder / "preprocessor_config.json").is_file():
+            return None, None, "its folder has a vision tower but no preprocessor_config.json (image processor)"
+        return vc, ImageProcessor(src.folder, vc, cfg.max_images_per_request, cfg.max_image_pixels), None
+
     # ---- request parsing ---------------------------------------------------------------------------------
     def parse(self, request) -> ClientRequest:
-        if tio.input_array(request, "image") is not None:
-            raise ParamError("image", NOT_MULTIMODAL)
+        images = tio.input_array(request, "image")
+        images = [] if images is None else [v if isinstance(v, bytes) else str(v).encode() for v in images.reshape(-1)]
+        if images and self.images is None:
+            raise ParamError("image", f"the model {self.cfg.model} takes no images: {self.no_images}")
         text = tio.input_str(request, "text_input")
         ids = tio.input_ids(request, "input_ids")
         if (text is None) == (ids is None):
@@ -229,7 +248,10 @@ class MasterModel:
         chat = tio.input_bool(request, "apply_chat_template", bool(rp.get("apply_chat_template", False)))
         if text is not None:
             try:
-                ids = self.tokenizer.encode_chat(text) if chat else self.tokenizer.encode(text)
+                if images:
+                    ids = image_prompt_ids(self.tokenizer, self.vision, text, len(images), chat)
+                else:
+                    ids = self.tokenizer.encode_chat(text) if chat else self.tokenizer.encode(text)
             except TemplateError as e:  # e.g. a random-weight model: no chat template to apply
                 raise ParamError("apply_chat_template", str(e)) from None
             field_name = "text_input"
@@ -240,6 +262,10 @@ class MasterModel:
                 raise ParamError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if not ids:
             raise ParamError(field_name, "the prompt is empty")
+        mm_info = ""
+        if images:  # decoded and preprocessed here for their grids (the pixels are prefill's to make again)
+            ids, mm = build_multimodal(ids, self.images(images, "image"), self.vision)
+            mm_info = mm.info.to_json()
         if len(ids) >= self.max_context:
             raise ParamError(
                 field_name,
@@ -247,7 +273,8 @@ class MasterModel:
                 f"{self.max_context} (prompt + output must fit)",
             )
         rid = uuid.uuid4().hex[:16]
-        req = ClientRequest(rid, request.get_response_sender(), ids, text, params, stream, exclude, current_rid=rid)
+        req = ClientRequest(rid, request.get_response_sender(), ids, text, params, stream, exclude, current_rid=rid,
+                            mm_info=mm_info, images=images)  # fmt: skip
         if self.timeout is not None:
             req.deadline = req.started + self.timeout
         return req
@@ -326,7 +353,8 @@ class MasterModel:
         prompt_ids, params, segment = req.prompt_ids, req.params, 0
         while ans.finish is None:
             req.current_rid = req.rid if segment == 0 else f"{req.rid}.{segment}"
-            seg = self._read_segment(req, ans, DecodeRequest(req.current_rid, prompt_ids, params))
+            msg = DecodeRequest(req.current_rid, prompt_ids, params, mm_info=req.mm_info, images=req.images)
+            seg = self._read_segment(req, ans, msg)
             if req.stream and seg.final_part is not None:
                 self._send(req, *seg.final_part, ans.finish, len(ans.ids), True)
             if seg.failure is not None:

@@ -22,6 +22,7 @@ from backends.common.engine.engine import Engine
 from backends.common.engine.runner import set_cpu_threads
 from backends.common.engine.sizing import resolve_prefill
 from backends.common.model.loader import load_config, resolve
+from backends.common.model.multimodal import MMInfo, Multimodal
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.wire import KEY_FIELD, PrefillRequest, PrefillResponse
@@ -77,6 +78,9 @@ class PrefillModel:
             state_pages=cfg.state_pages or None,
             deterministic=cfg.deterministic == "on",
         )
+        if self.engine.runner.images is not None:  # the deployment's limits (master checked them first)
+            self.engine.runner.images.max_images = cfg.max_images_per_request
+            self.engine.runner.images.max_pixels = cfg.max_image_pixels
         # test hooks: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations),
         # SLOW_RECOVERY_SECONDS for a batch with a recovery job with "slow_recovery" too
         self.faults = set(filter(None, cfg.fault_injection.split(",")))
@@ -92,6 +96,17 @@ class PrefillModel:
         self.m_cached = m.counter("pd_prefill_cached_tokens_total", "Positions served by prefill's radix cache")
         self.m_queue = m.gauge("pd_prefill_queue_depth", "Prefill jobs in the current batch")
         self.m_cancelled = m.counter("pd_prefill_cancelled_total", "Prefill jobs ended because decode cancelled them")
+        # requests with images: what their first job made of them (the preprocessed images, the tower's rows, the
+        # positions), kept under the request's id until decode's release, so a recovery job re-encodes nothing
+        self.kept: dict[str, Multimodal] = {}
+        self.m_mm_held = m.gauge("pd_mm_requests_held", "Requests with images whose preprocessed images and vision "
+                                 "tower outputs prefill keeps for their recoveries")  # fmt: skip
+        self.m_mm_bytes = m.gauge("pd_mm_bytes_held", "Bytes of the images and tower outputs prefill keeps")
+        self.m_mm_reused = m.counter(
+            "pd_mm_recoveries_reused_total",
+            "Recovery jobs of requests with images computed from what prefill kept (nothing decoded or encoded again)",
+        )
+        self.m_mm_encoded = m.counter("pd_mm_encodes_total", "Vision tower runs (a request's images, all at once)")
 
     def execute(self, requests):
         pb = tio.pb()
@@ -99,7 +114,13 @@ class PrefillModel:
         responses = [None] * len(requests)
         for i, request in enumerate(requests):
             try:
-                jobs.append(PrefillJob(PrefillRequest.decode(tio.request_getter(request), self.key)))
+                msg = PrefillRequest.decode(tio.request_getter(request), self.key)
+                if msg.release:  # the request ended: what prefill keeps for it goes
+                    self._release(msg.request_id)
+                    jobs.append(None)
+                    responses[i] = pb.InferenceResponse(output_tensors=tio.to_tensors(PrefillResponse(0).encode()))
+                    continue
+                jobs.append(PrefillJob(msg))
             except ParamError as e:
                 jobs.append(None)
                 code = "UNAVAILABLE" if e.field == KEY_FIELD else "INVALID_ARG"
@@ -171,10 +192,13 @@ class PrefillModel:
                 }
             )
             try:
-                req = self.engine.add_request(job.ids, params)
+                mm = self._multimodal(job) if job.msg.mm_info else None
+                req = self.engine.add_request(job.ids, params, mm=mm)
             except ParamError as e:
                 job.error = str(e)
                 continue
+            finally:
+                self._count_kept()
             by_req[id(req)] = (req, job)
         cached_before = sched.num_cached_tokens
         try:
@@ -199,7 +223,7 @@ class PrefillModel:
         """Copy positions [start, end) from this instance's cache into decode's slots; for a hybrid model also the
         state after all of input_ids (the checkpoint the finished job left at its end) into decode's page."""
         try:
-            slots, node = self.engine.scheduler.radix.match_prefix(job.ids, kv_only=True)
+            slots, node = self.engine.scheduler.radix.match_prefix(req.cache_ids, kv_only=True)
             if len(slots) != len(job.ids):
                 raise RuntimeError(f"prefill cache lost positions ({len(slots)} of {len(job.ids)})")
             msg = job.msg
@@ -212,6 +236,32 @@ class PrefillModel:
             job.first_token = req.output_ids[0] if job.sample else None
         except Exception as e:
             job.error = f"KV hand-off failed: {e}"
+
+    def _multimodal(self, job: PrefillJob) -> Multimodal:
+        """The request's images as prefill keeps them: from its first job, the images decoded and preprocessed and
+        (in add_request) encoded, once; a later job (a recovery) takes them as they are."""
+        kept = self.kept.get(job.rid)
+        if kept is not None:
+            if not job.sample:
+                self.m_mm_reused.increment(1)
+            return kept
+        runner = self.engine.runner
+        if runner.vision is None:
+            raise ParamError("image", f"the model {self.cfg.model} takes no images: {runner.vision_missing}")
+        info = MMInfo.from_json(job.msg.mm_info)
+        mm = Multimodal.from_expanded(job.ids, info, runner.vision.vc, runner.images(job.msg.images))
+        self.engine.encode_images(mm)
+        self.m_mm_encoded.increment(1)
+        self.kept[job.rid] = mm
+        return mm
+
+    def _release(self, rid: str) -> None:
+        self.kept.pop(rid, None)
+        self._count_kept()
+
+    def _count_kept(self) -> None:
+        self.m_mm_held.set(len(self.kept))
+        self.m_mm_bytes.set(sum(mm.nbytes for mm in self.kept.values()))
 
     def _state_row(self, node, job: PrefillJob):
         """The state after all of input_ids: the checkpoint the finished job left at its end."""

@@ -4,6 +4,7 @@ checkpoints saved with `save_pretrained`, with the image processor beside them).
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
@@ -145,7 +146,7 @@ def test_an_image_changes_the_answer_and_the_same_image_is_encoded_once(engine):
         ([7, START, IMAGE, END], [], None),  # no images: the placeholder stays a token of the prompt
         ([7, 8], ["png"], "image: 1 image"),
         ([7, START, IMAGE, END], ["!!notbase64"], "image\\[0\\]: not valid base64"),
-        ([7, START, IMAGE, END], [b"GIF89a"], "image\\[0\\]: not a decodable"),
+        ([7, START, IMAGE, END], [base64.b64encode(b"GIF89a")], "image\\[0\\]: not a decodable"),
     ],
     ids=["none", "no-placeholder", "bad-base64", "not-an-image"],
 )

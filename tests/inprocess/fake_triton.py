@@ -312,12 +312,16 @@ class Answer:
         return self
 
 
-def generate(server: Server, ids: list[int], stream: bool = True, **sampling) -> Answer:
-    """Send a request to pd_master as a streaming client would; `.wait()` collects the answer."""
+def generate(server: Server, ids: list[int], stream: bool = True, images: list[bytes] | None = None,
+             **sampling) -> Answer:  # fmt: skip
+    """Send a request to pd_master as a streaming client would (images: base64 text of each, the `image` input);
+    `.wait()` collects the answer."""
     inputs = [
         Tensor("input_ids", np.array(ids, dtype=np.int64)),
         Tensor("stream", np.array([stream], dtype=np.bool_)),
         Tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_)),
     ]
+    if images:
+        inputs.append(Tensor("image", np.array(list(images), dtype=np.object_)))
     s = server.call("pd_master", inputs, decoupled=True)
     return Answer(s, s.sender.cancelled)

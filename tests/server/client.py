@@ -25,8 +25,9 @@ class Result:
     chunks: list[list[int]] = field(default_factory=list)
 
 
-def build_inputs(text=None, ids=None, params=None, stream=True, exclude_input=None, chat=False, raw_params=None):
-    msg = MasterRequest(text, ids, params or {}, stream, chat, exclude_input, raw_params)
+def build_inputs(text=None, ids=None, params=None, stream=True, exclude_input=None, chat=False, raw_params=None,
+                 images=None):  # fmt: skip
+    msg = MasterRequest(text, ids, params or {}, stream, chat, exclude_input, raw_params, images)
     return infer_inputs(grpcclient, msg.encode())
 
 

@@ -174,6 +174,7 @@ class InferReq:
         self.running_since = 0.0  # decode: when it last started or resumed running
         # images (backends/common/model/multimodal.Multimodal): rotary positions, the tower's rows, cache keys
         self.mm = None
+        self.mm_wire: tuple[str, list[bytes]] | None = None  # decode: (MMInfo JSON, images) for prefill's jobs
 
     @property
     def all_ids(self) -> list[int]:

@@ -120,6 +120,8 @@ DETERMINISTIC = (
     "given alone; costs decode and prefill speed (docs/engine.md, deterministic mode). Dense models; give the same "
     "value to every prefill and decode server of a deployment. `--deterministic` alone means on"
 )
+IMAGES = "images (Qwen3.5 checkpoints): at most this many per request; more is INVALID_ARG naming `image`"
+PIXELS = "images: at most this many pixels (width x height) each, as decoded; more is INVALID_ARG naming `image[i]`"
 STATE_PAGES = (
     "hybrid (linear-attention) models: state pages per prefill and decode instance, one per running request plus "
     "the prefix cache's state checkpoints. Default: 2 x --max-batch + 8 (decode) and 2 x 64 + 8 (prefill); ignored "
@@ -267,6 +269,8 @@ class PrefillConfig(RoleConfig):
     state_pages: int = opt(0, STATE_PAGES, minimum=0)
     deterministic: str = opt("off", DETERMINISTIC, choices=("off", "on"), const="on")
     fault_injection: str = opt("", FAULTS)
+    max_images_per_request: int = opt(8, IMAGES, minimum=0)
+    max_image_pixels: int = opt(4096 * 4096, PIXELS, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -291,6 +295,8 @@ class MasterConfig(RoleConfig):
     )
     request_timeout: float = opt(1800.0, "total deadline per request in seconds, pauses included; negative disables")
     decode_urls: str = opt("", "--role master: decode servers' gRPC host:port, comma-separated", flag_default=None)
+    max_images_per_request: int = opt(8, IMAGES, minimum=0)
+    max_image_pixels: int = opt(4096 * 4096, PIXELS, minimum=1)
 
 
 ROLES = (DecodeConfig, PrefillConfig, MasterConfig)

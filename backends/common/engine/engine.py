@@ -84,13 +84,16 @@ class Engine:
         if bad:
             raise ParamError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, images: list | None = None) -> InferReq:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, images: list | None = None,
+                    mm=None) -> InferReq:  # fmt: skip
         """images: PNG or JPEG bytes (or base64 text, or PIL images), one per `<|image_pad|>` placeholder in the
-        prompt, in order; preprocessed, expanded and encoded here, once (`prepare_images`)."""
+        prompt, in order; preprocessed, expanded and encoded here, once (`prepare_images`). mm: instead, the
+        multimodal part of an already expanded prompt (prefill keeps it per request), encoded here if it is not."""
         params.validate()
-        mm = None
         if images:
             prompt_ids, mm = self.prepare_images(prompt_ids, images)
+        elif mm is not None:
+            self.encode_images(mm)
         self.check_prompt(prompt_ids, params)
         n = next(self._ids)
         req = InferReq(f"offline-{n}", prompt_ids, params, arrival=n)

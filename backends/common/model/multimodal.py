@@ -20,6 +20,7 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from backends.common.model.vision import VisionConfig
 
 MAX_IMAGES_PER_REQUEST = 8
 MAX_IMAGE_PIXELS = 4096 * 4096
+IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")  # how a PNG and a JPEG file start
 
 
 class ImageError(ParamError):
@@ -53,11 +55,12 @@ class Image:
 
 
 def decode_image(data: bytes | str, field_name: str = "image", max_pixels: int = MAX_IMAGE_PIXELS):
-    """A PIL image (RGB) from PNG or JPEG bytes, or from their base64 text (a data URL's payload); anything else
-    is an ImageError naming `field_name`."""
+    """A PIL image (RGB) from PNG or JPEG bytes, or from their base64 text (str, or bytes that do not start as a PNG
+    or JPEG file does: base64's alphabet is ASCII, so the two never mix up); anything else is an ImageError naming
+    `field_name`."""
     from PIL import Image as PILImage
 
-    if isinstance(data, str):
+    if isinstance(data, str) or not data.startswith(IMAGE_MAGIC):
         try:
             data = base64.b64decode(data.strip(), validate=True)
         except (binascii.Error, ValueError):
@@ -110,7 +113,7 @@ class ImageProcessor:
         return out
 
 
-def mrope_positions(ids: list[int], images: list[Image], vc: VisionConfig) -> tuple[torch.Tensor, int]:
+def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], vc: VisionConfig) -> tuple[torch.Tensor, int]:
     """([3, len(ids)] int64 positions, delta) for an expanded prompt: Qwen3.5's get_rope_index for images. Text
     counts up in all three sections; an image's merged patches take (start, start + row, start + column) with
     start where the text stopped, and the text after it goes on from start + max(rows, columns)."""
@@ -126,7 +129,7 @@ def mrope_positions(ids: list[int], images: list[Image], vc: VisionConfig) -> tu
             cur += j - i
             i = j
             continue
-        t, h, w = images[k].grid_thw
+        t, h, w = grids[k]
         gh, gw = h // m, w // m
         n = t * gh * gw
         tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
@@ -141,17 +144,82 @@ def mrope_positions(ids: list[int], images: list[Image], vc: VisionConfig) -> tu
 
 
 @dataclass(slots=True)
+class MMInfo:
+    """What a request's images are to the language model, without their pixels: each image's patch grid and content
+    digest, and the expanded prompt's length. It travels with the request (master -> decode -> prefill) as JSON:
+    decode derives its positions and cache keys from it, prefill checks its own preprocessing against it."""
+
+    grids: list[tuple[int, int, int]]
+    digests: list[bytes]
+    prompt_len: int
+
+    def to_json(self) -> str:
+        return json.dumps({"grids": [list(g) for g in self.grids], "digests": [d.hex() for d in self.digests],
+                           "prompt_len": self.prompt_len})  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str, field_name: str = "mm_info") -> MMInfo:
+        try:
+            d = json.loads(text)
+            grids = [tuple(int(x) for x in g) for g in d["grids"]]
+            digests = [bytes.fromhex(h) for h in d["digests"]]
+            prompt_len = int(d["prompt_len"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ParamError(field_name, f"malformed ({type(e).__name__}: {e})") from None
+        if len(grids) != len(digests) or not grids or any(len(g) != 3 or min(g) < 1 for g in grids):
+            raise ParamError(field_name, "needs one (t, h, w) grid and one digest per image")
+        return cls(grids, digests, prompt_len)
+
+
+@dataclass(slots=True)
 class Multimodal:
-    """A request's multimodal part from preprocessing to its end: the images, the spans of their tokens in the
-    expanded prompt, the prompt's positions, and the vision tower's rows once encoded (kept while the request
-    lives, so a recovery re-encodes nothing)."""
+    """A request's multimodal part from preprocessing to its end: the spans of its images' tokens in the expanded
+    prompt, their grids and digests, the prompt's positions, and where the tower runs (prefill, the offline
+    engine) the preprocessed images and, once encoded, the tower's rows (kept while the request lives, so a
+    recovery re-encodes nothing). Decode's has no images: it computes no prompt token of such a request."""
 
     images: list[Image]
     spans: list[tuple[int, int]]  # (first token, count) of each image in the expanded prompt
     positions_3d: torch.Tensor  # [3, prompt length] int64
     delta: int
+    grids: list[tuple[int, int, int]] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
     embeds: list[torch.Tensor] | None = None  # one [count, hidden] per image, from the vision tower
     encodes: int = field(default=0)  # how many times the tower ran for this request (1 once encoded)
+
+    @property
+    def info(self) -> MMInfo:
+        return MMInfo(list(self.grids), list(self.digests), self.prompt_len)
+
+    @classmethod
+    def from_expanded(cls, ids: list[int], info: MMInfo, vc: VisionConfig, images: list[Image] | None = None,
+                      field_name: str = "mm_info") -> Multimodal:  # fmt: skip
+        """The multimodal part of an already expanded request (ids: its prompt, maybe followed by output): image
+        token runs where `info`'s grids say, else a ParamError; `images`, when given, must be the same images
+        (grids and digests)."""
+        m = vc.spatial_merge_size**2
+        prompt = ids[: info.prompt_len]
+        if len(prompt) != info.prompt_len:
+            raise ParamError(field_name, f"prompt_len {info.prompt_len} is beyond the {len(ids)} ids")
+        spans, i = [], 0
+        for g in info.grids:
+            n = g[0] * g[1] * g[2] // m
+            while i < len(prompt) and prompt[i] != vc.image_token_id:
+                i += 1
+            if prompt[i : i + n] != [vc.image_token_id] * n or (
+                i + n < len(prompt) and prompt[i + n] == vc.image_token_id
+            ):
+                raise ParamError(field_name, f"the prompt has no run of {n} image tokens for image {len(spans)}")
+            spans.append((i, n))
+            i += n
+        if vc.image_token_id in prompt[i:]:
+            raise ParamError(field_name, "the prompt has more image tokens than its images")
+        if images is not None and (
+            [im.grid_thw for im in images] != info.grids or [im.digest for im in images] != info.digests
+        ):
+            raise ParamError(field_name, "the images differ from the ones the request was expanded for")
+        pos, delta = mrope_positions(prompt, info.grids, vc)
+        return cls(images or [], spans, pos, delta, list(info.grids), list(info.digests))
 
     @property
     def prompt_len(self) -> int:
@@ -186,8 +254,8 @@ class Multimodal:
         so no text token can equal them): what the prefix caches compare, so that two requests share K/V and
         state over an image only when it is the same image."""
         keys = list(ids)
-        for (s, n), im in zip(self.spans, self.images):
-            base = int.from_bytes(im.digest[:7], "little")
+        for (s, n), digest in zip(self.spans, self.digests):
+            base = int.from_bytes(digest[:7], "little")
             for j in range(n):
                 keys[s + j] = -1 - ((base + j) & ((1 << 62) - 1))
         return keys
@@ -208,8 +276,9 @@ def build(ids: list[int], images: list[Image], vc: VisionConfig, field_name: str
         out.extend([vc.image_token_id] * n)
         prev = i + 1
     out.extend(ids[prev:])
-    pos, delta = mrope_positions(out, images, vc)
-    return out, Multimodal(images, spans, pos, delta)
+    grids = [im.grid_thw for im in images]
+    pos, delta = mrope_positions(out, grids, vc)
+    return out, Multimodal(images, spans, pos, delta, grids, [im.digest for im in images])
 
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's place in a prompt's text

@@ -39,6 +39,18 @@ def _flag(value: bool) -> np.ndarray:
     return np.array([bool(value)], dtype=np.bool_)
 
 
+def _blobs(values: list[bytes]) -> np.ndarray:
+    return np.array(list(values), dtype=np.object_)
+
+
+def _get_blobs(get: Getter, name: str) -> list[bytes]:
+    """A BYTES tensor's elements as bytes ([] when absent): images as the client sent them."""
+    a = get(name)
+    if a is None:
+        return []
+    return [v if isinstance(v, bytes) else str(v).encode() for v in np.asarray(a, dtype=object).reshape(-1)]
+
+
 def _get_ints(get: Getter, name: str, required: bool = True) -> list[int] | None:
     a = get(name)
     if a is None:
@@ -103,6 +115,7 @@ class MasterRequest:
     chat: bool = False  # apply the model's chat template to text
     exclude_input: bool | None = None  # None: the server's default
     raw_params: str | None = None  # sent as is instead of params (a client that writes its own JSON)
+    images: list[bytes] | None = None  # base64 text of PNG or JPEG images, one per placeholder in the prompt
 
     def encode(self) -> Tensors:
         out: Tensors = {}
@@ -117,6 +130,8 @@ class MasterRequest:
             out["exclude_input_in_output"] = _flag(self.exclude_input)
         params = self.raw_params if self.raw_params is not None else json.dumps(self.params)
         out["sampling_parameters"] = _text(params)
+        if self.images:
+            out["image"] = _blobs(self.images)
         return out
 
 
@@ -139,6 +154,10 @@ class DecodeRequest:
     # not empty: master's reply socket (backends/common/serving/reply_channel.py); decode then answers the stream
     # with one empty response at once and the final flag at the end, and sends everything else there
     reply_to: str = ""
+    # a request with images: their grids, digests and the expanded prompt's length (multimodal.MMInfo's JSON),
+    # and the images as the client sent them, which decode forwards with each of the request's prefill jobs
+    mm_info: str = ""
+    images: list[bytes] = field(default_factory=list)
 
     def encode(self, key: str) -> Tensors:
         return {
@@ -148,6 +167,7 @@ class DecodeRequest:
             KEY_FIELD: _text(key),
             **({"cancel": _text(self.cancel)} if self.cancel else {}),
             **({"reply_to": _text(self.reply_to)} if self.reply_to else {}),
+            **({"mm_info": _text(self.mm_info), "image": _blobs(self.images)} if self.mm_info else {}),
         }
 
     @classmethod
@@ -162,7 +182,11 @@ class DecodeRequest:
         ids = _get_ints(get, "input_ids", required=False) or []
         if not rid or not ids:
             raise ParamError("input_ids", "request_id and input_ids are required")
-        return cls(rid, ids, _get_params(get), reply_to=_get_text(get, "reply_to", ""))
+        mm_info, images = _get_text(get, "mm_info", ""), _get_blobs(get, "image")
+        if bool(mm_info) != bool(images):
+            raise ParamError("mm_info", "a request with images carries mm_info and image together")
+        return cls(rid, ids, _get_params(get), reply_to=_get_text(get, "reply_to", ""), mm_info=mm_info,
+                   images=images)  # fmt: skip
 
 
 # ---- decode -> master ---------------------------------------------------------------------------------------
@@ -227,8 +251,15 @@ class PrefillRequest:
     # hybrid models: decode's state pages (same JSON form) and the page to write the state after input_ids into
     state_handle: str = ""
     dst_state_page: int = -1
+    # a request with images: as in DecodeRequest (prefill keeps what it makes of them under request_id)
+    mm_info: str = ""
+    images: list[bytes] = field(default_factory=list)
+    # True: no job, but the notice that request_id has ended: prefill lets go of what it keeps for it
+    release: bool = False
 
     def __post_init__(self) -> None:
+        if self.release:
+            return
         if not self.input_ids:
             raise ParamError("input_ids", "is empty")
         if not 0 <= self.start < len(self.input_ids) or len(self.dst_slots) != len(self.input_ids) - self.start:
@@ -240,10 +271,18 @@ class PrefillRequest:
         if self.state_handle and self.dst_state_page < 0:
             raise ParamError("dst_state_page", f"must be >= 0 with a state_handle, got {self.dst_state_page}")
 
+    @classmethod
+    def release_of(cls, request_id: str) -> PrefillRequest:
+        """The notice that `request_id` ended (every other field empty)."""
+        return cls(request_id, [], 0, [], 0, False, SamplingParams(), "", release=True)
+
     def encode(self, key: str) -> Tensors:
+        if self.release:
+            return {"request_id": _text(self.request_id), "release": _flag(True), KEY_FIELD: _text(key)}
         state = {"state_handle": _text(self.state_handle), "dst_state_page": _ints([self.dst_state_page])}
         return {
             **(state if self.state_handle else {}),
+            **({"mm_info": _text(self.mm_info), "image": _blobs(self.images)} if self.mm_info else {}),
             "input_ids": _ints(self.input_ids),
             "start": _ints([self.start]),
             "dst_slots": _ints(self.dst_slots),
@@ -258,6 +297,14 @@ class PrefillRequest:
     @classmethod
     def decode(cls, get: Getter, key: str) -> PrefillRequest:
         check_key(get, key)
+        if _get_flag(get, "release", False):
+            rid = _get_text(get, "request_id", "")
+            if not rid:
+                raise ParamError("request_id", "a release names the request it releases")
+            return cls.release_of(rid)
+        mm_info, images = _get_text(get, "mm_info", ""), _get_blobs(get, "image")
+        if bool(mm_info) != bool(images):
+            raise ParamError("mm_info", "a request with images carries mm_info and image together")
         return cls(
             request_id=_get_text(get, "request_id", "?"),
             input_ids=_get_ints(get, "input_ids"),
@@ -269,6 +316,8 @@ class PrefillRequest:
             kv_handle=_get_text(get, "kv_handle"),
             state_handle=_get_text(get, "state_handle", ""),
             dst_state_page=_get_int(get, "dst_state_page") if get("dst_state_page") is not None else -1,
+            mm_info=mm_info,
+            images=images,
         )
 
 

@@ -1,0 +1,156 @@
+"""Qwen3.5 with images through the three roles in one process (tests/inprocess/fake_triton.py): pd_master's
+`image` input (base64 PNG), master expanding the prompt, decode carrying the request's image info, prefill
+encoding the images once and keeping them under the request's id until decode says the request ended. Answers
+equal the offline engine's (which equal transformers', tests/hybrid/test_vision.py) unpaused, and through pauses
+recovered by prefill, by host swap-in and from decode's own cache; every recovery reuses what prefill kept; the
+gauges are back to 0 after a finish, a cancel and a refused request."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from backends.common.core.request import SamplingParams
+from tests.hybrid.conftest import hybrid_folder, make_engine  # noqa: F401 (fixtures)
+from tests.hybrid.test_vision import END, IMAGE, START, _save, png
+from tests.inprocess.fake_triton import Server, generate
+
+N_OUT = 40
+
+
+@pytest.fixture(scope="module")
+def vl_folder(tmp_path_factory):
+    return _save(tmp_path_factory, moe=False)[0]
+
+
+@pytest.fixture(scope="module")
+def engine(vl_folder):
+    return make_engine(vl_folder)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    servers = []
+
+    def start(model, **decode) -> Server:
+        servers.append(Server(tmp_path, str(model), decode=decode))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def b64(data: bytes) -> bytes:
+    return base64.b64encode(data)
+
+
+def request(i: int) -> tuple[list[int], list[bytes]]:
+    """Prompt ids with one image placeholder (two for i == 3) and the images: 84 x 56 to 140 x 112 pixels."""
+    images = [png(84 + 28 * (i % 3), 56 + 28 * (i % 2), 40 + i)] + ([png(56, 56, 90)] if i == 3 else [])
+    ids = [7 + i, 8] + [t for _ in images for t in (START, IMAGE, END)] + [11 + i, 12, 13]
+    return ids, images
+
+
+def params(i: int) -> dict:
+    base = {"max_tokens": N_OUT, "ignore_eos": True}
+    return {**base, "temperature": 0.8, "top_p": 0.9, "seed": 7} if i == 2 else {**base, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    reqs = [request(i) for i in range(4)]
+    outs = engine.generate([ids for ids, _ in reqs], [SamplingParams(**params(i)) for i in range(4)],
+                           images=[ims for _, ims in reqs])  # fmt: skip
+    return [o.output_ids for o in outs]
+
+
+def run(s: Server) -> list:
+    answers = []
+    for i in range(4):
+        ids, images = request(i)
+        answers.append(generate(s, ids, images=[b64(x) for x in images], **params(i)))
+    return [a.wait() for a in answers]
+
+
+def assert_exact(answers, expected) -> None:
+    for i, (a, want) in enumerate(zip(answers, expected)):
+        assert a.error is None, a.error
+        assert a.finish_reason == "length" and a.ids == want, f"stream {i} differs from the offline engine"
+
+
+def assert_nothing_held(s: Server) -> None:
+    assert s.wait_metric("pd_mm_requests_held", lambda v: v == 0) == 0
+    assert s.metric("pd_mm_bytes_held") == 0 and not s.prefill.kept
+    assert s.wait_metric("pd_kv_slots_used", lambda v: v == 0) == 0
+    assert not s.decode.sched.reqs and not s.decode.sched.check_invariants()
+
+
+def test_images_served_unpaused_equal_the_offline_engine(serve, vl_folder, expected):
+    s = serve(vl_folder)
+    assert_exact(run(s), expected)
+    assert s.metric("pd_pauses_total") == 0
+    assert s.metric("pd_mm_encodes_total") == 4  # each request's images, once
+    assert_nothing_held(s)
+
+
+@pytest.mark.parametrize(
+    "decode,path",
+    [
+        (dict(kv_tokens=160, host_kv_tokens=0, fault_injection="drop_paused_kv"), "prefill"),
+        (dict(kv_tokens=160), "host"),
+        (dict(kv_tokens=200, host_kv_tokens=0), "local+recompute"),
+    ],
+    ids=["prefill", "host", "local"],
+)
+def test_paused_image_requests_recover_exactly(serve, vl_folder, expected, decode, path):
+    """A pool too small for the four answers at once: they pause and recover by `path`, exactly; a prefill
+    recovery reuses the images prefill kept (no image encoded twice)."""
+    s = serve(vl_folder, **decode)
+    assert_exact(run(s), expected)
+    assert s.metric("pd_pauses_total") > 0
+    paths = {p: s.metric("pd_recoveries_total", path=p) for p in ("local", "recompute", "host", "prefill")}
+    assert sum(paths[p] for p in path.split("+")) > 0, paths
+    assert s.metric("pd_mm_encodes_total") == 4
+    prefill_recoveries = s.metric("pd_recoveries_total", path="prefill")
+    assert s.metric("pd_mm_recoveries_reused_total") == s.metric("pd_prefill_jobs_total", kind="recovery")
+    if path == "prefill":
+        assert prefill_recoveries > 0 and s.metric("pd_mm_recoveries_reused_total") > 0
+    assert_nothing_held(s)
+
+
+def test_a_cancelled_image_request_releases_its_images(serve, vl_folder):
+    s = serve(vl_folder)
+    ids, images = request(0)
+    a = generate(s, ids, images=[b64(x) for x in images], max_tokens=400, ignore_eos=True, temperature=0)
+    assert s.wait_metric("pd_mm_requests_held", lambda v: v == 1) == 1
+    assert s.metric("pd_mm_bytes_held") > 0
+    a.cancel()
+    a.wait()
+    assert_nothing_held(s)
+
+
+@pytest.mark.parametrize(
+    "ids,images,field",
+    [
+        ([7, 8], [b64(png(56, 56, 0))], "image"),  # no placeholder
+        ([7, START, IMAGE, END], [b"%%%notbase64"], "image[0]"),
+        ([7, START, IMAGE, END], [b64(b"GIF89a not a png")], "image[0]"),
+        ([7, START, IMAGE, END], [b64(png(56, 56, 0))] * 9, "image"),  # over --max-images-per-request (8)
+    ],
+    ids=["no-placeholder", "bad-base64", "not-an-image", "too-many"],
+)
+def test_bad_images_are_refused_naming_the_input_and_nothing_is_held(serve, vl_folder, ids, images, field):
+    s = serve(vl_folder)
+    a = generate(s, ids, images=images, max_tokens=4).wait()
+    assert a.error is not None and a.error.startswith(f"{field}:"), a.error
+    ok = generate(s, *request(0)[:1], images=[b64(request(0)[1][0])], max_tokens=3, temperature=0).wait()
+    assert ok.error is None and len(ok.ids) == 3  # still serving
+    assert_nothing_held(s)
+
+
+def test_a_text_only_model_refuses_images(serve, hybrid_folder):  # noqa: F811
+    s = serve(hybrid_folder)
+    a = generate(s, [7, 8], images=[b64(png(56, 56, 0))], max_tokens=2).wait()
+    assert a.error is not None and a.error.startswith("image: ") and "takes no images" in a.error
