@@ -7,8 +7,11 @@ away mid-stream cancels its gRPC call, which cancels the answer in pd_master and
 - chat: the messages go through the model's chat template here (the rendered text is sent as `text_input`, which
   pd_master tokenises as it tokenises any text), so multi-turn and system messages work;
 - `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop` (a string or a list) map to
-  pd_master's sampling parameters; `n` > 1, `logprobs`, non-zero penalties, tools and images are refused with a
-  clear error; other fields OpenAI defines (`user`, `metadata`, ...) are ignored;
+  pd_master's sampling parameters; `n` > 1, `logprobs`, non-zero penalties and tools are refused with a clear
+  error; other fields OpenAI defines (`user`, `metadata`, ...) are ignored;
+- images (Qwen3.5 checkpoints): `image_url` content parts whose URL is a `data:image/png;base64,...` or
+  `data:image/jpeg;base64,...` URL become pd_master's `image` input, each in its place in the message (Qwen's
+  placeholder); any other URL is a 400 naming the part: the server fetches nothing;
 - `usage` (prompt and completion tokens) comes from pd_master's own counts; a streamed answer carries it in a last
   chunk when `stream_options.include_usage` is set, as OpenAI does;
 - errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: pd_master's INVALID_ARG is 400
@@ -21,6 +24,7 @@ away mid-stream cancels its gRPC call, which cancels the answer in pd_master and
 # create_app) as objects
 import argparse
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,6 +70,7 @@ class Call:
     chat: bool
     model: str
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    images: list[bytes] = field(default_factory=list)  # base64 text of each image, in the prompt's order
 
 
 def sampling(body: dict) -> dict:
@@ -91,36 +96,56 @@ def sampling(body: dict) -> dict:
     return p
 
 
-def _content(msg: dict, i: int) -> str:
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # an image's place in a Qwen3.5 prompt
+DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,(.*)", re.DOTALL)
+
+
+def _content(msg: dict, i: int, images: list[bytes]) -> str:
+    """A message's text; its image parts' base64 payloads go to `images`, each leaving a placeholder in the text."""
     c = msg.get("content")
     if c is None:
         return ""
     if isinstance(c, str):
         return c
-    if isinstance(c, list):  # content parts: text only
+    if isinstance(c, list):  # content parts: text and images
         parts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported (no images)", f"messages[{i}].content")
-            parts.append(part["text"])
+        for j, part in enumerate(c):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image_url":
+                images.append(_data_url(part.get("image_url"), f"messages[{i}].content[{j}].image_url"))
+                parts.append(IMAGE_PLACEHOLDER)
+            else:
+                raise APIError(400, "content parts must be text or image_url", f"messages[{i}].content[{j}]")
         return "".join(parts)
-    raise APIError(400, "content must be a string or a list of text parts", f"messages[{i}].content")
+    raise APIError(400, "content must be a string or a list of content parts", f"messages[{i}].content")
+
+
+def _data_url(value, param: str) -> bytes:
+    """The base64 payload of a PNG or JPEG data URL; anything else (an http(s) URL included) is a 400."""
+    url = value.get("url") if isinstance(value, dict) else value
+    m = DATA_URL.fullmatch(url.strip()) if isinstance(url, str) else None
+    if m is None:
+        raise APIError(400, "only data URLs of PNG or JPEG images (data:image/png;base64,...) are taken: the "
+                       "server fetches nothing", param)  # fmt: skip
+    return m.group(2).encode()
 
 
 def chat_call(body: dict, tokenizer, model: str) -> Call:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    clean = []
+    clean, images = [], []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, "each message needs a role", f"messages[{i}]")
-        clean.append({"role": m["role"], "content": _content(m, i)})
+        clean.append({"role": m["role"], "content": _content(m, i, images)})
     try:
         text = tokenizer.apply_chat_template(clean, add_generation_prompt=True)
     except Exception as e:  # TemplateError (no template: a random-weight model) or the template's own error
         raise APIError(400, f"chat template: {e}", "messages") from None
-    return Call(text, None, sampling(body), bool(body.get("stream")), _usage_opt(body), True, model)
+    return Call(text, None, sampling(body), bool(body.get("stream")), _usage_opt(body), True, model, images=images)
 
 
 def completion_call(body: dict, model: str) -> Call:
@@ -172,7 +197,7 @@ class Backend:
         """Yields (text delta, new ids, finish_reason or None, counts or None) until the answer ends."""
         from .client import infer_inputs
 
-        req = MasterRequest(text=call.text, ids=call.ids, params=call.params, stream=True)
+        req = MasterRequest(text=call.text, ids=call.ids, params=call.params, stream=True, images=call.images or None)
         inputs = infer_inputs(self.grpc, req.encode())
         outputs = [self.grpc.InferRequestedOutput(n) for n in MasterRequest.OUTPUTS]
 

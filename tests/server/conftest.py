@@ -104,21 +104,29 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def openai_server(*args: str, name: str) -> Server:
+    """A test server with the OpenAI front end too (`openai_url`), once the front end answers (the server's
+    readiness is Triton's)."""
+    port = free_ports(1)[0]
+    s = Server(*args, "--openai-port", str(port), name=name)
+    s.openai_url = f"http://127.0.0.1:{port}/v1"
+    t0 = time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(f"{s.openai_url}/models", timeout=2):
+                return s
+        except OSError:
+            if time.monotonic() - t0 > 120:
+                s.stop()
+                raise AssertionError(f"the OpenAI front end did not answer in 120 s: {s.log_tail()}") from None
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def server():
     """One SmolLM2 server, with the OpenAI front end, for the modules that only send it requests (test_serving,
     test_openai): a server start and stop fewer. Each test leaves it idle."""
-    port = free_ports(1)[0]
-    s = Server("--kv-tokens", "4096", "--openai-port", str(port), name="serve")
-    s.openai_url = f"http://127.0.0.1:{port}/v1"
-    t0 = time.monotonic()
-    while True:  # serve prints ready once the front end answers; the test's readiness is Triton's
-        try:
-            with urllib.request.urlopen(f"{s.openai_url}/models", timeout=2):
-                break
-        except OSError:
-            assert time.monotonic() - t0 < 120, s.log_tail()
-            time.sleep(0.2)
+    s = openai_server("--kv-tokens", "4096", name="serve")
     yield s
     s.stop()
 

@@ -12,9 +12,9 @@ import pytest
 
 from backends.common.core.request import SamplingParams
 from tests.hybrid.conftest import make_engine
-from tests.hybrid.test_vision import END, IMAGE, START, _save, png
+from tests.hybrid.test_vision import END, IMAGE, START, _save, _word_tokenizer, png
 from tests.server.client import grpc_generate, http_post
-from tests.server.conftest import Server
+from tests.server.conftest import openai_server
 
 pytestmark = pytest.mark.server
 
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     folder = _save(tmp_path_factory, moe=False)[0]
-    s = Server("--model", str(folder), "--kv-tokens", "512", name="images")
+    _word_tokenizer(folder)  # words t0..t299 and a chat template, for the OpenAI endpoint
+    s = openai_server("--model", str(folder), "--kv-tokens", "512", name="images")
     yield s, make_engine(folder)
     s.stop()
 
@@ -49,3 +50,30 @@ def test_images_over_grpc_and_http_equal_the_offline_engine(vl):
     bad = grpc_generate(s.grpc_url, ids=ids, images=b64[:1], params=params)
     assert bad.error is not None and "image: 1 image(s) but 2 image placeholder(s)" in bad.error
     s.assert_released(timeout=10)
+
+
+def test_openai_chat_takes_data_url_images(vl):
+    """An image_url part with a PNG data URL, in its place before the text: the answer equals the offline engine's
+    for the chat template's ids; an https URL is a 400 naming the part, and nothing is fetched or held."""
+    import openai
+
+    s, engine = vl
+    image = png(84, 56, 3)
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    client = openai.OpenAI(base_url=s.openai_url, api_key="unused", max_retries=0)
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "t7 t8"}]
+    r = client.chat.completions.create(model=r_model(client), messages=[{"role": "user", "content": content}],
+                                       max_tokens=8, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    ids = [1, START, IMAGE, END, 7, 8, 2]  # the template's t1 ... t2 around the image and the text
+    want = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), images=[[image]])[0]
+    assert r.usage.prompt_tokens == want.num_prompt_tokens and r.usage.completion_tokens == 8
+    assert r.choices[0].message.content == want.text
+    content[0]["image_url"]["url"] = "https://example.com/cat.png"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=r_model(client), messages=[{"role": "user", "content": content}])
+    assert e.value.body["param"] == "messages[0].content[0].image_url"
+    assert s.wait_metric("pd_mm_requests_held", lambda v: v == 0, timeout=10) == 0
+
+
+def r_model(client) -> str:
+    return client.models.list().data[0].id
