@@ -123,21 +123,27 @@ def test_greedy_with_images_equals_transformers(engine, saved, sizes):
     assert out.num_prompt_tokens == inputs["input_ids"].shape[1]
 
 
-def test_an_image_changes_the_answer_and_the_same_image_is_encoded_once(engine):
+def test_the_cache_keys_image_tokens_by_content(engine):
+    """The same text with image A, then with image B, gives B's own answer (B alone, from an empty cache): every
+    image's tokens have the same id, and a cache keyed by ids would give B the K/V and state of A's image. The same
+    image again is served from the cache. A request's images are encoded once."""
     ids = [7, START, IMAGE, END, 11, 12]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     # 224 x 224: 64 image tokens, so the prompt passes the first prefill chunk (64) inside the image, where the
-    # cache keeps a checkpoint that a request with the same ids (not the same image) would hit
+    # cache keeps a state checkpoint that a request with the same ids (not the same image) would hit
     a, b = png(224, 224, 20), png(224, 224, 21)
+    engine.scheduler.radix.clear()
+    b_alone = engine.generate([ids], params, images=[[b]])[0].output_ids
+    engine.scheduler.radix.clear()
     ra = engine.add_request(ids, params, [a])
     while engine.has_work():
         engine.step()
-    assert ra.mm.encodes == 1
-    out_b = engine.generate([ids], params, images=[[b]])[0].output_ids
-    assert ra.output_ids != out_b  # the image is read: another picture, another answer
-    # the same text with image A, then with B, then A again: each its own answer, cached K/V never crossing images
-    again = engine.generate([ids, ids], params, images=[[b], [a]])
-    assert [o.output_ids for o in again] == [out_b, ra.output_ids]
+    assert ra.mm.encodes == 1 and ra.output_ids != b_alone  # the image is read: another picture, another answer
+    cached = engine.scheduler.num_cached_tokens
+    assert engine.generate([ids], params, images=[[b]])[0].output_ids == b_alone
+    assert engine.scheduler.num_cached_tokens == cached  # B found nothing of A's image to reuse
+    assert engine.generate([ids], params, images=[[a]])[0].output_ids == ra.output_ids
+    assert engine.scheduler.num_cached_tokens > cached  # A again: its image's K/V and state from the cache
 
 
 @pytest.mark.parametrize(

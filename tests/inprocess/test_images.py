@@ -120,6 +120,24 @@ def test_paused_image_requests_recover_exactly(serve, vl_folder, expected, decod
     assert_nothing_held(s)
 
 
+def test_a_recovery_on_a_prefill_that_kept_nothing_rebuilds_from_the_jobs_copy(serve, vl_folder, expected):
+    """After a failover the recovery job lands on a prefill that never saw the request (here: the one prefill
+    forgets a request's images before its first recovery job). Master's copy of the images, which decode forwards
+    with every job, rebuilds them there: the answer is still exact, at the cost of one more encode."""
+    s = serve(vl_folder, kv_tokens=160, host_kv_tokens=0, fault_injection="drop_paused_kv")
+    forgot, kept = [], s.prefill._multimodal
+
+    def forgetful(job):
+        if not job.sample and not forgot and s.prefill.kept.pop(job.rid, None) is not None:
+            forgot.append(job.rid)
+        return kept(job)
+
+    s.prefill._multimodal = forgetful
+    assert_exact(run(s), expected)
+    assert forgot and s.metric("pd_mm_encodes_total") == 5
+    assert_nothing_held(s)
+
+
 def test_a_cancelled_image_request_releases_its_images(serve, vl_folder):
     s = serve(vl_folder)
     ids, images = request(0)
@@ -129,6 +147,36 @@ def test_a_cancelled_image_request_releases_its_images(serve, vl_folder):
     a.cancel()
     a.wait()
     assert_nothing_held(s)
+
+
+def test_a_deadline_and_a_prefill_failure_leave_nothing_held(tmp_path, vl_folder):
+    """Master's deadline passing while prefill waits (slow_prefill), and a prefill step that fails after the
+    images were kept: the client gets the error, and prefill lets go of the images when decode ends the request."""
+    ids, images = request(1)
+    s = Server(tmp_path, str(vl_folder), prefill={"fault_injection": "slow_prefill"}, master={"request_timeout": 1.0})
+    try:
+        a = generate(s, ids, images=[b64(x) for x in images], max_tokens=8, temperature=0).wait()
+        assert a.error is not None and "timed out" in a.error
+        assert_nothing_held(s)
+    finally:
+        s.close()
+    s = Server(tmp_path, str(vl_folder))
+    try:
+        step, failed = s.prefill.engine.step, []
+
+        def failing_step():
+            if not failed:
+                assert s.prefill.kept  # the images are kept before the step that fails
+                failed.append(1)
+                raise RuntimeError("injected prefill failure")
+            return step()
+
+        s.prefill.engine.step = failing_step
+        a = generate(s, ids, images=[b64(x) for x in images], max_tokens=8, temperature=0).wait()
+        assert failed and a.error is not None and "injected prefill failure" in a.error
+        assert_nothing_held(s)
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize(
