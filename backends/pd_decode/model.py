@@ -20,7 +20,7 @@ from backends.common.engine.runner import ModelRunner, set_cpu_threads
 from backends.common.engine.sizing import default_host_pages, resolve_decode
 from backends.common.model.loader import load_config, resolve
 from backends.common.model.multimodal import MMInfo, Multimodal
-from backends.common.model.vision import VisionConfig
+from backends.common.model.vision import vision_config_of
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.reply_channel import ReplyChannels
@@ -56,7 +56,7 @@ class DecodeModel:
         self.key = read_key(cfg)
         cfg = self.cfg = resolve_decode(cfg, load_config(resolve(cfg.model)), gpu, index, tio.instance_count(args))
         # a multimodal checkpoint: the token ids and merge size of its images (decode loads no vision weights)
-        self.vision_cfg = VisionConfig.from_folder(resolve(cfg.model).folder)
+        self.vision_cfg = vision_config_of(resolve(cfg.model))
         set_cpu_threads(cfg.cpu_threads)
         kv_tokens = cfg.kv_tokens
         shm = None if gpu else f"tpd_{cfg.deployment}_{self.instance}"

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from backends.common.core.request import ParamError, SamplingParams
 from backends.common.core.role_config import DEFAULT_MAX_STREAMS, MasterConfig, mailbox_dir, read_key
 from backends.common.model.loader import load_config, load_tokenizer, resolve
-from backends.common.model.multimodal import ImageProcessor
 from backends.common.model.multimodal import build as build_multimodal
+from backends.common.model.multimodal import image_processor_for
 from backends.common.model.multimodal import prompt_ids as image_prompt_ids
 from backends.common.model.tokenizer import TemplateError
-from backends.common.model.vision import VisionConfig
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.reply_channel import ReplyInbox, socket_path
@@ -205,14 +204,9 @@ class MasterModel:
 
     @staticmethod
     def _image_processor(src, cfg: MasterConfig):
-        """(VisionConfig, ImageProcessor, None) for a multimodal checkpoint with an image processor, else
-        (None, None, why images are refused)."""
-        vc = VisionConfig.from_folder(src.folder)
-        if vc is None:
-            return None, None, "it has no vision tower: text only"
-        if not (src.folder / "preprocessor_config.json").is_file():
-            return None, None, "its folder has a vision tower but no preprocessor_config.json (image processor)"
-        return vc, ImageProcessor(src.folder, vc, cfg.max_images_per_request, cfg.max_image_pixels), None
+        """(VisionConfig, ImageProcessor, "") for a model that takes images, else (None, None, why not)."""
+        images, why = image_processor_for(src, max_images=cfg.max_images_per_request, max_pixels=cfg.max_image_pixels)
+        return (images.vc if images else None), images, why
 
     # ---- request parsing ---------------------------------------------------------------------------------
     def parse(self, request) -> ClientRequest:

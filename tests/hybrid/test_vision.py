@@ -216,3 +216,32 @@ def test_generate_offline_takes_image_files(engine, saved, tmp_path, capsys, cha
     assert "--image: the served interfaces do not take images yet" in capsys.readouterr().err
     assert main(argv[:6] + ["--image", str(tmp_path / "none.png")]) == 2
     assert "none.png: No such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-9b", "qwen3.5-35b-a3b"])
+def test_random_qwen3_5_shapes_have_the_published_tower(shape):
+    """random:qwen3.5-9b and -35b-a3b take images: the published tower's shape (its rows as wide as the language
+    model), Qwen3-VL's image processor (patches of 16), random weights the tower loads (checked on a reduced depth
+    and width here: the full tower is 0.4 B parameters)."""
+    from dataclasses import replace
+
+    from backends.common.core.config import SHAPES
+    from backends.common.model.loader import resolve
+    from backends.common.model.multimodal import image_processor_for
+    from backends.common.model.vision import VisionTower, random_vision_weights, vision_config_of
+
+    src = resolve(f"random:{shape}")
+    vc = vision_config_of(src)
+    assert (vc.depth, vc.hidden_size, vc.patch_size, vc.out_hidden_size) == (27, 1152, 16, SHAPES[shape].hidden_size)
+    proc, why = image_processor_for(src)
+    assert why == "" and proc.vc == vc
+    image = proc([png(64, 96, 5)])[0]
+    assert image.pixel_values.shape == (image.grid_thw[1] * image.grid_thw[2], vc.patch_dim) and image.grid_thw == (
+        1,
+        6,
+        4,
+    )
+    small = replace(vc, depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48)
+    tower = VisionTower(small, random_vision_weights(small, torch.float32, "cpu"))
+    (rows,) = tower.encode(image.pixel_values, torch.tensor([image.grid_thw]))
+    assert rows.shape == (6, 48) and torch.isfinite(rows).all()

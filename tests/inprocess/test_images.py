@@ -16,7 +16,7 @@ from tests.hybrid.conftest import hybrid_folder, make_engine  # noqa: F401 (fixt
 from tests.hybrid.test_vision import END, IMAGE, START, _save, png
 from tests.inprocess.fake_triton import Server, generate
 
-N_OUT = 40
+N_OUT = 80
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_images_served_unpaused_equal_the_offline_engine(serve, vl_folder, expec
     [
         (dict(kv_tokens=160, host_kv_tokens=0, fault_injection="drop_paused_kv"), "prefill"),
         (dict(kv_tokens=160), "host"),
-        (dict(kv_tokens=200, host_kv_tokens=0), "local+recompute"),
+        (dict(kv_tokens=360, host_kv_tokens=0), "local+recompute"),
     ],
     ids=["prefill", "host", "local"],
 )

@@ -136,18 +136,18 @@ class ModelRunner:
 
     def _load_vision(self):
         """(VisionTower, ImageProcessor) of a multimodal checkpoint folder, (None, None) for a text-only model."""
-        from backends.common.model.multimodal import ImageProcessor
-        from backends.common.model.vision import VisionConfig, VisionTower
+        from backends.common.model.multimodal import image_processor_for
+        from backends.common.model.vision import VisionTower, random_vision_weights
 
-        folder = self.source.folder
-        if folder is None or VisionConfig.from_folder(folder) is None:
+        images, why = image_processor_for(self.source)
+        if images is None:
+            if why != self.vision_missing:  # a tower that cannot be fed: say so once at load
+                self.vision_missing = why
+                print(f"[triton-pd] {self.source.spec}: {why}; serving text only", file=sys.stderr)
             return None, None
-        if not (folder / "preprocessor_config.json").is_file():  # no processor: the tower could not be fed
-            self.vision_missing = "its folder has a vision tower but no preprocessor_config.json (image processor)"
-            print(f"[triton-pd] {self.source.spec}: {self.vision_missing}; serving text only", file=sys.stderr)
-            return None, None
-        tower = VisionTower.load(folder, self.dtype, self.device)
-        return tower, ImageProcessor(folder, tower.vc)
+        if self.source.folder is None:  # a random shape's tower
+            return VisionTower(images.vc, random_vision_weights(images.vc, self.dtype, self.device)), images
+        return VisionTower.load(self.source.folder, self.dtype, self.device), images
 
     def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages,
                      state_shm_name, graph_sizes):  # fmt: skip

@@ -85,14 +85,17 @@ class ImageProcessor:
     """The checkpoint's image processor (transformers' AutoImageProcessor from the model folder, its PIL backend)
     with the deployment's limits."""
 
-    def __init__(self, folder: Path | str, vc: VisionConfig, max_images: int = MAX_IMAGES_PER_REQUEST,
+    def __init__(self, hf, vc: VisionConfig, max_images: int = MAX_IMAGES_PER_REQUEST,
                  max_pixels: int = MAX_IMAGE_PIXELS):  # fmt: skip
+        self.hf, self.vc, self.max_images, self.max_pixels = hf, vc, max_images, max_pixels
+
+    @classmethod
+    def from_folder(cls, folder: Path | str, vc: VisionConfig, **limits) -> ImageProcessor:
         # (the module itself: the package-level name stands for the torchvision backend, not installed here)
         from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
-        self.vc, self.max_images, self.max_pixels = vc, max_images, max_pixels
         # the PIL backend: the same pixels on every host (torchvision's may differ, and is not installed here)
-        self.hf = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+        return cls(AutoImageProcessor.from_pretrained(str(folder), backend="pil"), vc, **limits)
 
     def __call__(self, images: list, field_name: str = "image") -> list[Image]:
         """Each image (bytes, base64 text or a PIL image) preprocessed; too many is an ImageError."""
@@ -111,6 +114,23 @@ class ImageProcessor:
                                  f"vision tower takes {self.vc.patch_dim}")  # fmt: skip
             out.append(Image(pixels, grid, digest))
         return out
+
+
+def image_processor_for(src, **limits) -> tuple[ImageProcessor | None, str]:
+    """(the model's image processor, "") for a model source (loader.ModelSource) that takes images: a folder's own
+    (preprocessor_config.json), or a random Qwen3.5 shape's (vision.RANDOM_PROCESSOR); else (None, why not)."""
+    from backends.common.model.vision import RANDOM_PROCESSOR, vision_config_of
+
+    vc = vision_config_of(src)
+    if vc is None:
+        return None, "it has no vision tower: text only"
+    if src.folder is None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return ImageProcessor(Qwen2VLImageProcessorPil(**RANDOM_PROCESSOR), vc, **limits), ""
+    if not (Path(src.folder) / "preprocessor_config.json").is_file():
+        return None, "its folder has a vision tower but no preprocessor_config.json (image processor)"
+    return ImageProcessor.from_folder(src.folder, vc, **limits), ""
 
 
 def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], vc: VisionConfig) -> tuple[torch.Tensor, int]:

@@ -82,6 +82,27 @@ class VisionConfig:
         return t * h * w // self.spatial_merge_size**2
 
 
+# The towers of the `random:` shapes of Qwen3.5's published checkpoints: transformers' Qwen3_5VisionConfig defaults
+# (5.17: 27 blocks of 1152 with 16 heads, MLP 4304, patches of 16 pixels merged 2 x 2, a 48 x 48 position table),
+# which are the published checkpoints' towers, with out_hidden_size the language model's width
+VISION_SHAPES = {
+    "qwen3.5-9b": VisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                               out_hidden_size=4096, num_position_embeddings=2304),
+    "qwen3.5-35b-a3b": VisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                    out_hidden_size=2048, num_position_embeddings=2304),
+}  # fmt: skip
+# their image processor: Qwen3-VL's (transformers' Qwen2VL processor with patches of 16 and mean = std = 0.5)
+RANDOM_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+def vision_config_of(src) -> VisionConfig | None:
+    """The vision tower's config of a model source (loader.ModelSource): its folder's config.json, or a random
+    shape's (VISION_SHAPES); None for a text-only model."""
+    if src.folder is not None:
+        return VisionConfig.from_folder(src.folder)
+    return VISION_SHAPES.get(src.shape)
+
+
 def load_vision_weights(folder: Path | str, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """The tower's weights of a checkpoint folder, named without their prefix (`blocks.0.attn.qkv.weight`)."""
     from safetensors import safe_open
