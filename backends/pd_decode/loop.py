@@ -345,9 +345,8 @@ class DecodeLoop(LoopMetrics):
         self.events.put(done)
 
     def _release_images(self, rid: str) -> None:
-        """Runs on a transfer thread: tells every prefill server that `rid` ended, so that the one that keeps its
-        images (any of them, after a failover) lets go of them. A server that cannot be reached keeps nothing of
-        this deployment's any more, or will hear of the next request; an error is logged, never raised."""
+        """On a transfer thread: tells every prefill server that `rid` ended, so that the one keeping its images
+        (any of them, after a failover) lets them go; a failure is logged, never raised."""
         msg = PrefillRequest.release_of(rid)
         for server in self.prefill.order():
             try:

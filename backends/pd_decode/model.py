@@ -122,22 +122,14 @@ class DecodeModel:
             try:
                 msg = DecodeRequest.decode(tio.request_getter(request), self.key)
             except ParamError as e:
-                pb = tio.pb()
-                sender.send(
-                    pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), "INVALID_ARG")),
-                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                )
+                _refuse(sender, str(e), "INVALID_ARG")
                 continue
             req = InferReq(msg.request_id, msg.input_ids, msg.params)
             if msg.mm_info:
                 try:
                     req.mm, req.mm_wire = self._multimodal(msg), (msg.mm_info, msg.images)
                 except ParamError as e:
-                    pb = tio.pb()
-                    sender.send(
-                        pb.InferenceResponse(output_tensors=[], error=tio.error(str(e), "INVALID_ARG")),
-                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                    )
+                    _refuse(sender, str(e), "INVALID_ARG")
                     continue
             if msg.cancel:  # a notice from a master in another server: every instance here reads this mailbox
                 self.mailbox.post(msg.request_id, msg.cancel)
@@ -148,12 +140,7 @@ class DecodeModel:
                     path = self.replies.check(msg.reply_to)
                     self.replies.get(path)
                 except (ValueError, OSError) as e:
-                    pb = tio.pb()
-                    code = "INVALID_ARG" if isinstance(e, ValueError) else "UNAVAILABLE"
-                    sender.send(
-                        pb.InferenceResponse(output_tensors=[], error=tio.error(f"reply_to: {e}", code)),
-                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                    )
+                    _refuse(sender, f"reply_to: {e}", "INVALID_ARG" if isinstance(e, ValueError) else "UNAVAILABLE")
                     continue
                 # the response exec() returns to master; the next on this stream is its final flag
                 sender.send(tio.pb().InferenceResponse(output_tensors=tio.to_tensors(DecodeResponse().encode())))
@@ -289,3 +276,10 @@ class RemotePrefill:
 
     def close(self) -> None:
         self.servers.close()
+
+
+def _refuse(sender, message: str, code: str) -> None:
+    """A request decode does not take: one final response with the error."""
+    pb = tio.pb()
+    sender.send(pb.InferenceResponse(output_tensors=[], error=tio.error(message, code)),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # fmt: skip

@@ -33,16 +33,8 @@ def expected(hybrid_folder):  # noqa: F811
 
 
 @pytest.fixture
-def serve(tmp_path):
-    servers = []
-
-    def start(model, **decode) -> Server:
-        servers.append(Server(tmp_path, str(model), decode=decode))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
+def serve(serve_model):
+    return serve_model
 
 
 def run_streams(s: Server, n_out: int = N_OUT) -> list:

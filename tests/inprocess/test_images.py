@@ -30,16 +30,8 @@ def engine(vl_folder):
 
 
 @pytest.fixture
-def serve(tmp_path):
-    servers = []
-
-    def start(model, **decode) -> Server:
-        servers.append(Server(tmp_path, str(model), decode=decode))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
+def serve(serve_model):
+    return serve_model
 
 
 def b64(data: bytes) -> bytes:
