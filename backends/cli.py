@@ -40,15 +40,15 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)
-    if a.image and not a.offline:
-        raise CLIError("--image: the served interfaces do not take images yet; use --offline")
     if a.offline:
         result = generate_offline(a, params)
     else:
         from .client import ClientError, generate_remote
 
         try:
-            result = generate_remote(a.url, a.prompt, params, chat=a.chat, protocol=a.protocol, echo=not a.json)
+            images = [_read_image(path) for path in a.image]
+            result = generate_remote(a.url, a.prompt, params, chat=a.chat, protocol=a.protocol, echo=not a.json,
+                                     images=images)  # fmt: skip
         except ClientError as e:
             raise CLIError(f"server: {e}") from None
     if a.json:
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FILE",
-        help="offline, Qwen3.5 checkpoints: a PNG or JPEG image (repeatable), one per "
+        help="Qwen3.5 checkpoints: a PNG or JPEG image (repeatable), one per "
         "<|vision_start|><|image_pad|><|vision_end|> in the prompt, in order; with --chat and none in the prompt, "
         "the images go before its text",
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import sys
@@ -24,10 +25,9 @@ def infer_inputs(grpcclient, tensors: dict) -> list:
     return out
 
 
-def _inputs(grpcclient, prompt: str, params: SamplingParams, chat: bool, stream: bool):
-    return infer_inputs(
-        grpcclient, MasterRequest(text=prompt, params=_params(params), stream=stream, chat=chat).encode()
-    )
+def _inputs(grpcclient, prompt: str, params: SamplingParams, chat: bool, stream: bool, images=None):
+    msg = MasterRequest(text=prompt, params=_params(params), stream=stream, chat=chat, images=images or None)
+    return infer_inputs(grpcclient, msg.encode())
 
 
 def _params(p: SamplingParams) -> dict:
@@ -36,10 +36,18 @@ def _params(p: SamplingParams) -> dict:
 
 
 def generate_remote(
-    url: str, prompt: str, params: SamplingParams, chat: bool = False, protocol: str = "grpc", echo: bool = True
+    url: str,
+    prompt: str,
+    params: SamplingParams,
+    chat: bool = False,
+    protocol: str = "grpc",
+    echo: bool = True,
+    images: list[bytes] | None = None,
 ) -> dict:
+    """images: PNG or JPEG files' bytes, sent base64 in pd_master's `image` input."""
+    images = [base64.b64encode(x) for x in images or []]
     if protocol == "http":
-        return _generate_http(url, prompt, params, chat, echo)
+        return _generate_http(url, prompt, params, chat, echo, images)
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
@@ -47,7 +55,7 @@ def generate_remote(
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer(
-            "pd_master", _inputs(grpcclient, prompt, params, chat, True), enable_empty_final_response=True
+            "pd_master", _inputs(grpcclient, prompt, params, chat, True, images), enable_empty_final_response=True
         )
         ids, text, reason = [], [], None
         while True:
@@ -75,12 +83,15 @@ def generate_remote(
         client.close()
 
 
-def _generate_http(url, prompt, params, chat, echo) -> dict:
+def _generate_http(url, prompt, params, chat, echo, images=()) -> dict:
     import urllib.request
 
-    body = json.dumps(
-        {"text_input": prompt, "apply_chat_template": chat, "sampling_parameters": json.dumps(_params(params))}
-    ).encode()
+    # stream: each event carries what is new (without it pd_master answers once, the prompt included)
+    body = {"text_input": prompt, "apply_chat_template": chat, "stream": True,
+            "sampling_parameters": json.dumps(_params(params))}  # fmt: skip
+    if images:
+        body["image"] = [x.decode() for x in images]
+    body = json.dumps(body).encode()
     req = urllib.request.Request(
         f"http://{url}/v2/models/pd_master/generate_stream", data=body, headers={"Content-Type": "application/json"}
     )
@@ -93,7 +104,8 @@ def _generate_http(url, prompt, params, chat, echo) -> dict:
             ev = json.loads(line[5:])
             if "error" in ev:
                 raise ClientError(ev["error"])
-            ids += ev.get("output_ids", [])
+            new = ev.get("output_ids", [])
+            ids += new if isinstance(new, list) else [new]  # Triton's JSON gives a one-element array as a scalar
             text.append(ev.get("text_output", ""))
             if echo:
                 print(ev.get("text_output", ""), end="", flush=True)

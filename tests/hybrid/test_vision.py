@@ -211,9 +211,7 @@ def test_generate_offline_takes_image_files(engine, saved, tmp_path, capsys, cha
     ids = [1, START, IMAGE, END, 7, 8, 2] if chat else [7, 8, START, IMAGE, END, 11]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert got == engine.generate([ids], params, images=[[image.read_bytes()]])[0].output_ids
-    # a served generate does not take images yet, and a missing file is named
-    assert main(["generate", "--url", "127.0.0.1:1", "--prompt", text, "--image", str(image)]) == 2
-    assert "--image: the served interfaces do not take images yet" in capsys.readouterr().err
+    # a missing file is named (offline and against a server: tests/server/test_images.py)
     assert main(argv[:6] + ["--image", str(tmp_path / "none.png")]) == 2
     assert "none.png: No such file" in capsys.readouterr().err
 

@@ -75,5 +75,24 @@ def test_openai_chat_takes_data_url_images(vl):
     assert s.wait_metric("pd_mm_requests_held", lambda v: v == 0, timeout=10) == 0
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_generate_sends_image_files(vl, tmp_path, capsys, protocol):
+    """`triton-pd generate --url ... --image FILE --chat`: the image goes before the prompt's text (master puts it
+    there), and the answer equals the offline engine's."""
+    from backends.cli import main
+
+    s, engine = vl
+    path = tmp_path / "a.png"
+    path.write_bytes(png(56, 84, 4))
+    url = s.grpc_url if protocol == "grpc" else s.http_url
+    argv = ["generate", "--url", url, "--protocol", protocol, "--chat", "--prompt", "t7 t8", "--image", str(path),
+            "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)["output_ids"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ids = [1, START, IMAGE, END, 7, 8, 2]
+    assert got == engine.generate([ids], params, images=[[path.read_bytes()]])[0].output_ids
+
+
 def r_model(client) -> str:
     return client.models.list().data[0].id
