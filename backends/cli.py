@@ -63,7 +63,8 @@ def generate_offline(a: argparse.Namespace, params: SamplingParams) -> dict:
     from .common.model import loader
 
     loader.resolve(a.model)  # fail fast on a bad model spec, before loading anything
-    engine = Engine(a.model, dtype=a.dtype, device=a.device, kv_tokens=a.kv_tokens, deterministic=a.deterministic)
+    engine = Engine(a.model, dtype=a.dtype, device=a.device, kv_tokens=a.kv_tokens, deterministic=a.deterministic,
+                    quantization=a.quantization)  # fmt: skip
     tok = engine.tokenizer
     images = [_read_image(path) for path in a.image]
     if images:
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--deterministic",
         action="store_true",
         help="offline, GPU: batch-invariant kernels (serve's --deterministic; dense models)",
+    )
+    g.add_argument(
+        "--quantization",
+        choices=["", "fp8"],
+        default="",
+        help="offline: fp8 converts a 16-bit checkpoint's projections to fine-grained FP8 at load (serve's "
+        "--quantization)",
     )
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -146,6 +146,9 @@ class Deployment:
         state_pages = getattr(a, "state_pages", 0) or 0
         if getattr(a, "deterministic", "off") == "on" and gpu and cfg.is_hybrid:
             raise ValueError("--deterministic: hybrid (linear-attention) models are not covered yet on the GPU")
+        fp8 = cfg.quantization == "fp8" or getattr(a, "quantization", "") == "fp8"
+        if getattr(a, "deterministic", "off") == "on" and gpu and fp8:
+            raise ValueError("--deterministic: FP8 weights are not covered (16-bit and float32 weights are)")
         decode = role_config.from_args(
             DecodeConfig, a, **wiring, mailbox_dir=str(mailbox), cpu_threads=threads, state_pages=state_pages,
             speculative=_speculative(getattr(a, "speculative", "off"), cfg), prefill_urls=",".join(urls["prefill"]),

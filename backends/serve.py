@@ -67,7 +67,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 def add_deployment_options(p: argparse.ArgumentParser) -> None:
     """What a deployment is: the model, its pools and limits, the roles (shared by serve and repository). The
     options that set a role's config are generated from its fields (`role_config.add_options`)."""
-    add_options(p, ["model", "dtype"])
+    add_options(p, ["model", "dtype", "quantization"])
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "gpu"],

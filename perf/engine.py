@@ -16,6 +16,7 @@ TABLE = {
     "moe": ("moe_bench", "the fused MoE layer and MoE decode step vs roofline and the loop over experts (GPU)"),
     "deterministic": ("deterministic_bench", "--deterministic's decode step and prefill vs the default kernels (GPU)"),
     "cpu": ("cpu_decode_bench", "CPU decode tokens/s vs transformers on the same prompts"),
+    "fp8": ("fp8_bench", "FP8 weights: W8A8 matmul vs cuBLAS FP8, decode step vs roofline and 16-bit, prefill (GPU)"),
     "vision": ("vision_bench", "Qwen3.5's vision tower: images/s vs transformers' Qwen3_5VisionModel, same card (GPU)"),
 }
 

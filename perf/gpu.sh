@@ -2,7 +2,7 @@
 # The benchmarks' runs on one GPU host, each step bounded in wall clock and every mode within one device command
 # (600 s), results under OUT: the reports (.md, .json) and every file of the run in OUT/files.tgz (logs, JSON rows,
 # tuning caches), few files for a device tool that returns only a few:
-#   bash perf/gpu.sh OUT bench|startup|vision|seed|seed-mtp|seed-dense [PHASE]
+#   bash perf/gpu.sh OUT bench|startup|vision|fp8|seed|seed-mtp|seed-dense [PHASE]
 # bench:   the hybrid kernel tests, then `perf/engine.py hybrid`: the decode step at batch 1, 32 and 128 for
 #          random:qwen3-next-layout (with --profile) and random:qwen3.5-9b against their rooflines, tuned on the
 #          measured graph sizes; the device host's python3, no bundle. The kernel tests compile cold on a fresh
@@ -11,6 +11,9 @@
 #          the shipped tuning picks, and warm; the host's python3;
 # vision:  `perf/engine.py vision`: Qwen3.5's vision tower against transformers' Qwen3_5VisionModel (sdpa, bf16)
 #          at 448 and 1,344 pixels, one and four images; the host's python3;
+# fp8:     `perf/engine.py fp8`: the W8A8 matmul against cuBLAS FP8 (torch._scaled_mm) and bf16, then the decode
+#          step (batch 1, 32, 128) and an 8,192-token prefill of random:llama3.1-8b-fp8 against its roofline and
+#          the 16-bit model; the host's python3;
 # seed:    the seed scenario (`perf/scenario.py seed`) with random:qwen3.5-9b at serve's defaults, rotate against
 #          plain in one run, through the offline bundle (`triton-pd bundle .bundle`, carried);
 # seed-mtp: seed with --speculative mtp on both servers (the MTP head's verify steps);
@@ -20,9 +23,9 @@
 # TRITON_PD_TUNE_CACHE names a file (the delta step's cache sits beside it): see perf/tune_cache/README.md.
 set -uo pipefail
 OUT=${1:?OUT folder}
-WHAT=${2:?bench, startup, vision, seed, seed-mtp or seed-dense}
+WHAT=${2:?bench, startup, vision, fp8, seed, seed-mtp or seed-dense}
 PHASE=${3:-3x5500}
-case "$WHAT" in bench|startup|vision|seed|seed-mtp|seed-dense) ;; *) echo "gpu.sh: bench, startup, vision, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
+case "$WHAT" in bench|startup|vision|fp8|seed|seed-mtp|seed-dense) ;; *) echo "gpu.sh: bench, startup, vision, fp8, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
 W="$OUT/files"
 mkdir -p "$W"
 if [ -z "${TRITON_PD_TUNE_CACHE:-}" ]; then
@@ -61,6 +64,9 @@ case "$WHAT" in
   vision)
     step vision 300 python3 perf/engine.py vision --sizes 448 1344 --images 1 4 --reps 10 --time-limit 280 \
       --out "$W/vision.md"
+    ;;
+  fp8)
+    step fp8 570 python3 perf/engine.py fp8 --models random:llama3.1-8b-fp8 --time-limit 550 --out "$W/fp8.md"
     ;;
   seed)
     step seed 570 bash .bundle/bootstrap.sh python3 perf/scenario.py seed --out /tmp/hybrid_gpu_seed \

@@ -77,6 +77,7 @@ class PrefillModel:
             cuda_graphs=False,
             state_pages=cfg.state_pages or None,
             deterministic=cfg.deterministic == "on",
+            quantization=cfg.quantization,
         )
         if self.engine.runner.images is not None:  # the deployment's limits (master checked them first)
             self.engine.runner.images.max_images = cfg.max_images_per_request

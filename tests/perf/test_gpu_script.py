@@ -94,8 +94,8 @@ def test_every_seed_stalls_command_parses_with_its_flags(monkeypatch):
 def test_each_mode_fits_one_device_command():
     """A device command ends at 600 s, and a command killed there returns nothing (the archive is packed on exit):
     the wall limits of each mode's steps add up to less."""
-    modes = re.findall(r"^  ([a-z-]+)\)\n(.*?)^    ;;", SCRIPT, re.M | re.S)
-    assert {m for m, _ in modes} == {"bench", "startup", "vision", "seed", "seed-mtp", "seed-dense"}
+    modes = re.findall(r"^  ([a-z0-9-]+)\)\n(.*?)^    ;;", SCRIPT, re.M | re.S)
+    assert {m for m, _ in modes} == {"bench", "startup", "vision", "fp8", "seed", "seed-mtp", "seed-dense"}
     for mode, body in modes:
         limits = [int(n) for n in re.findall(r"^\s*step \S+ (\d+) ", body, re.M)]
         assert limits, mode

@@ -64,6 +64,11 @@ class ModelConfig:
     # Qwen3.5's interleaved multimodal rope: how many of the rotary frequencies follow each of an image token's
     # (t, row, column) positions; empty for text-only models (text positions are plain rope either way)
     mrope_section: list[int] = field(default_factory=list)
+    # ---- weights ----------------------------------------------------------------------------------------------
+    # "fp8": fine-grained FP8 projections (backends/common/model/fp8.py), from the checkpoint's
+    # quantization_config or converted at load (`--quantization fp8`, the random `-fp8` shapes); "": as stored
+    quantization: str = ""
+    quant_block: list[int] = field(default_factory=lambda: [128, 128])  # weight_block_size: rows, columns
 
     @property
     def is_hybrid(self) -> bool:
@@ -111,13 +116,24 @@ class ModelConfig:
             if not isinstance(text, dict):
                 raise ValueError(f"config.json of model_type {model_type!r} has no 'text_config'")
             text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **text}
+            if cfg.get("quantization_config") and not text.get("quantization_config"):
+                text["quantization_config"] = cfg["quantization_config"]
             return cls.from_hf({**text, "model_type": MULTIMODAL[model_type]})
         if model_type not in MODEL_TYPES:
             known = ", ".join(sorted(MODEL_TYPES | set(MULTIMODAL)))
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {known})")
         cfg = _Keys(cfg, model_type)
-        if model_type in HYBRID_TYPES:
-            return cls._from_qwen3_next(cfg)
+        out = cls._from_qwen3_next(cfg) if model_type in HYBRID_TYPES else cls._from_llama(cfg)
+        from backends.common.model.fp8 import parse_config  # a QuantError is a ValueError naming the key
+
+        block = parse_config(cfg.get("quantization_config"))
+        if block is not None:
+            out.quantization, out.quant_block = "fp8", list(block)
+        return out
+
+    @classmethod
+    def _from_llama(cls, cfg: dict) -> ModelConfig:
+        model_type = cfg.model_type
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -410,3 +426,7 @@ SHAPES["qwen3.5-35b-a3b"] = ModelConfig(
     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=256,
     num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, mtp_layers=1,
 )  # fmt: skip
+# The same shapes with fine-grained FP8 projections (converted at load, as `--quantization fp8` converts a 16-bit
+# checkpoint): the layout of Qwen's published FP8 checkpoints
+for _name in ("llama3.1-8b", "qwen3.5-9b", "qwen3.5-35b-a3b", "tiny-test", "tiny-hybrid"):
+    SHAPES[_name + "-fp8"] = replace(SHAPES[_name], quantization="fp8")

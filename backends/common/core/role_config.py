@@ -122,6 +122,12 @@ DETERMINISTIC = (
 )
 IMAGES = "images (Qwen3.5 checkpoints): at most this many per request; more is INVALID_ARG naming `image`"
 PIXELS = "images: at most this many pixels (width x height) each, as decoded; more is INVALID_ARG naming `image[i]`"
+QUANTIZATION = (
+    "fp8: convert a 16-bit checkpoint's projections to fine-grained FP8 at load (e4m3, a scale per 128 x 128 "
+    "block, activations quantized per token and 128-channel group: what Qwen's FP8 checkpoints hold; "
+    "docs/engine.md, FP8). An FP8 checkpoint or a random -fp8 shape is FP8 without it. Give the same value to every "
+    "prefill and decode server of a deployment"
+)
 STATE_PAGES = (
     "hybrid (linear-attention) models: state pages per prefill and decode instance, one per running request plus "
     "the prefix cache's state checkpoints. Default: 2 x --max-batch + 8 (decode) and 2 x 64 + 8 (prefill); ignored "
@@ -138,6 +144,7 @@ class DecodeConfig(RoleConfig):
     deployment: str = opt("local", DEPLOYMENT, cli=False)
     mailbox_dir: str = opt("", MAILBOX, cli=False)
     dtype: str = opt("", DTYPE, flag_default=None)
+    quantization: str = opt("", QUANTIZATION, choices=("", "fp8"))
     cpu_threads: int = opt(0, THREADS, minimum=0)
     kv_tokens: int = opt(
         0, "decode KV pool size in tokens per instance (default: 16384 on CPU; on GPU from --kv-memory-fraction)",
@@ -256,6 +263,7 @@ class PrefillConfig(RoleConfig):
     internal_key_file: str = opt("", KEY, cli=False)
     deployment: str = opt("local", DEPLOYMENT, cli=False)
     dtype: str = opt("", DTYPE, flag_default=None)
+    quantization: str = opt("", QUANTIZATION, choices=("", "fp8"))
     cpu_threads: int = opt(0, THREADS, minimum=0)
     prefill_kv_tokens: int = opt(
         0,

@@ -58,14 +58,15 @@ class Engine:
         overlap: bool = True,
         state_pages: int | None = None,
         deterministic: bool = False,
+        quantization: str = "",
     ):
         """The engine of the offline path and of prefill: a multimodal checkpoint's vision tower is loaded too
-        (`add_request`'s images)."""
+        (`add_request`'s images). quantization: ModelRunner's ("fp8": a 16-bit checkpoint converted at load)."""
         self.overlap = overlap
         self._pending: LaunchedStep | None = None
         self.runner = ModelRunner(
             model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs,
-            state_pages=state_pages, deterministic=deterministic, vision=True,
+            state_pages=state_pages, deterministic=deterministic, vision=True, quantization=quantization,
         )  # fmt: skip
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings

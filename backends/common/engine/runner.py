@@ -88,19 +88,27 @@ class ModelRunner:
         deterministic: bool = False,
         graph_sizes: tuple[int, ...] = GRAPH_SIZES,
         vision: bool = False,
+        quantization: str = "",
     ):
         """deterministic: batch-invariant kernels on the GPU path (kernels.invariant; dense models only: a hybrid
         model on the GPU path is refused with loader.ModelError). The CPU path is exact without them.
         graph_sizes: the decode batch sizes captured in CUDA graphs on the GPU path (a batch runs in the smallest
         one that holds it; each is tuned at capture); the default serves every batch up to 512.
         vision: also load a multimodal checkpoint's vision tower and image processor (`self.vision`,
-        `self.images`; None for a text-only model): the prefill side and the offline engine. Decode never does."""
+        `self.images`; None for a text-only model): the prefill side and the offline engine. Decode never does.
+        quantization: "fp8" converts a 16-bit checkpoint's projections to fine-grained FP8 at load (an FP8
+        checkpoint or a random `-fp8` shape is FP8 without it): backends/common/model/fp8.py."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
         self.cfg = loader.load_config(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
-        weights = loader.load_weights(self.source, self.dtype, self.device)
+        weights = loader.load_weights(self.source, self.dtype, self.device, self.cfg, quantization)
+        self.quantization = quantization or self.cfg.quantization
+        if self.quantization and deterministic and pick_backend(backend, self.device) == "triton":
+            raise loader.ModelError(
+                f"{model_spec}: deterministic mode covers 16-bit and float32 weights; FP8 weights are not covered"
+            )
         self.vision_missing = "it has no vision tower: text only"  # why `vision` is None, for a refusal
         self.vision, self.images = self._load_vision() if vision else (None, None)
         cfg = self.cfg
@@ -161,7 +169,9 @@ class ModelRunner:
 
         kernels = pick_backend(backend, self.device) == "triton"
         self.hybrid = HybridModel(self.cfg, weights, kernels=kernels)
-        graphs = kernels and cuda_graphs and gpu_hybrid.supports(self.cfg)
+        # FP8 hybrids run the eager layers (kernels.fp8's products, MoE experts one at a time): the decode graphs'
+        # fused projections read 16-bit weights
+        graphs = kernels and cuda_graphs and gpu_hybrid.supports(self.cfg) and not self.hybrid.quantized
         # the graph path keeps one extra KV slot and one extra state page that padded graph rows write
         self.kv = KVStore.allocate(
             self.hybrid.num_kv_layers, kv_tokens + int(graphs), self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,

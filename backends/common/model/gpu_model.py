@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.common.core.config import ModelConfig
+from backends.common.model import fp8
 from backends.common.model.batch import Span
 from backends.common.model.decode_graphs import DecodeGraphs
 from backends.common.model.kv_store import KVStore
@@ -53,9 +54,9 @@ class GpuLlama(DecodeGraphs):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             names = [p + f"self_attn.{n}_proj" for n in "qkv"]
-            qkv = torch.cat([weights.pop(n + ".weight") for n in names])
+            qkv = fp8.cat_rows([weights.pop(n + ".weight") for n in names])
             bias = torch.cat([weights.pop(n + ".bias") for n in names]) if cfg.attention_bias else None
-            gate_up = torch.cat([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")])
+            gate_up = fp8.cat_rows([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")])
             self.layers.append(
                 dict(
                     qkv=qkv,
@@ -70,6 +71,10 @@ class GpuLlama(DecodeGraphs):
                 )
             )
         self.weights = weights
+        # fine-grained FP8 projections (backends/common/model/fp8.py): one W8A8 kernel for every batch, not tuned
+        self.quantized = fp8.is_quantized(self.layers[0]["qkv"]) if self.layers else False
+        if self.quantized and deterministic:
+            raise ValueError("deterministic mode covers 16-bit and float32 weights; FP8 weights are not covered")
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._init_graphs(max_batch, max_ctx or min(cfg.max_position_embeddings, kv.num_slots), scratch_slot,
                           linear_choice)  # fmt: skip
@@ -87,7 +92,15 @@ class GpuLlama(DecodeGraphs):
         cfg = self.cfg
         choice = {n: self.linear_choice.get((n, bs)) for n in ("qkv", "o", "gate_up", "down")}
         lin, gated = self.k_lin.linear, self.k_lin.gated_linear
-        if self.deterministic:
+        if self.quantized:  # FP8 projections: kernels.fp8's W8A8 launch (activations quantized in it)
+
+            def lin(x, w, choice=None, bias=None):
+                return fp8.linear(x, w, bias, kernel=True)
+
+            def gated(gate_up, w, choice=None):
+                return lin(self.k_act.silu_mul(gate_up), w)
+
+        elif self.deterministic:
 
             def lin(x, w, choice=None, bias=None):  # choice: tile settings (`_tune_linear`); bits are the same
                 return self.k_inv.linear(x, w, bias, settings=choice)
@@ -103,7 +116,7 @@ class GpuLlama(DecodeGraphs):
         for i, L in enumerate(self.layers):
             if L["qkv_bias"] is None:
                 qkv = lin(x, L["qkv"], choice["qkv"]).view(T, H + 2 * Hkv, D)
-            elif self.deterministic:
+            elif self.deterministic or self.quantized:
                 qkv = lin(x, L["qkv"], bias=L["qkv_bias"]).view(T, H + 2 * Hkv, D)
             else:
                 qkv = F.linear(x, L["qkv"], L["qkv_bias"]).view(T, H + 2 * Hkv, D)
@@ -210,6 +223,8 @@ class GpuLlama(DecodeGraphs):
     def _tune_groups(self) -> dict[str, list[torch.Tensor]]:
         """Every projection but q|k|v with a bias (that one keeps cuBLAS; in deterministic mode, the default
         tile)."""
+        if self.quantized:  # kernels.fp8's launch: nothing to choose
+            return {}
         mats = ["o", "gate_up", "down"] + (["qkv"] if self.layers[0]["qkv_bias"] is None else [])
         return {name: [L[name] for L in self.layers] for name in mats}
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from backends.common.core.config import ModelConfig
 from backends.common.model import delta_rule as dr
+from backends.common.model import fp8
 from backends.common.model.batch import ForwardBatch
 from backends.common.model.kv_store import KVStore, StateStore
 
@@ -63,30 +64,30 @@ def fuse_weights(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
         a = p + "linear_attn."
         if a + "in_proj_qkvz.weight" in w:
             r = hv // hk
-            qkvz = _rows_of(w, a + "in_proj_qkvz").view(hk, 2 * dk + 2 * r * dv, -1)
-            ba = _rows_of(w, a + "in_proj_ba").view(hk, 2 * r, -1)
-            q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
-            b, a_ = torch.split(ba, [r, r], dim=1)
-            parts = [x.reshape(-1, x.shape[-1]) for x in (q, k, v, z, b, a_)]
-            w[a + "in_proj.weight"] = torch.cat(parts).contiguous()
-            del qkvz, ba, q, k, v, z, b, a_, parts
+            qkvz, ba = _rows_of(w, a + "in_proj_qkvz"), _rows_of(w, a + "in_proj_ba")
+            q, k, v, z = torch.split(torch.arange(qkvz.shape[0]).view(hk, -1), [dk, dk, r * dv, r * dv], dim=1)
+            b, a_ = torch.split(torch.arange(ba.shape[0]).view(hk, -1), [r, r], dim=1)
+            w[a + "in_proj.weight"] = fp8.cat_rows([
+                fp8.take_rows(qkvz, torch.cat([x.reshape(-1) for x in (q, k, v, z)])),
+                fp8.take_rows(ba, torch.cat([x.reshape(-1) for x in (b, a_)])),
+            ])  # fmt: skip
+            del qkvz, ba
         if a + "in_proj_qkv.weight" in w:  # Qwen3.5: q, k, v already in the conv's order, z, b, a apart
             names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-            w[a + "in_proj.weight"] = torch.cat([_rows_of(w, a + n) for n in names]).contiguous()
+            w[a + "in_proj.weight"] = fp8.cat_rows([_rows_of(w, a + n) for n in names])
         t = p + "self_attn."
         if t + "q_proj.weight" in w:
-            qg = _rows_of(w, t + "q_proj").view(cfg.num_heads, 2, D, -1)
-            parts = [qg[:, 0].reshape(-1, qg.shape[-1]), qg[:, 1].reshape(-1, qg.shape[-1])]
-            w[t + "qkv_proj.weight"] = torch.cat(parts + [_rows_of(w, t + "k_proj"), _rows_of(w, t + "v_proj")])
+            qg = torch.arange(2 * cfg.num_heads * D).view(cfg.num_heads, 2, D)  # q and gate rows, per head
+            order = torch.cat((qg[:, 0].reshape(-1), qg[:, 1].reshape(-1)))
+            q = fp8.take_rows(_rows_of(w, t + "q_proj"), order)
+            w[t + "qkv_proj.weight"] = fp8.cat_rows([q, _rows_of(w, t + "k_proj"), _rows_of(w, t + "v_proj")])
             if t + "q_proj.bias" in w:
-                qb = w.pop(t + "q_proj.bias").view(cfg.num_heads, 2, D)
-                w[t + "qkv_proj.bias"] = torch.cat(
-                    (qb[:, 0].reshape(-1), qb[:, 1].reshape(-1), w.pop(t + "k_proj.bias"), w.pop(t + "v_proj.bias"))
-                )
-            del qg, parts
+                qb = w.pop(t + "q_proj.bias")[order]
+                w[t + "qkv_proj.bias"] = torch.cat((qb, w.pop(t + "k_proj.bias"), w.pop(t + "v_proj.bias")))
+            del q
         for m in (p + "mlp.", p + "mlp.shared_expert."):
             if m + "gate_proj.weight" in w:
-                w[m + "gate_up_proj.weight"] = torch.cat((_rows_of(w, m + "gate_proj"), _rows_of(w, m + "up_proj")))
+                w[m + "gate_up_proj.weight"] = fp8.cat_rows([_rows_of(w, m + "gate_proj"), _rows_of(w, m + "up_proj")])
 
 
 def stack_experts(
@@ -106,18 +107,13 @@ def stack_experts(
         experts = []
         for e in range(num_experts):
             x = f"{prefix}experts.{e}."
-            gu = torch.cat((w.pop(x + "gate_proj.weight"), w.pop(x + "up_proj.weight")))
+            gu = fp8.cat_rows([w.pop(x + "gate_proj.weight"), w.pop(x + "up_proj.weight")])
             experts.append((gu, w.pop(x + "down_proj.weight")))
     if with_shared:
         s = prefix + "shared_expert."
         experts.append((w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"]))
-    g0, d0 = experts[0]
-    gate_up = torch.empty((len(experts),) + tuple(g0.shape), dtype=g0.dtype, device=g0.device)
-    down = torch.empty((len(experts),) + tuple(d0.shape), dtype=d0.dtype, device=d0.device)
-    for e, (g, d) in enumerate(experts):
-        gate_up[e].copy_(g)
-        down[e].copy_(d)
-    del experts, fused, g0, d0
+    gate_up, down = fp8.stack([g for g, _ in experts]), fp8.stack([d for _, d in experts])
+    del experts, fused
     if with_shared:
         w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"] = gate_up[num_experts], down[num_experts]
     return gate_up, down
@@ -141,6 +137,8 @@ class HybridModel:
         low_precision); None (the default) for 16-bit weights, where its 2.4e-4 is below the activations'
         rounding. False keeps TF32x3 (the tests that compare the kernels with the PyTorch model element by
         element)."""
+        # fine-grained FP8 projections (fp8.py): products through fp8.linear; MoE experts in the per-expert loop
+        self.quantized = any(fp8.is_quantized(v) for v in weights.values())
         fuse_weights(cfg, weights)
         self.cfg, self.w = cfg, weights
         self.kd = self.k_attn = self.k_norm = self.k_rope = self.k_act = None
@@ -168,7 +166,7 @@ class HybridModel:
         # shared expert as expert E when its size is the experts' (one pair more per token, no launches of its own)
         self.k_moe = None
         self.fold_shared = False
-        if kernels and cfg.num_experts:
+        if kernels and cfg.num_experts and not self.quantized:
             from kernels import moe
 
             self.k_moe = moe
@@ -190,7 +188,7 @@ class HybridModel:
         return len(self.cfg.full_layers) + (1 if self.has_mtp else 0)
 
     def _linear(self, x, name):
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return fp8.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def mrope_freqs(self, positions: torch.Tensor) -> torch.Tensor:
         """[T, rot_dim / 2] angles of Qwen3.5's interleaved multimodal rope: frequency j follows the row position
@@ -371,8 +369,8 @@ class HybridModel:
         out = torch.zeros_like(x)
         for e in top_i.unique().tolist():
             tok, slot = torch.where(top_i == e)
-            g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-            out.index_add_(0, tok, F.linear(F.silu(g) * u, down[e]) * top_w[tok, slot, None])
+            g, u = fp8.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, fp8.linear(F.silu(g) * u, down[e]) * top_w[tok, slot, None])
         shared = self._gated_mlp(x, p + "shared_expert.")
         return out + torch.sigmoid(self._linear(x, p + "shared_expert_gate")) * shared
 
@@ -447,7 +445,7 @@ class HybridModel:
         e = offset_rms_norm(w["model.embed_tokens.weight"][batch.input_ids], w["mtp.pre_fc_norm_embedding.weight"],
                             cfg.rms_norm_eps)  # fmt: skip
         h = offset_rms_norm(hidden.to(e.dtype), w["mtp.pre_fc_norm_hidden.weight"], cfg.rms_norm_eps)
-        h = F.linear(torch.cat((e, h), dim=-1), w["mtp.fc.weight"])
+        h = fp8.linear(torch.cat((e, h), dim=-1), w["mtp.fc.weight"])
         rope = self.rope(batch.positions)
         h = self.layer(h, None, "mtp.layers.0.", kv, None, batch, rope, kv_layer=self.mtp_kv_layer, mlp_key="mtp")
         h = offset_rms_norm(h[batch.logits_rows], w["mtp.norm.weight"], cfg.rms_norm_eps)

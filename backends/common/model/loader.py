@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from backends.common.core.config import SHAPES, ModelConfig
+from backends.common.model import fp8
 from backends.common.model.tokenizer import ByteTokenizer, Tokenizer
 
 
@@ -93,22 +94,56 @@ def load_tokenizer(src: ModelSource):
     return ByteTokenizer()
 
 
-def load_weights(src: ModelSource, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+def load_weights(src: ModelSource, dtype: torch.dtype, device: str | torch.device, cfg: ModelConfig | None = None,
+                 quantization: str = "") -> dict:  # fmt: skip
     """The language model's weights by Hugging Face name (a multimodal checkpoint's vision tower is left to
-    backends/common/model/vision.py). Random weights are N(0, 0.02), norms 1, drawn on the target device."""
+    backends/common/model/vision.py). Random weights are N(0, 0.02), norms 1, drawn on the target device.
+    FP8 checkpoints (cfg.quantization "fp8"): each converted projection an `fp8.Fp8Weight` of its e4m3 values and
+    scales, everything else in `dtype`. quantization "fp8" (or a random `-fp8` shape) converts a 16-bit
+    checkpoint's projections at load as the published FP8 checkpoints convert them."""
+    cfg = cfg or load_config(src)
+    if quantization not in ("", "fp8"):
+        raise ModelError(f"quantization must be '' or 'fp8', got {quantization!r}")
     if src.folder is None:
-        return random_weights(SHAPES[src.shape], dtype, device)
+        weights = random_weights(SHAPES[src.shape], dtype, device)
+    else:
+        weights = _read_folder(src, cfg, dtype, device)
+    if quantization == "fp8" or (src.folder is None and cfg.quantization == "fp8"):
+        fp8.quantize_weights(weights, tuple(cfg.quant_block))
+    return weights
+
+
+def _read_folder(src: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device) -> dict:
     from safetensors import safe_open
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict = {}
     for f in sorted(src.folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
                 if name.startswith(VISION_PREFIXES):  # the vision tower: vision.load_vision_weights (prefill)
                     continue
                 key = "model." + name[len(LANGUAGE_MODEL) :] if name.startswith(LANGUAGE_MODEL) else name
-                weights[key] = st.get_tensor(name).to(device=device, dtype=dtype)
+                t = st.get_tensor(name)
+                keep = t.dtype == fp8.FP8 or key.endswith(SCALE)  # kept as stored until paired below
+                weights[key] = t.to(device=device) if keep else t.to(device=device, dtype=dtype)
+    scales = [k for k in weights if k.endswith(SCALE)]
+    if scales and cfg.quantization != "fp8":
+        raise ModelError(f"model folder {src.spec}: {scales[0]} without an FP8 quantization_config in config.json")
+    try:
+        for k in scales:
+            name = k[: -len(SCALE)]
+            if name not in weights:
+                raise fp8.QuantError(f"{k}: no weight {name} beside it")
+            weights[name] = fp8.from_blocks(name, weights[name], weights.pop(k), tuple(cfg.quant_block))
+        for k, t in weights.items():
+            if isinstance(t, torch.Tensor) and t.dtype == fp8.FP8:
+                raise fp8.QuantError(f"{k}: a float8 weight without {k}{SCALE}")
+    except fp8.QuantError as e:
+        raise ModelError(f"model folder {src.spec}: {e}") from None
     return weights
+
+
+SCALE = "_scale_inv"  # <name>.weight_scale_inv: a converted weight's block scales
 
 
 LANGUAGE_MODEL = "model.language_model."  # Qwen3.5's multimodal layout: the language model's weights

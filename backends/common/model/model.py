@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.common.core.config import ModelConfig
+from backends.common.model import fp8
 from backends.common.model.batch import ForwardBatch
 from backends.common.model.kv_store import KVStore
 
@@ -61,7 +62,7 @@ class LlamaModel:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def _linear(self, x, name):
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return fp8.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def attention(self, q: torch.Tensor, kv: KVStore, layer: int, batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D] -> [T, H * D]. Causal over each sequence's context read from the pool by slot."""
