@@ -115,6 +115,30 @@ def test_recovery_by_prefill_under_a_new_epoch_is_exact(serve, expected):
     released(s)
 
 
+def test_fp8_weights_pause_and_recover_exactly(tmp_path):
+    """The same model with fine-grained FP8 projections (converted at load): answers paused and recovered through
+    host memory and through prefill under new epochs equal the offline engine's token for token."""
+    model = MODEL + "-fp8"
+    engine = Engine(model, dtype="float32", device="cpu", kv_tokens=4096)
+    want = [
+        o.output_ids
+        for o in engine.generate([prompt(i) for i in range(4)], [SamplingParams(**params(i)) for i in range(4)])
+    ]
+    host = {"host_kv_tokens": 2048, "fault_injection": "stale"}
+    prefill = {"rotation_quantum": 0, "host_kv_tokens": 0, "fault_injection": "stale,drop_paused_kv"}
+    for decode in (host, prefill):
+        s = Server(tmp_path, model, decode={"kv_tokens": 96, "max_batch": 4, **decode})
+        try:
+            assert s.decode.runner.quantization == "fp8"
+            answers = run_all(s)
+            assert [a.ids for a in answers] == want
+            path = "host" if decode["host_kv_tokens"] else "prefill"
+            assert s.decode.sched.num_recoveries[path] > 0
+            released(s)
+        finally:
+            s.close()
+
+
 def test_cancel_while_paused_frees_everything_and_the_rest_complete(serve, expected):
     s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0, "host_kv_tokens": 0})
     answers = [generate(s, prompt(i), **params(i)) for i in range(3)]

@@ -1,5 +1,5 @@
-"""Speculative decoding served end to end, through pauses and recoveries: with the MTP head of a hybrid model and
-with draft-free prompt lookup on a dense model, every stream equals the offline engine's
+"""Speculative decoding served end to end, through pauses and recoveries: with the MTP head of a hybrid model (16-bit
+and FP8 weights) and with draft-free prompt lookup on a dense model, every stream equals the offline engine's
 non-speculative answer token for token (greedy and seeded), drafts are verified, and nothing is held afterwards.
 Kept drafts on a hybrid model (the state carried past the draft) are tested in tests/hybrid/test_speculative.py with
 drafts that are right by construction: random hybrid weights never repeat themselves, so no drafter guesses them."""
@@ -39,7 +39,8 @@ def run_streams(server) -> list:
     [
         # random weights: the MTP head's drafts are all wrong, so every step rolls K/V and state back
         ("random:tiny-hybrid", "mtp", ["--fault-injection", "stale"]),
-        ("random:tiny-hybrid", "mtp", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
+        # FP8 projections (experts and MTP head included), recovered through prefill under new epochs
+        ("random:tiny-hybrid-fp8", "mtp", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
         # the tiny dense model's greedy answers fall into loops, which prompt lookup drafts right
         ("random:tiny-test", "ngram", ["--host-kv-tokens", "0"]),
     ],
@@ -62,7 +63,7 @@ def test_speculative_streams_through_pauses_equal_plain_decoding(model, mode, ex
         if "stale,drop_paused_kv" in extra:  # recoveries through prefill, K/V and state under a new epoch
             assert s.metric("pd_recoveries_total", path="prefill") > 0
         s.assert_released(timeout=10)
-        if model.endswith("hybrid"):
+        if "hybrid" in model:
             assert s.wait_metric("pd_state_pages_used", lambda v: v == 0) == 0
     finally:
         s.stop()

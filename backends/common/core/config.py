@@ -26,6 +26,31 @@ class _Keys(dict):
         raise ValueError(f"config.json of model_type {self.model_type!r} has no {key!r}")
 
 
+def _quantization_block(qc: dict | None) -> tuple[int, int] | None:
+    """The weight block of a config.json's `quantization_config` (None: none): fine-grained FP8 with dynamic
+    activations only; anything else is a ValueError naming the key (the schemes: backends/common/model/fp8.py)."""
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError("quantization_config: must be an object")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: 'fp8')")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (supported: 'e4m3')")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported (supported: 'dynamic')")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(
+            f"quantization_config.weight_block_size {block!r}: fine-grained FP8 needs [rows, columns] (per-tensor "
+            "FP8 is not supported)"
+        )
+    return block[0], block[1]
+
+
 @dataclass(slots=True)
 class ModelConfig:
     vocab_size: int
@@ -124,9 +149,7 @@ class ModelConfig:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {known})")
         cfg = _Keys(cfg, model_type)
         out = cls._from_qwen3_next(cfg) if model_type in HYBRID_TYPES else cls._from_llama(cfg)
-        from backends.common.model.fp8 import parse_config  # a QuantError is a ValueError naming the key
-
-        block = parse_config(cfg.get("quantization_config"))
+        block = _quantization_block(cfg.get("quantization_config"))
         if block is not None:
             out.quantization, out.quant_block = "fp8", list(block)
         return out

@@ -103,8 +103,14 @@ class ModelRunner:
         self.source = loader.resolve(model_spec)
         self.cfg = loader.load_config(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
-        weights = loader.load_weights(self.source, self.dtype, self.device, self.cfg, quantization)
         self.quantization = quantization or self.cfg.quantization
+        if self.quantization and self.device.type == "cpu" and self.dtype == torch.float32:
+            # FP8 on the CPU computes in float64: quantizing activations turns the last-bit differences of a sum
+            # that depends on the batch into whole e4m3 steps, and a paused answer recomputed or continued in
+            # another batch would then differ from the unpaused one at a near tie (float32 crossed a step about
+            # once in a few hundred tokens of the tiny test models; float64's differences practically never do)
+            self.dtype = torch.float64
+        weights = loader.load_weights(self.source, self.dtype, self.device, self.cfg, quantization)
         if self.quantization and deterministic and pick_backend(backend, self.device) == "triton":
             raise loader.ModelError(
                 f"{model_spec}: deterministic mode covers 16-bit and float32 weights; FP8 weights are not covered"

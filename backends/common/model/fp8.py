@@ -146,12 +146,20 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
 
 
 def w8a8(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x [T, K] times an FP8 weight [N, K] in the W8A8 scheme, float32 [T, N]: the dequantized quantized
-    activations times the dequantized weight."""
+    """x [T, K] times an FP8 weight [N, K] in the W8A8 scheme, float32 [T, N]. Each column block's dot product of
+    e4m3 values is computed in float64, where it is exact (a product of two e4m3 values has 8 significant bits,
+    and 128 of them sum within 53), then scaled and summed over the blocks in order: a row's result does not
+    depend on the other rows of the batch or on the BLAS build. The quantization would turn the last-bit
+    differences of a batch-dependent sum into whole e4m3 steps, and served answers paused and recomputed in
+    other batches would then differ from the unpaused ones."""
     qx, sx = quantize_activations(x.reshape(-1, x.shape[-1]), w.group)
-    K = x.shape[-1]
-    xd = qx.float() * sx.repeat_interleave(w.group, dim=-1)[:, :K]
-    return xd @ w.dequantize().t()
+    K, g = x.shape[-1], w.group
+    y = torch.zeros(qx.shape[0], w.q.shape[0], dtype=torch.float64, device=x.device)
+    for b in range(w.scale.shape[-1]):
+        cols = slice(b * g, min(K, (b + 1) * g))
+        dots = qx[:, cols].double() @ w.q[:, cols].double().t()
+        y += dots * sx[:, b, None].double() * w.scale[None, :, b].double()
+    return y.float()
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
@@ -246,28 +254,3 @@ def quantize_weights(weights: dict, block: tuple[int, int] = BLOCK) -> int:
             weights[name] = quantize(w, block)
             n += 1
     return n
-
-
-def parse_config(qc: dict | None) -> tuple[int, int] | None:
-    """The weight block of a config.json's `quantization_config` (None: none): fine-grained FP8 with dynamic
-    activations only; anything else is a QuantError naming the key."""
-    if not qc:
-        return None
-    if not isinstance(qc, dict):
-        raise QuantError("quantization_config: must be an object")
-    method = qc.get("quant_method")
-    if method != "fp8":
-        raise QuantError(f"quantization_config.quant_method {method!r} is not supported (supported: 'fp8')")
-    fmt = qc.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise QuantError(f"quantization_config.fmt {fmt!r} is not supported (supported: 'e4m3')")
-    scheme = qc.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise QuantError(f"quantization_config.activation_scheme {scheme!r} is not supported (supported: 'dynamic')")
-    block = qc.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise QuantError(
-            f"quantization_config.weight_block_size {block!r}: fine-grained FP8 needs [rows, columns] (per-tensor "
-            "FP8 is not supported)"
-        )
-    return block[0], block[1]

@@ -13,7 +13,7 @@ import torch
 
 from backends.common.model.kv_store import KVStore, SharedFile, tensor_on
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
 def export_handle(store: KVStore, instance_id: str, generation: int = 0) -> str:
