@@ -16,8 +16,10 @@ from backends.common.model.kv_store import KVStore  # noqa: E402
 from backends.common.model.model import LlamaModel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ACC = 1e-3 if DEVICE == "cuda" else 1e-5  # relative to the largest output
 
 
+# rows up to kernels.fp8.FUSE_ROWS quantize x inside the GEMM; more rows go through _quant_kernel first
 @pytest.mark.parametrize("M,N,K,group", [(1, 96, 256, 128), (5, 150, 200, 32), (40, 64, 128, 64), (130, 48, 96, 32)])
 def test_w8a8_kernel_equals_the_scheme(M, N, K, group):
     from kernels import fp8 as k
@@ -28,8 +30,11 @@ def test_w8a8_kernel_equals_the_scheme(M, N, K, group):
     w = fp8.quantize(torch.randn(N, K, generator=g).to(DEVICE) * 0.05, (32, group))
     ref = fp8.w8a8(x, w)
     out = k.w8a8(x, w.q, w.scale, w.group)
-    # float32 in, float32 out: the same quantized values, summed in another order
-    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    # float32 in, float32 out: the same quantized values, summed in another order (on the GPU the FP8 tensor
+    # cores' own accumulation inside a column block keeps about 14 bits: DeepSeek-V3's report, 3.3.2)
+    assert (out - ref).abs().max().item() <= ACC * ref.abs().max().item()
+    # K in parts (added in part order) and the other activation path (quantized in the GEMM or before it)
+    assert (k.w8a8(x, w.q, w.scale, w.group, splits=3) - ref).abs().max().item() <= ACC * ref.abs().max().item()
     bf = k.w8a8(x.bfloat16(), w.q, w.scale, w.group)
     assert bf.dtype == torch.bfloat16
     assert (bf.float() - fp8.w8a8(x.bfloat16(), w)).abs().max().item() <= 2**-7 * ref.abs().max().item()
