@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .common.core.request import SamplingParams
+from .common.core.request import IMAGE_PLACEHOLDER, SamplingParams
 
 
 class CLIError(Exception):
@@ -104,9 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FILE",
-        help="Qwen3.5 checkpoints: a PNG or JPEG image (repeatable), one per "
-        "<|vision_start|><|image_pad|><|vision_end|> in the prompt, in order; with --chat and none in the prompt, "
-        "the images go before its text",
+        help=f"Qwen3.5 checkpoints: a PNG or JPEG image (repeatable), one per {IMAGE_PLACEHOLDER} in the prompt, "
+        "in order; with --chat and none in the prompt, the images go before its text",
     )
     g.add_argument(
         "--json",

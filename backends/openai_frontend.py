@@ -29,6 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from .common.core.request import IMAGE_PLACEHOLDER
 from .common.serving.wire import MasterRequest
 
 MAX_BODY = 8 << 20  # bytes of a request body
@@ -96,7 +97,6 @@ def sampling(body: dict) -> dict:
     return p
 
 
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # an image's place in a Qwen3.5 prompt
 DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,(.*)", re.DOTALL)
 
 

@@ -22,7 +22,7 @@ from backends.common.model.tokenizer import TemplateError
 from backends.common.serving import triton_io as tio
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.reply_channel import ReplyInbox, socket_path
-from backends.common.serving.wire import DecodeRequest, DecodeResponse
+from backends.common.serving.wire import DecodeRequest, DecodeResponse, get_blobs
 from backends.common.transfer.mailbox import Mailbox
 from backends.common.transfer.remote import DecodeServers, parse_urls
 
@@ -164,7 +164,9 @@ class MasterModel:
         self.tokenizer = load_tokenizer(src)
         model_cfg = load_config(src)
         self.max_context, self.vocab_size = model_cfg.max_position_embeddings, model_cfg.vocab_size
-        self.vision, self.images, self.no_images = self._image_processor(src, cfg)
+        self.images, self.no_images = image_processor_for(
+            src, max_images=cfg.max_images_per_request, max_pixels=cfg.max_image_pixels
+        )
         self.mailbox = Mailbox(mailbox_dir(cfg))
         # decode servers of their own, over gRPC; none: this server's pd_decode
         self.decoders = DecodeServers(parse_urls(cfg.decode_urls, "decode_urls"), DecodeRequest.MODEL,
@@ -202,16 +204,9 @@ class MasterModel:
         self.watchdog = threading.Thread(target=self._watch, name="pd-master-watchdog", daemon=True)
         self.watchdog.start()
 
-    @staticmethod
-    def _image_processor(src, cfg: MasterConfig):
-        """(VisionConfig, ImageProcessor, "") for a model that takes images, else (None, None, why not)."""
-        images, why = image_processor_for(src, max_images=cfg.max_images_per_request, max_pixels=cfg.max_image_pixels)
-        return (images.vc if images else None), images, why
-
     # ---- request parsing ---------------------------------------------------------------------------------
     def parse(self, request) -> ClientRequest:
-        images = tio.input_array(request, "image")
-        images = [] if images is None else [v if isinstance(v, bytes) else str(v).encode() for v in images.reshape(-1)]
+        images = get_blobs(lambda name: tio.input_array(request, name), "image")
         if images and self.images is None:
             raise ParamError("image", f"the model {self.cfg.model} takes no images: {self.no_images}")
         text = tio.input_str(request, "text_input")
@@ -243,7 +238,7 @@ class MasterModel:
         if text is not None:
             try:
                 if images:
-                    ids = image_prompt_ids(self.tokenizer, self.vision, text, len(images), chat)
+                    ids = image_prompt_ids(self.tokenizer, self.images.vc, text, len(images), chat)
                 else:
                     ids = self.tokenizer.encode_chat(text) if chat else self.tokenizer.encode(text)
             except TemplateError as e:  # e.g. a random-weight model: no chat template to apply
@@ -257,8 +252,8 @@ class MasterModel:
         if not ids:
             raise ParamError(field_name, "the prompt is empty")
         mm_info = ""
-        if images:  # decoded and preprocessed here for their grids (the pixels are prefill's to make again)
-            ids, mm = build_multimodal(ids, self.images(images, "image"), self.vision)
+        if images:  # decoded here for their grids and digests; the pixels are prefill's to make
+            ids, mm = build_multimodal(ids, self.images(images, "image", pixels=False), self.images.vc)
             mm_info = mm.info.to_json()
         if len(ids) >= self.max_context:
             raise ParamError(

@@ -100,6 +100,7 @@ class PrefillModel:
         # requests with images: what their first job made of them (the preprocessed images, the tower's rows, the
         # positions), kept under the request's id until decode's release, so a recovery job re-encodes nothing
         self.kept: dict[str, Multimodal] = {}
+        self.kept_bytes = 0  # sum of the kept requests' nbytes (final once kept: the tower's rows are in it)
         self.m_mm_held = m.gauge("pd_mm_requests_held", "Requests with images whose preprocessed images and vision "
                                  "tower outputs prefill keeps for their recoveries")  # fmt: skip
         self.m_mm_bytes = m.gauge("pd_mm_bytes_held", "Bytes of the images and tower outputs prefill keeps")
@@ -198,8 +199,6 @@ class PrefillModel:
             except ParamError as e:
                 job.error = str(e)
                 continue
-            finally:
-                self._count_kept()
             by_req[id(req)] = (req, job)
         cached_before = sched.num_cached_tokens
         try:
@@ -254,15 +253,19 @@ class PrefillModel:
         self.engine.encode_images(mm)
         self.m_mm_encoded.increment(1)
         self.kept[job.rid] = mm
+        self.kept_bytes += mm.nbytes
+        self._count_kept()
         return mm
 
     def _release(self, rid: str) -> None:
-        self.kept.pop(rid, None)
-        self._count_kept()
+        mm = self.kept.pop(rid, None)
+        if mm is not None:
+            self.kept_bytes -= mm.nbytes
+            self._count_kept()
 
     def _count_kept(self) -> None:
         self.m_mm_held.set(len(self.kept))
-        self.m_mm_bytes.set(sum(mm.nbytes for mm in self.kept.values()))
+        self.m_mm_bytes.set(self.kept_bytes)
 
     def _state_row(self, node, job: PrefillJob):
         """The state after all of input_ids: the checkpoint the finished job left at its end."""

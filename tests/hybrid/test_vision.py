@@ -123,6 +123,19 @@ def test_greedy_with_images_equals_transformers(engine, saved, sizes):
     assert out.num_prompt_tokens == inputs["input_ids"].shape[1]
 
 
+def test_grids_without_pixels_equal_the_processors(engine):
+    """Master expands prompts from each image's grid and digest alone (pixels=False: the processor's resize rule,
+    no pixels made); they equal what preprocessing gives, for sizes that resize up, down and to odd aspects."""
+    proc = engine.runner.images
+    sizes = [(56, 56), (224, 224), (300, 97), (97, 300), (640, 480), (1000, 17)]
+    images = [png(w, h, i) for i, (w, h) in enumerate(sizes)]
+    full = [im for x in images for im in proc([x])]
+    quick = [im for x in images for im in proc([x], pixels=False)]
+    assert [im.grid_thw for im in quick] == [im.grid_thw for im in full]
+    assert [im.digest for im in quick] == [im.digest for im in full]
+    assert all(im.pixel_values.numel() == 0 for im in quick) and all(im.pixel_values.numel() for im in full)
+
+
 def test_the_cache_keys_image_tokens_by_content(engine):
     """The same text with image A, then with image B, gives B's own answer (B alone, from an empty cache): every
     image's tokens have the same id, and a cache keyed by ids would give B the K/V and state of A's image. The same

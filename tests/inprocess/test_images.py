@@ -129,7 +129,8 @@ def test_a_recovery_on_a_prefill_that_kept_nothing_rebuilds_from_the_jobs_copy(s
     forgot, kept = [], s.prefill._multimodal
 
     def forgetful(job):
-        if not job.sample and not forgot and s.prefill.kept.pop(job.rid, None) is not None:
+        if not job.sample and not forgot and job.rid in s.prefill.kept:
+            s.prefill._release(job.rid)  # as decode's release does, its byte count with it
             forgot.append(job.rid)
         return kept(job)
 

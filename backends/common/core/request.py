@@ -8,6 +8,8 @@ import math
 import secrets
 from dataclasses import dataclass, field, fields
 
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's place in a Qwen3.5 prompt's text
+
 
 class ParamError(ValueError):
     """Invalid request input; `field` names the offending field."""

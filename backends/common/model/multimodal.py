@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from backends.common.core.request import IMAGE_PLACEHOLDER as PLACEHOLDER
 from backends.common.core.request import ParamError
 from backends.common.model.vision import VisionConfig
 
@@ -97,23 +98,50 @@ class ImageProcessor:
         # the PIL backend: the same pixels on every host (torchvision's may differ, and is not installed here)
         return cls(AutoImageProcessor.from_pretrained(str(folder), backend="pil"), vc, **limits)
 
-    def __call__(self, images: list, field_name: str = "image") -> list[Image]:
-        """Each image (bytes, base64 text or a PIL image) preprocessed; too many is an ImageError."""
+    def __call__(self, images: list, field_name: str = "image", pixels: bool = True) -> list[Image]:
+        """Each image (bytes, base64 text or a PIL image) preprocessed; too many is an ImageError. pixels=False:
+        only each image's grid and digest (what expanding a prompt needs; the pixel rows empty), from the
+        processor's own resize rule where it has one (Qwen2-VL's smart_resize), else from preprocessing it."""
         if len(images) > self.max_images:
             raise ImageError(field_name, f"{len(images)} images; at most {self.max_images} per request")
         out = []
         for i, data in enumerate(images):
             name = f"{field_name}[{i}]"
             im = data if hasattr(data, "convert") else decode_image(data, name, self.max_pixels)
-            digest = hashlib.sha256(im.convert("RGB").tobytes() + repr(im.size).encode()).digest()
+            im = im if im.mode == "RGB" else im.convert("RGB")
+            digest = hashlib.sha256(im.tobytes() + repr(im.size).encode()).digest()
+            grid = None if pixels else self._grid(im.size, name)
+            if grid is not None:
+                out.append(Image(torch.empty(0, self.vc.patch_dim), grid, digest))
+                continue
             res = self.hf(images=[im], return_tensors="pt")
             grid = tuple(int(x) for x in res["image_grid_thw"][0].tolist())
-            pixels = res["pixel_values"].float()
-            if pixels.shape[-1] != self.vc.patch_dim:
-                raise ImageError(name, f"the image processor gives {pixels.shape[-1]} values per patch, the "
+            values = res["pixel_values"].float()
+            if values.shape[-1] != self.vc.patch_dim:
+                raise ImageError(name, f"the image processor gives {values.shape[-1]} values per patch, the "
                                  f"vision tower takes {self.vc.patch_dim}")  # fmt: skip
-            out.append(Image(pixels, grid, digest))
+            out.append(Image(values, grid, digest))
         return out
+
+    def _grid(self, size: tuple[int, int], name: str) -> tuple[int, int, int] | None:
+        """The patch grid the processor gives an image of `size` (width, height), without its pixels: the
+        rule its get_number_of_image_patches follows (vLLM counts placeholders the same way); None for a
+        processor without it."""
+        hf = self.hf
+        if not (hasattr(hf, "get_number_of_image_patches") and hasattr(hf, "merge_size")):
+            return None
+        import importlib
+
+        smart_resize = getattr(importlib.import_module(type(hf).__module__), "smart_resize", None)
+        if smart_resize is None:
+            return None
+        w, h = size
+        try:
+            rh, rw = smart_resize(h, w, hf.patch_size * hf.merge_size, min_pixels=hf.size["shortest_edge"],
+                                  max_pixels=hf.size["longest_edge"])  # fmt: skip
+        except ValueError as e:  # an aspect ratio beyond 200
+            raise ImageError(name, str(e)) from None
+        return 1, rh // hf.patch_size, rw // hf.patch_size
 
 
 def image_processor_for(src, **limits) -> tuple[ImageProcessor | None, str]:
@@ -286,8 +314,8 @@ def build(ids: list[int], images: list[Image], vc: VisionConfig, field_name: str
     becomes one per merged patch of its image. A count that differs from the images' is an ImageError."""
     at = [i for i, t in enumerate(ids) if t == vc.image_token_id]
     if len(at) != len(images):
-        raise ImageError(field_name, f"{len(images)} image(s) but {len(at)} image placeholder(s) "
-                         "(<|vision_start|><|image_pad|><|vision_end|>) in the prompt")  # fmt: skip
+        raise ImageError(field_name, f"{len(images)} image(s) but {len(at)} image placeholder(s) ({PLACEHOLDER}) "
+                         "in the prompt")  # fmt: skip
     out, spans, prev = [], [], 0
     for i, im in zip(at, images):
         out.extend(ids[prev:i])
@@ -299,9 +327,6 @@ def build(ids: list[int], images: list[Image], vc: VisionConfig, field_name: str
     grids = [im.grid_thw for im in images]
     pos, delta = mrope_positions(out, grids, vc)
     return out, Multimodal(images, spans, pos, delta, grids, [im.digest for im in images])
-
-
-PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's place in a prompt's text
 
 
 def prompt_ids(tokenizer, vc: VisionConfig, text: str, images: int, chat: bool) -> list[int]:

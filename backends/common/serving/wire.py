@@ -43,7 +43,7 @@ def _blobs(values: list[bytes]) -> np.ndarray:
     return np.array(list(values), dtype=np.object_)
 
 
-def _get_blobs(get: Getter, name: str) -> list[bytes]:
+def get_blobs(get: Getter, name: str) -> list[bytes]:
     """A BYTES tensor's elements as bytes ([] when absent): images as the client sent them."""
     a = get(name)
     if a is None:
@@ -182,7 +182,7 @@ class DecodeRequest:
         ids = _get_ints(get, "input_ids", required=False) or []
         if not rid or not ids:
             raise ParamError("input_ids", "request_id and input_ids are required")
-        mm_info, images = _get_text(get, "mm_info", ""), _get_blobs(get, "image")
+        mm_info, images = _get_text(get, "mm_info", ""), get_blobs(get, "image")
         if bool(mm_info) != bool(images):
             raise ParamError("mm_info", "a request with images carries mm_info and image together")
         return cls(rid, ids, _get_params(get), reply_to=_get_text(get, "reply_to", ""), mm_info=mm_info,
@@ -302,7 +302,7 @@ class PrefillRequest:
             if not rid:
                 raise ParamError("request_id", "a release names the request it releases")
             return cls.release_of(rid)
-        mm_info, images = _get_text(get, "mm_info", ""), _get_blobs(get, "image")
+        mm_info, images = _get_text(get, "mm_info", ""), get_blobs(get, "image")
         if bool(mm_info) != bool(images):
             raise ParamError("mm_info", "a request with images carries mm_info and image together")
         return cls(
