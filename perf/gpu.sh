@@ -72,7 +72,7 @@ case "$WHAT" in
     step seed 570 bash .bundle/bootstrap.sh python3 perf/scenario.py seed --out /tmp/hybrid_gpu_seed \
       --model random:qwen3.5-9b --serve-args "--device gpu" --policies rotate plain \
       --phases $PHASE --phase-limit 75 --time-limit 540
-    cp /tmp/hybrid_gpu_seed/report.md /tmp/hybrid_gpu_seed/summary.json "$W/" 2>/dev/null
+    cp /tmp/hybrid_gpu_seed/report.md /tmp/hybrid_gpu_seed/summary.json /tmp/hybrid_gpu_seed/server-*.log "$W/" 2>/dev/null
     ;;
   seed-mtp)
     step seed_mtp 570 bash .bundle/bootstrap.sh python3 perf/scenario.py seed --out /tmp/hybrid_gpu_seed_mtp \

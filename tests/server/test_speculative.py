@@ -38,9 +38,9 @@ def run_streams(server) -> list:
     "model,mode,extra",
     [
         # random weights: the MTP head's drafts are all wrong, so every step rolls K/V and state back
-        ("random:tiny-hybrid", "mtp", ["--fault-injection", "stale"]),
-        # FP8 projections (experts and MTP head included), recovered through prefill under new epochs
-        ("random:tiny-hybrid-fp8", "mtp", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
+        # with FP8 projections (MTP head included), paused and recovered from host memory (K/V and state)
+        ("random:tiny-hybrid-fp8", "mtp", ["--fault-injection", "stale"]),
+        ("random:tiny-hybrid", "mtp", ["--rotation-quantum", "0", "--fault-injection", "stale,drop_paused_kv"]),
         # the tiny dense model's greedy answers fall into loops, which prompt lookup drafts right
         ("random:tiny-test", "ngram", ["--host-kv-tokens", "0"]),
     ],
