@@ -5,6 +5,7 @@ ready, metrics read from its Prometheus endpoint, and a stop that leaves nothing
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,6 +53,15 @@ def _sample(text: str, name: str, labels: dict) -> float:
 def _spec(spec: str | tuple[str, dict]) -> tuple[str, dict]:
     """(name, labels) of a metrics spec: a name, or (name, labels)."""
     return spec if isinstance(spec, tuple) else (spec, {})
+
+
+def exit_message(log_text: str, limit: int = 3000) -> str:
+    """What a server that exited printed, within about `limit` characters: Triton's error lines first (glog's
+    `E1207 ...` lines, where a model's failed initialize is reported, far above the config table Triton prints as
+    it stops) and Python errors, then the log's last lines."""
+    errors = [line for line in log_text.splitlines() if re.match(r"E\d{4} ", line) or "Error" in line]
+    head = "\n".join(errors)[-(limit * 2 // 3) :]
+    return (head + "\n...\n" if head else "") + log_text[-(limit - len(head)) :]
 
 
 class ServerProcess:
@@ -105,7 +115,7 @@ class ServerProcess:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise ServerError(f"server exited: {Path(self.log.name).read_text(errors='replace')[-3000:]}")
+                raise ServerError(f"server exited: {exit_message(Path(self.log.name).read_text(errors='replace'))}")
             if self.healthy():
                 return
             time.sleep(0.5)

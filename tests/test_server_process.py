@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.server_process import ServerProcess, SplitDeployment
+from backends.server_process import ServerProcess, SplitDeployment, exit_message
 
 
 class FakeServer:
@@ -79,3 +79,13 @@ def test_the_stubs_embed_this_pythons_own_libpython(monkeypatch, tmp_path):
     assert tritonserver.python_lib_dir() == []
     values.update(LIBDIR=str(tmp_path), INSTSONAME="libpython3.11.a")  # a static build: nothing to put first
     assert tritonserver.python_lib_dir() == []
+
+
+def test_an_exited_servers_message_keeps_tritons_error_lines():
+    """A model's failed initialize is one `E` line far above the config table Triton prints as it stops: the
+    message keeps it, and the log's end."""
+    error = "E1207 13:13:10.1 1085 model_lifecycle.cc:654] failed to load 'pd_decode': ValueError: no room"
+    log = "I1207 loading\n" + error + "\n" + "| a config row |\n" * 500 + "error: creating server: failed\n"
+    msg = exit_message(log)
+    assert error in msg and msg.endswith("error: creating server: failed\n") and len(msg) <= 3100
+    assert exit_message("just the end\n") == "just the end\n"
