@@ -5,7 +5,6 @@ ready, metrics read from its Prometheus endpoint, and a stop that leaves nothing
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -14,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .supervisor import PARENT_ENV, child_pids, python_stubs
+from .supervisor import PARENT_ENV, child_pids, exit_message, python_stubs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,15 +52,6 @@ def _sample(text: str, name: str, labels: dict) -> float:
 def _spec(spec: str | tuple[str, dict]) -> tuple[str, dict]:
     """(name, labels) of a metrics spec: a name, or (name, labels)."""
     return spec if isinstance(spec, tuple) else (spec, {})
-
-
-def exit_message(log_text: str, limit: int = 3000) -> str:
-    """What a server that exited printed, within about `limit` characters: Triton's error lines first (glog's
-    `E1207 ...` lines, where a model's failed initialize is reported, far above the config table Triton prints as
-    it stops) and Python errors, then the log's last lines."""
-    errors = [line for line in log_text.splitlines() if re.match(r"E\d{4} ", line) or "Error" in line]
-    head = "\n".join(errors)[-(limit * 2 // 3) :]
-    return (head + "\n...\n" if head else "") + log_text[-(limit - len(head)) :]
 
 
 class ServerProcess:

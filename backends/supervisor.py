@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,15 @@ from .tritonserver import MODELS
 
 # A dead prefill instance fails its jobs at once (decode reports them), so the server keeps serving without it.
 WATCHED = ("pd_master", "pd_decode")
+
+
+def exit_message(log_text: str, limit: int = 3000) -> str:
+    """What a server that exited printed, within about `limit` characters: Triton's error lines first (glog's
+    `E1207 ...` lines, where a model's failed initialize is reported, far above the config table Triton prints as
+    it stops) and Python errors, then the log's last lines."""
+    errors = [line for line in log_text.splitlines() if re.match(r"E\d{4} ", line) or "Error" in line]
+    head = "\n".join(errors)[-(limit * 2 // 3) :]
+    return (head + "\n...\n" if head else "") + log_text[-(limit - len(head)) :]
 
 
 class Supervisor:
@@ -52,10 +62,9 @@ class Supervisor:
         while not self.stopping:
             self._scan()  # each stub as soon as it runs: one may die before the launcher sees the server ready
             if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
                 raise SystemExit(
-                    "triton-pd: error: tritonserver exited with status "
-                    f"{self.proc.returncode} before it was ready; last log lines:\n" + "\n".join(tail)
+                    f"triton-pd: error: tritonserver exited with status {self.proc.returncode} before it was ready:\n"
+                    + exit_message(self.log_path.read_text(errors="replace"))
                 )
             for m in self.models:
                 if m not in shown and _ok(f"{url}/v2/models/{m}/ready"):

@@ -11,3 +11,13 @@ def available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def sm_count(device, cpu: int = 1) -> int:
+    """The multiprocessors of a CUDA `device` (a torch.device); `cpu` for any other device (the interpreter, whose
+    callers pick how many programs stand for a GPU's)."""
+    import torch
+
+    if device.type != "cuda":
+        return cpu
+    return torch.cuda.get_device_properties(device).multi_processor_count

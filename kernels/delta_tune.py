@@ -10,7 +10,7 @@ import json
 import torch
 import triton
 
-from kernels import delta_rule, linear
+from kernels import delta_rule, linear, sm_count
 
 # `tune_step`'s candidates (value dims per block, the second block read with the first), from `perf/kernels.py
 # hybrid-steps` on an H200 (perf/results/preload_h200/): 4 warps won everywhere, blocks of 16 value dims nowhere; a
@@ -110,7 +110,7 @@ def tune_step(shape: tuple[int, int, int, int, int, int], rows: int, layers: int
         return delta_rule.gated_delta_step(mixed, proj, a_log, dt_bias, norm_w, ssms[j], pages, HK, 1e-6, out=out,
                                            preload=preload, counters=counters, **s)  # fmt: skip
 
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
+    sms = sm_count(dev)
     plain = step_candidates(rows, HV, DV, sms)
     fused = conv_candidates(plain)
     if cached is not None:

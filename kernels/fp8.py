@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import sm_count
+
 FP8_MAX = tl.constexpr(448.0)
 EPS = tl.constexpr(1e-10)
 RTNE = tl.constexpr(8388608.0)  # 2^23: t + 2^23 - 2^23 rounds t in [0, 2^22) to the nearest integer, ties to even
@@ -119,10 +121,6 @@ def tiles(M: int, N: int) -> tuple[int, int, int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def parts(tiles_: int, KB: int, sms: int) -> int:
     """K parts for a launch of `tiles_` output tiles over KB column blocks: enough programs for two per SM, at
     least two column blocks per part."""
@@ -160,7 +158,7 @@ def w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, out:
         qbm = 32 if x.device.type == "cuda" else 128
         _quant_kernel[(triton.cdiv(M, qbm), KB)](x, xa, xs, M, K, KB, x.stride(0), BM=qbm, BK=group, num_warps=4)
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    n_parts = parts(n_tiles, KB, _sms(x.device)) if splits is None else max(1, min(splits, KB))
+    n_parts = parts(n_tiles, KB, sm_count(x.device)) if splits is None else max(1, min(splits, KB))
     per = triton.cdiv(KB, n_parts)
     n_parts = triton.cdiv(KB, per)
     y = out if n_parts == 1 else torch.empty(n_parts, M, N, dtype=torch.float32, device=x.device)
@@ -169,5 +167,8 @@ def w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, out:
                                      BK=group, GROUP_M=8, FUSED=fused, PARTIAL=n_parts > 1, num_warps=warps,
                                      num_stages=stages)  # fmt: skip
     if n_parts > 1:
-        torch.sum(y, 0, out=out) if out.dtype == torch.float32 else out.copy_(y.sum(0))
+        if out.dtype == torch.float32:
+            torch.sum(y, 0, out=out)
+        else:
+            out.copy_(y.sum(0))
     return out

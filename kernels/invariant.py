@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import sm_count
 from kernels.pdl import enter, launch
 
 SEG_KV = 256  # key positions per attention segment
@@ -154,7 +155,7 @@ def _linear_tma(x, w, bias, out, st, bk) -> torch.Tensor:
     N = w.shape[0]
     bm, bn = st["bm"], st["bn"]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    programs = min(tiles, _num_sms(x.device))
+    programs = min(tiles, sm_count(x.device, cpu=4))  # the interpreter: a few programs, each walking several tiles
     _linear_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]), bias if bias is not None else w, M, N, K,
@@ -162,12 +163,6 @@ def _linear_tma(x, w, bias, out, st, bk) -> torch.Tensor:
         HAS_BIAS=bias is not None, num_warps=st["warps"], num_stages=st["stages"], **launch(x),
     )  # fmt: skip
     return out
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, each walking several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,

@@ -40,8 +40,9 @@ step() {  # name, wall limit (s), command...
   echo "   exit $?"
   grep -v "graph of [0-9]*, " "$W/$name.log" | tail -n 30
 }
-pack() {  # the reports beside the archive of everything
+pack() {  # the reports beside the archive of everything, Triton's own logs of the servers started included
   cp "$W"/*.md "$OUT/" 2>/dev/null
+  for f in .run/*/tritonserver.log; do [ -f "$f" ] && cp "$f" "$W/tritonserver-$(basename "$(dirname "$f")").log"; done
   rm -f "$W"/*.lock
   tar -czf "$OUT/files.tgz" -C "$W" . && rm -rf "$W"
 }

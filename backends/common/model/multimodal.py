@@ -89,6 +89,13 @@ class ImageProcessor:
     def __init__(self, hf, vc: VisionConfig, max_images: int = MAX_IMAGES_PER_REQUEST,
                  max_pixels: int = MAX_IMAGE_PIXELS):  # fmt: skip
         self.hf, self.vc, self.max_images, self.max_pixels = hf, vc, max_images, max_pixels
+        # the processor's own resize rule (Qwen2-VL's smart_resize, which its get_number_of_image_patches follows and
+        # vLLM counts placeholders with), found once: grids without pixels; None for a processor without it
+        self._resize = None
+        if hasattr(hf, "get_number_of_image_patches") and hasattr(hf, "merge_size"):
+            import importlib
+
+            self._resize = getattr(importlib.import_module(type(hf).__module__), "smart_resize", None)
 
     @classmethod
     def from_folder(cls, folder: Path | str, vc: VisionConfig, **limits) -> ImageProcessor:
@@ -124,20 +131,13 @@ class ImageProcessor:
         return out
 
     def _grid(self, size: tuple[int, int], name: str) -> tuple[int, int, int] | None:
-        """The patch grid the processor gives an image of `size` (width, height), without its pixels: the
-        rule its get_number_of_image_patches follows (vLLM counts placeholders the same way); None for a
-        processor without it."""
-        hf = self.hf
-        if not (hasattr(hf, "get_number_of_image_patches") and hasattr(hf, "merge_size")):
+        """The patch grid the processor gives an image of `size` (width, height), without its pixels; None for a
+        processor without its own resize rule."""
+        if self._resize is None:
             return None
-        import importlib
-
-        smart_resize = getattr(importlib.import_module(type(hf).__module__), "smart_resize", None)
-        if smart_resize is None:
-            return None
-        w, h = size
+        hf, (w, h) = self.hf, size
         try:
-            rh, rw = smart_resize(h, w, hf.patch_size * hf.merge_size, min_pixels=hf.size["shortest_edge"],
+            rh, rw = self._resize(h, w, hf.patch_size * hf.merge_size, min_pixels=hf.size["shortest_edge"],
                                   max_pixels=hf.size["longest_edge"])  # fmt: skip
         except ValueError as e:  # an aspect ratio beyond 200
             raise ImageError(name, str(e)) from None
