@@ -2,9 +2,8 @@
 `image` input (base64 PNG), master expanding the prompt, decode carrying the request's image info, prefill
 encoding the images once and keeping them under the request's id until decode says the request ended. Answers
 equal the offline engine's (which equal transformers', tests/hybrid/test_vision.py) unpaused, and through pauses
-recovered by prefill and by host swap-in; every recovery reuses what prefill kept; the gauges are back to 0 after a
-finish, a cancel and a refused request. (Recovery from decode's own cache happened in standalone runs at a 360-token
-pool, but not reliably under a loaded suite, where the answers overlapped too little to pause: no test claims it.)"""
+recovered by prefill, by host swap-in and from decode's own cache; every recovery reuses what prefill kept; the gauges
+are back to 0 after a finish, a cancel and a refused request."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from backends.common.core.request import SamplingParams
+from backends.common.core.request import ReqState, SamplingParams
 from tests.hybrid.conftest import hybrid_folder, make_engine  # noqa: F401 (fixtures)
 from tests.hybrid.test_vision import END, IMAGE, START, _save, png
 from tests.inprocess.fake_triton import Server, generate
@@ -118,6 +117,31 @@ def test_paused_image_requests_recover_exactly(serve, vl_folder, expected, decod
     assert s.metric("pd_mm_recoveries_reused_total") == s.metric("pd_prefill_jobs_total", kind="recovery")
     if path == "prefill":
         assert prefill_recoveries > 0 and s.metric("pd_mm_recoveries_reused_total") > 0
+    assert_nothing_held(s)
+
+
+def test_paused_image_requests_resume_from_decodes_own_cache(serve, vl_folder, expected):
+    """Paused with the pool's room to spare (the scheduler made to pause each request once, 10 tokens in), every
+    request resumes from decode's own cache at once: its image positions are found under their content keys, prefill
+    recomputes nothing, and the answers are exact. (A pool small enough to pause them gives this path only when a
+    resumption comes before the others' growth evicts the paused tail, which a loaded machine's timing decides.)"""
+    s = serve(vl_folder, host_kv_tokens=0)
+    sched, paused = s.decode.sched, set()
+    rotate = sched._rotate
+
+    def pause_each_once(plan):
+        for r in sched.by_state(ReqState.RUNNING):
+            if r.rid not in paused and len(r.output_ids) >= 10:
+                paused.add(r.rid)
+                sched._pause(r, plan)
+        return rotate(plan)
+
+    sched._rotate = pause_each_once
+    assert_exact(run(s), expected)
+    assert len(paused) == 4 and s.metric("pd_pauses_total") == 4
+    own = s.metric("pd_recoveries_total", path="local") + s.metric("pd_recoveries_total", path="recompute")
+    assert own == 4 and s.metric("pd_recoveries_total", path="prefill") == 0
+    assert s.metric("pd_mm_encodes_total") == 4 and s.metric("pd_prefill_jobs_total", kind="recovery") == 0
     assert_nothing_held(s)
 
 
