@@ -256,3 +256,23 @@ def test_random_qwen3_5_shapes_have_the_published_tower(shape):
     tower = VisionTower(small, random_vision_weights(small, torch.float32, "cpu"))
     (rows,) = tower.encode(image.pixel_values, torch.tensor([image.grid_thw]))
     assert rows.shape == (6, 48) and torch.isfinite(rows).all()
+
+
+def test_a_processor_that_cannot_be_imported_leaves_text_served(monkeypatch):
+    """transformers or Pillow missing or too old on the host: the model is served text only, and why is said (the
+    message master refuses images with, and the runner's line at load)."""
+    import builtins
+
+    from backends.common.model.loader import resolve
+    from backends.common.model.multimodal import image_processor_for
+
+    real = builtins.__import__
+
+    def no_pil_backend(name, *args, **kwargs):
+        if name.startswith("transformers.models.qwen2_vl"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pil_backend)
+    proc, why = image_processor_for(resolve("random:qwen3.5-9b"))
+    assert proc is None and "cannot be imported" in why and "ModuleNotFoundError" in why

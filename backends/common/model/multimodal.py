@@ -152,13 +152,16 @@ def image_processor_for(src, **limits) -> tuple[ImageProcessor | None, str]:
     vc = vision_config_of(src)
     if vc is None:
         return None, "it has no vision tower: text only"
-    if src.folder is None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        return ImageProcessor(Qwen2VLImageProcessorPil(**RANDOM_PROCESSOR), vc, **limits), ""
-    if not (Path(src.folder) / "preprocessor_config.json").is_file():
+    if src.folder is not None and not (Path(src.folder) / "preprocessor_config.json").is_file():
         return None, "its folder has a vision tower but no preprocessor_config.json (image processor)"
-    return ImageProcessor.from_folder(src.folder, vc, **limits), ""
+    try:
+        if src.folder is None:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            return ImageProcessor(Qwen2VLImageProcessorPil(**RANDOM_PROCESSOR), vc, **limits), ""
+        return ImageProcessor.from_folder(src.folder, vc, **limits), ""
+    except ImportError as e:  # transformers or Pillow missing or too old where this runs: text is still served
+        return None, f"its image processor cannot be imported here ({type(e).__name__}: {e})"
 
 
 def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], vc: VisionConfig) -> tuple[torch.Tensor, int]:
