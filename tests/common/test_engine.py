@@ -11,9 +11,9 @@ from backends.common.engine.engine import Engine
 from tests.conftest import hf_greedy
 
 PROMPTS = [
-    ("plain", "The history of the Roman Empire"),
     ("chat", "What is the capital of France?"),
-    # one plain and one chat prompt in `make test-fast`; these two in `make test`
+    # one chat prompt in `make test-fast`; these three in `make test`
+    pytest.param("plain", "The history of the Roman Empire", marks=pytest.mark.slow),
     pytest.param("plain", "def fibonacci(n):", marks=pytest.mark.slow),
     pytest.param("chat", "Write a haiku about the sea.", marks=pytest.mark.slow),
 ]
@@ -87,6 +87,7 @@ def _batch_prompts(engine):
     return prompts
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_batched_ragged_shared_prefix_equals_alone(engine):
     prompts = _batch_prompts(engine)
     lens = [5 + 3 * i for i in range(8)]  # ragged output lengths too
@@ -101,6 +102,7 @@ def test_batched_ragged_shared_prefix_equals_alone(engine):
         assert_idle(small)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_chunked_prefill_and_prefix_hit_equal_whole_prefill(engine):
     ids = engine.tokenizer.encode(
         "In the beginning the universe was created. This has made a lot of people "
@@ -122,6 +124,7 @@ def test_chunked_prefill_and_prefix_hit_equal_whole_prefill(engine):
     assert_idle(engine)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_preemption_under_tiny_pool_keeps_tokens(engine):
     """A pool too small for all requests at once: preempted requests recompute and still match the same batch run
     with room for all (which equals each prompt alone: test_batched_ragged_shared_prefix_equals_alone)."""
@@ -137,6 +140,7 @@ def test_preemption_under_tiny_pool_keeps_tokens(engine):
         assert_idle(tiny)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_seeded_sampling_batch_invariant_and_reproducible(engine):
     ids = engine.tokenizer.encode_chat("Tell me a short story about a cat.")
     p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
@@ -222,6 +226,7 @@ class DeferredLaunch:
         return handle
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 @pytest.mark.parametrize("pool", [8192, 100], ids=["roomy", "preempting"])
 def test_overlapped_steps_equal_synchronous(engine, pool):
     """Launching step n+1 before reading step n's tokens changes nothing: same tokens and finish reasons with stop

@@ -133,6 +133,7 @@ def test_state_page_travels_with_the_rows():
         s.close()
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_a_lost_peer_is_replaced_and_cancel_notices_reach_prefill(sink):
     first = sink.expect("a", 0, [0], -1)
     p1, done1 = _spawn([_job(first, [0])], hold=60)

@@ -30,6 +30,7 @@ def _put(path, key):
     TuneCache(path).put(key, dict(PICK, block_n=int(key[1:])), {"cublas": 1.0})
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_writers_merge_their_entries(tmp_path):
     """Two caches that read the file before either wrote keep both entries; so do processes writing at once."""
     path = tmp_path / "tune.json"

@@ -116,6 +116,7 @@ def test_hybrid_host_recoveries_carry_the_state(serve, hybrid_folder, expected):
     assert_released(s)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_qwen3_5_moe_checkpoint_through_host_recoveries_equals_offline(serve, qwen3_5_moe_saved):  # noqa: F811
     """A Qwen3.5 MoE checkpoint in transformers' multimodal layout (tests/hybrid/test_qwen3_5.py: equal to
     transformers offline), through the roles: streams paused and recovered from host memory, greedy and seeded,

@@ -115,6 +115,7 @@ def test_recovery_by_prefill_under_a_new_epoch_is_exact(serve, expected):
     released(s)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_fp8_weights_pause_and_recover_exactly(tmp_path):
     """The same model with fine-grained FP8 projections (converted at load): answers paused and recovered through
     host memory and through prefill under new epochs equal the offline engine's token for token."""

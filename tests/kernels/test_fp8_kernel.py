@@ -50,6 +50,7 @@ def test_w8a8_kernel_refuses_a_block_the_tensor_cores_cannot_take():
     assert fp8.linear(torch.randn(2, 48), w).shape == (2, 16)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_gpu_llama_with_fp8_weights_matches_the_pytorch_model():
     """Prefill, then decode steps replayed in the graphs (off CUDA the same replay path runs eagerly): logits of
     the GPU model with kernels.fp8's products equal the PyTorch model's float32 scheme on the same FP8 weights."""

@@ -85,6 +85,7 @@ def i32(xs):
     return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 @pytest.mark.parametrize("hkv,group,d", [(2, 4, 64)] if not GPU else [(8, 4, 128), (2, 8, 256), (4, 1, 64)])
 def test_attention_decode_equals_prefill_in_any_chunks(hkv, group, d):
     """Position p's output: the whole-prompt prefill's row p = the row p of chunked prefills = the decode step at

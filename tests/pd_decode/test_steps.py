@@ -118,6 +118,7 @@ def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0, **kw)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 @pytest.mark.parametrize("pool", [4096, 40], ids=["roomy", "pausing"])
 def test_overlapped_decode_equals_synchronous(engine, runner, pool):
     tok = engine.tokenizer

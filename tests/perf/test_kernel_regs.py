@@ -28,6 +28,7 @@ def test_candidates_compile_for_sm90_and_report_registers_and_spills(tmp_path):
     assert interpreted.returncode == 2 and "unset it" in interpreted.stderr
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_path):
     """--skinny: skinny_linear's first tensor-core tile compiles for sm_90 plain and with the conv epilogue, each
     with its registers; one row is refused (the tool compiles the tensor-core path)."""
