@@ -9,13 +9,16 @@
 # /tmp/triton-pd-bundle): the bundle's numpy 1.26.4 (the Python backend needs numpy < 2), tritonclient,
 # python-rapidjson and protobuf 4 shadow the host's packages; everything else (torch, triton, transformers, ...)
 # comes from the host's python3 through a .pth file. Later uses reuse it. Then COMMAND runs with the overlay's
-# python3 first on PATH, which is also the python3 Triton's stub takes its packages from.
+# python3 first on PATH, which is also the python3 Triton's stub takes its packages from. The host's SciPy is
+# hidden there (a None entry in sys.modules, which find_spec reports as absent): built for numpy >= 2, it fails
+# under numpy 1.26, and transformers imports it whenever it is installed (its image processors did, in master
+# and prefill, with "module 'numpy' has no attribute 'long'").
 set -euo pipefail
 BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 HOME_DIR="${TRITON_PD_HOME:-/tmp/triton-pd-bundle}"
 ROOT="$(pwd)"
 if [ $# -eq 0 ]; then
-  sed -n '2,11p' "${BASH_SOURCE[0]}"
+  sed -n "2,15p" "${BASH_SOURCE[0]}"
   exit 2
 fi
 HOST_PY="$(command -v python3)"
@@ -36,6 +39,7 @@ if [ ! -f "$SITE/triton_pd_overlay.pth" ]; then
   tar -xJf "$BUNDLE/overlay.tar.xz" -C "$SITE"
   { echo "$HOME_DIR/site"; echo "$HOST_SITE"; } > "$SITE/triton_pd_overlay.pth"
 fi
+echo 'import sys; sys.modules.setdefault("scipy", None)' > "$SITE/triton_pd_hide.pth"
 echo "$ROOT" > "$SITE/triton_pd_project.pth"
 export PATH="$VENV/bin:$PATH"
 exec "$@"
