@@ -247,6 +247,9 @@ class VisionTower:
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
         outs = []
         for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens)):
-            o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
-            outs.append(o.transpose(0, 1).reshape(qi.shape[0], -1))
+            # [1, heads, n, d]: torch's flash and memory-efficient kernels take 4-D inputs only; 3-D ones ran the
+            # math path (the n x n scores in memory), 5.8x transformers' time on a 1,344-pixel image on an H100
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
+            o = F.scaled_dot_product_attention(qi, ki, vi)[0]
+            outs.append(o.transpose(0, 1).reshape(o.shape[1], -1))
         return self._linear(torch.cat(outs), name + ".proj")
