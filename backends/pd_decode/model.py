@@ -64,6 +64,7 @@ class DecodeModel:
             cfg.model, cfg.dtype, device, kv_tokens, kv_shm_name=shm, max_batch=cfg.max_batch,
             state_pages=cfg.state_pages or None, state_shm_name=shm and shm + "_state",
             deterministic=cfg.deterministic == "on", quantization=cfg.quantization,
+            memory_fraction=cfg.kv_memory_fraction,
         )  # fmt: skip
         state = self.runner.state
         self.mailbox = Mailbox(mailbox_dir(cfg))

@@ -130,8 +130,8 @@ QUANTIZATION = (
 )
 STATE_PAGES = (
     "hybrid (linear-attention) models: state pages per prefill and decode instance, one per running request plus "
-    "the prefix cache's state checkpoints. Default: 2 x --max-batch + 8 (decode) and 2 x 64 + 8 (prefill); ignored "
-    "for dense models"
+    "the prefix cache's state checkpoints. Default: 2 x --max-batch + 8 (decode; on a GPU at most what fits "
+    "--kv-memory-fraction beside its weights and KV pool) and 2 x 64 + 8 (prefill); ignored for dense models"
 )
 
 
@@ -151,7 +151,10 @@ class DecodeConfig(RoleConfig):
         minimum=0, flag_default=None,
     )  # fmt: skip
     kv_memory_fraction: float = opt(
-        0.5, "GPU only: fraction of the GPU's memory for one decode instance's KV pool", minimum=0.0
+        0.5,
+        "GPU only: fraction of the GPU's memory for one decode instance's KV pool (hybrid models: and its state "
+        "pages, whose default is cut so that the instance's weights, KV pool and state pages stay within it)",
+        minimum=0.0,
     )
     max_batch: int = opt(256, "decode: requests decoded together at most", minimum=1)
     host_kv_tokens: int | None = opt(

@@ -89,6 +89,7 @@ class ModelRunner:
         graph_sizes: tuple[int, ...] = GRAPH_SIZES,
         vision: bool = False,
         quantization: str = "",
+        memory_fraction: float | None = None,
     ):
         """deterministic: batch-invariant kernels on the GPU path (kernels.invariant; dense models only: a hybrid
         model on the GPU path is refused with loader.ModelError). The CPU path is exact without them.
@@ -97,7 +98,10 @@ class ModelRunner:
         vision: also load a multimodal checkpoint's vision tower and image processor (`self.vision`,
         `self.images`; None for a text-only model): the prefill side and the offline engine. Decode never does.
         quantization: "fp8" converts a 16-bit checkpoint's projections to fine-grained FP8 at load (an FP8
-        checkpoint or a random `-fp8` shape is FP8 without it): backends/common/model/fp8.py."""
+        checkpoint or a random `-fp8` shape is FP8 without it): backends/common/model/fp8.py.
+        memory_fraction (a CUDA device, a hybrid model, state_pages not given): the state pages are cut so that this
+        process's weights, KV pool and state pages stay within this fraction of the GPU's memory
+        (`sizing.state_pages_within`); decode passes its --kv-memory-fraction."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
@@ -128,7 +132,7 @@ class ModelRunner:
                     "covered yet on the GPU"
                 )
             self._init_hybrid(weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages,
-                              state_shm_name, graph_sizes)  # fmt: skip
+                              state_shm_name, graph_sizes, memory_fraction)  # fmt: skip
             return
         self.backend = pick_backend(backend, self.device)
         # the GPU path keeps one extra slot that padded graph rows read and write
@@ -164,7 +168,7 @@ class ModelRunner:
         return VisionTower.load(self.source.folder, self.dtype, self.device), images
 
     def _init_hybrid(self, weights, kv_tokens, kv_shm_name, backend, max_batch, cuda_graphs, state_pages,
-                     state_shm_name, graph_sizes):  # fmt: skip
+                     state_shm_name, graph_sizes, memory_fraction=None):  # fmt: skip
         """A hybrid model: K/V for its full-attention layers (and the MTP head's), a state page per running
         request and per cache checkpoint. The gated delta rule runs in the Triton kernels where the backend would
         pick Triton (a CUDA device with triton, or `triton` with TRITON_INTERPRET=1 on the CPU); there decode
@@ -185,6 +189,17 @@ class ModelRunner:
         )  # fmt: skip
         self.num_slots = kv_tokens
         self.num_state_pages = state_pages or default_state_pages(max_batch)
+        if not state_pages and memory_fraction and self.device.type == "cuda":
+            from backends.common.engine.sizing import state_pages_within
+
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(memory_fraction * total) - torch.cuda.memory_allocated(self.device)  # less weights and KV
+            pages = state_pages_within(self.num_state_pages, budget, 4 * self.cfg.state_floats_per_page(), max_batch)
+            if pages < self.num_state_pages:
+                print(f"[triton-pd] {self.source.spec}: {pages} state pages, not {self.num_state_pages}: the weights, "
+                      f"KV pool and state pages within {memory_fraction:g} of the GPU's memory "
+                      "(--state-pages sets them)", file=sys.stderr)  # fmt: skip
+                self.num_state_pages = pages
         # the pages the scheduler hands out, then one scratch page per batch row for speculative steps' rollback
         # (and the graph rows' padding page)
         scratch = self.num_state_pages + max_batch
