@@ -276,3 +276,23 @@ def test_a_processor_that_cannot_be_imported_leaves_text_served(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pil_backend)
     proc, why = image_processor_for(resolve("random:qwen3.5-9b"))
     assert proc is None and "cannot be imported" in why and "ModuleNotFoundError" in why
+
+
+def test_the_tower_keeps_each_grids_layout_and_gives_the_same_rows():
+    """The second encode of the same image sizes reuses the first's position taps and rotary tables: same rows."""
+    from dataclasses import replace
+
+    from backends.common.model.loader import resolve
+    from backends.common.model.vision import VisionTower, random_vision_weights, vision_config_of
+
+    vc = replace(vision_config_of(resolve("random:qwen3.5-9b")), depth=1, hidden_size=32, intermediate_size=64,
+                 num_heads=2, out_hidden_size=48)  # fmt: skip
+    tower = VisionTower(vc, random_vision_weights(vc, torch.float32, "cpu"))
+    grid = torch.tensor([[1, 6, 4], [1, 4, 4]])
+    x = torch.randn(int(grid.prod(-1).sum()), vc.patch_dim)
+    first = tower.encode(x, grid)
+    assert list(tower._layouts) == [((1, 6, 4), (1, 4, 4))]
+    again = tower.encode(x, grid)
+    assert len(tower._layouts) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    (alone,) = tower.encode(x[:24], grid[:1])  # another key; the first image's rows do not depend on the second's
+    assert len(tower._layouts) == 2 and torch.allclose(alone, first[0], atol=1e-5)

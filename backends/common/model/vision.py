@@ -180,6 +180,7 @@ class VisionTower:
             vc.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=self.device) / half)
         )
         self.act = _act(vc.hidden_act)
+        self._layouts: dict[tuple, tuple] = {}  # grids -> their taps, weights and rotary cos/sin, on the device
 
     @classmethod
     def load(cls, folder, dtype: torch.dtype, device) -> VisionTower | None:
@@ -213,6 +214,23 @@ class VisionTower:
         )
         return idx, wts, get_vision_position_ids(grid_thw, m)
 
+    def _device_layout(self, grid_thw: torch.Tensor):
+        """`_layout` on the device with the rotary cos/sin [N, 1, head_dim], kept per grids (the same image sizes
+        come back: a request's recovery, a client's fixed resolution) so an encode computes them once; at most 64
+        kept."""
+        key = tuple(map(tuple, grid_thw.tolist()))
+        hit = self._layouts.get(key)
+        if hit is not None:
+            return hit
+        idx, wts, pos = self._layout(grid_thw)
+        freqs = pos.to(self.device).float()[..., None] * self.inv_freq  # [N, 2, head_dim / 4]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None], torch.cat([freqs.sin()] * 2, -1)[:, None]
+        if len(self._layouts) >= 64:
+            self._layouts.pop(next(iter(self._layouts)))
+        hit = self._layouts[key] = (idx.to(self.device), wts.to(self.device), cos, sin)
+        return hit
+
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """Each image's merged tokens [tokens(grid), out_hidden_size] in the tower's dtype. pixel_values: the
@@ -223,12 +241,9 @@ class VisionTower:
         if x.dim() != 2 or x.shape[1] != vc.patch_dim or x.shape[0] != int(grid_thw.prod(-1).sum()):
             raise ValueError(f"pixel_values {tuple(x.shape)} do not match image_grid_thw {grid_thw.tolist()}")
         h = F.linear(x, self.patch_w, self.w["patch_embed.proj.bias"])
-        idx, wts, pos = self._layout(grid_thw)
+        idx, wts, cos, sin = self._device_layout(grid_thw)
         table = self.w["pos_embed.weight"]
-        h = h + (table[idx.to(self.device)] * wts.to(self.device)[:, :, None]).sum(1).to(h.dtype)  # float32 taps
-        freqs = pos.to(self.device).float()[..., None] * self.inv_freq  # [N, 2, head_dim / 4]
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None], torch.cat([freqs.sin()] * 2, -1)[:, None]
+        h = h + (table[idx] * wts[:, :, None]).sum(1).to(h.dtype)  # float32 taps
         lens = grid_thw.prod(-1).tolist()
         for i in range(vc.depth):
             p = f"blocks.{i}."
