@@ -4,8 +4,7 @@ where the weights leave too little (the H100's case for Qwen3.5-9B), never none.
 from __future__ import annotations
 
 from backends.common.core.config import SHAPES
-from backends.common.engine.runner import default_state_pages
-from backends.common.engine.sizing import state_pages_within
+from backends.common.engine.runner import default_state_pages, state_pages_within
 
 GIB = 1 << 30
 

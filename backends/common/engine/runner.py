@@ -72,6 +72,16 @@ def default_state_pages(max_batch: int) -> int:
     return 2 * max_batch + 8
 
 
+def state_pages_within(pages: int, budget: int, page_bytes: int, max_batch: int, floor: int = 16) -> int:
+    """A hybrid model's default state pages on a GPU, cut to what `budget` bytes hold beside the scratch page each
+    batch row keeps (and the graphs' padding page): the full-batch default of 2 x max_batch + 8 pages of
+    Qwen3.5-9B's 49 MiB is 38 GiB with its scratch, more than an 80 GB card has left once both roles' weights are
+    loaded. At least `floor` (or `pages`, if fewer) whatever the budget: fewer pages only run fewer requests at
+    once, no page at all runs none."""
+    fit = max(0, budget) // max(1, page_bytes) - max_batch - 1
+    return min(pages, max(fit, floor))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -101,7 +111,7 @@ class ModelRunner:
         checkpoint or a random `-fp8` shape is FP8 without it): backends/common/model/fp8.py.
         memory_fraction (a CUDA device, a hybrid model, state_pages not given): the state pages are cut so that this
         process's weights, KV pool and state pages stay within this fraction of the GPU's memory
-        (`sizing.state_pages_within`); decode passes its --kv-memory-fraction."""
+        (`state_pages_within`); decode passes its --kv-memory-fraction."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
@@ -190,8 +200,6 @@ class ModelRunner:
         self.num_slots = kv_tokens
         self.num_state_pages = state_pages or default_state_pages(max_batch)
         if not state_pages and memory_fraction and self.device.type == "cuda":
-            from backends.common.engine.sizing import state_pages_within
-
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = int(memory_fraction * total) - torch.cuda.memory_allocated(self.device)  # less weights and KV
             pages = state_pages_within(self.num_state_pages, budget, 4 * self.cfg.state_floats_per_page(), max_batch)

@@ -40,16 +40,6 @@ def state_bytes(cfg, state_pages: int, max_batch: int) -> int:
     )
 
 
-def state_pages_within(pages: int, budget: int, page_bytes: int, max_batch: int, floor: int = 16) -> int:
-    """A hybrid model's default state pages on a GPU, cut to what `budget` bytes hold beside the scratch page each
-    batch row keeps (and the graphs' padding page): the full-batch default of 2 x max_batch + 8 pages of
-    Qwen3.5-9B's 49 MiB is 38 GiB with its scratch, more than an 80 GB card has left once both roles' weights are
-    loaded. At least `floor` (or `pages`, if fewer) whatever the budget: fewer pages only run fewer requests at
-    once, no page at all runs none."""
-    fit = max(0, budget) // max(1, page_bytes) - max_batch - 1
-    return min(pages, max(fit, floor))
-
-
 def default_host_pages(max_batch: int) -> int:
     """Host state pages of a hybrid model's host tier: one per host copy, as many as a full decode batch (at most
     64: 4.7 GiB pinned for Qwen3-Next-80B's 75 MiB pages). A pause that finds none free reclaims the copy of a
