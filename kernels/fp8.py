@@ -21,8 +21,6 @@ that round up into the next power of two."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -120,7 +118,6 @@ def tiles(M: int, N: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-@functools.lru_cache(maxsize=8)
 def parts(tiles_: int, KB: int, sms: int) -> int:
     """K parts for a launch of `tiles_` output tiles over KB column blocks: enough programs for two per SM, at
     least two column blocks per part."""
