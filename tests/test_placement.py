@@ -85,7 +85,7 @@ def test_host_tier_is_on_by_default_for_hybrid_models_with_its_state_pages_count
     monkeypatch.setattr(sizing.os, "sysconf", pages.__getitem__)
     cfg = loader.load_config(loader.resolve("random:qwen3.5-9b"))
     per_token = sizing.kv_bytes_per_token(cfg, "float32")  # the CPU's dtype
-    page_bytes = 4 * cfg.state_floats_per_page()
+    page_bytes = cfg.state_page_bytes()
     roomy = sizing.resolve_decode(DecodeConfig(kv_tokens=8192), cfg, gpu=False, device=0, instances=1)
     assert roomy.host_kv_tokens == 4 * 8192 and cfg.is_hybrid
     big = sizing.resolve_decode(DecodeConfig(kv_tokens=10**6), cfg, gpu=False, device=0, instances=1)

@@ -10,7 +10,7 @@ GIB = 1 << 30
 
 
 def test_state_pages_fit_the_share_left_after_weights_and_kv():
-    page = 4 * SHAPES["qwen3.5-9b"].state_floats_per_page()
+    page = SHAPES["qwen3.5-9b"].state_page_bytes()
     default = default_state_pages(256)
     # an H100 (79.2 GiB): half of it, less 17.4 GiB of bf16 weights and a 0.26 GiB KV pool
     h100 = state_pages_within(default, int(0.5 * 79.2 * GIB) - int(17.7 * GIB), page, 256)

@@ -130,6 +130,10 @@ class ModelConfig:
         )
         return len(self.linear_layers) * per_layer
 
+    def state_page_bytes(self) -> int:
+        """Bytes of one state page (the pages are float32)."""
+        return 4 * self.state_floats_per_page()
+
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """A Hugging Face config.json. The Qwen3.5 checkpoints (`qwen3_5`, `qwen3_5_moe`: a vision tower beside the

@@ -202,7 +202,7 @@ class ModelRunner:
         if not state_pages and memory_fraction and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = int(memory_fraction * total) - torch.cuda.memory_allocated(self.device)  # less weights and KV
-            pages = state_pages_within(self.num_state_pages, budget, 4 * self.cfg.state_floats_per_page(), max_batch)
+            pages = state_pages_within(self.num_state_pages, budget, self.cfg.state_page_bytes(), max_batch)
             if pages < self.num_state_pages:
                 print(f"[triton-pd] {self.source.spec}: {pages} state pages, not {self.num_state_pages}: the weights, "
                       f"KV pool and state pages within {memory_fraction:g} of the GPU's memory "

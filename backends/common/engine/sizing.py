@@ -35,9 +35,7 @@ def state_bytes(cfg, state_pages: int, max_batch: int) -> int:
     """Bytes of a hybrid model's state store on one decode instance: its pages and a scratch page per batch row."""
     from backends.common.engine.runner import default_state_pages
 
-    return (state_pages or default_state_pages(max_batch)) * 4 * cfg.state_floats_per_page() + max_batch * 4 * (
-        cfg.state_floats_per_page()
-    )
+    return ((state_pages or default_state_pages(max_batch)) + max_batch) * cfg.state_page_bytes()
 
 
 def default_host_pages(max_batch: int) -> int:
@@ -49,7 +47,7 @@ def default_host_pages(max_batch: int) -> int:
 
 def host_state_bytes(cfg, max_batch: int) -> int:
     """Bytes of a hybrid model's host state pages on one decode instance."""
-    return default_host_pages(max_batch) * 4 * cfg.state_floats_per_page()
+    return default_host_pages(max_batch) * cfg.state_page_bytes()
 
 
 def kv_tokens_for_gpu(per_token: int, fraction: float, device: int = 0) -> int:
