@@ -84,7 +84,7 @@ def add_deployment_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=EXIT_TIMEOUT_S,
         help="seconds tritonserver's shutdown waits for requests in flight (--exit-timeout-secs; after a master or "
-        "decode stub died, the launcher kills it 10 s after this)",
+        "decode stub died, the launcher kills it 2 s after stopping it)",
     )
     m = p.add_argument_group(
         "multi-server deployments (master, prefill and decode in tritonservers of their own, on one host or several)"

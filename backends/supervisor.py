@@ -19,6 +19,10 @@ from .tritonserver import MODELS
 
 # A dead prefill instance fails its jobs at once (decode reports them), so the server keeps serving without it.
 WATCHED = ("pd_master", "pd_decode")
+# with master's or decode's stub dead nothing in flight can finish, and tritonserver's shutdown would wait out its
+# exit timeout for requests that stub never ends, then hang unloading it: it gets this long after SIGTERM, then
+# SIGKILL (the launcher removes what it leaves)
+DEAD_STUB_GRACE_S = 2.0
 
 
 def exit_message(log_text: str, limit: int = 3000) -> str:
@@ -127,7 +131,7 @@ class Supervisor:
                         flush=True,
                     )
                     signal_group(self.proc, signal.SIGTERM, group=False)
-                    kill_at = time.monotonic() + self.exit_timeout + 10
+                    kill_at = time.monotonic() + DEAD_STUB_GRACE_S
 
     def _blame(self, rc: int) -> None:
         """tritonserver exited on its own: where a watched stub is gone too (checked at once, before the other

@@ -35,12 +35,15 @@ def _clear_earlier_runs():
 
 class Server(ServerProcess):
     """A server for tests: `triton-pd serve` with the given options in .run/test-<name>-<port>; the logs of every
-    server still running go into a failing test's report."""
+    server still running go into a failing test's report. `--exit-timeout 2` unless the options say otherwise: a
+    stop that finds a request still in flight (a stream a test left open) waits 2 s for it, not 20."""
 
     live: list[Server] = []
 
     def __init__(self, *extra: str, env: dict | None = None, name: str = "server"):
         self.name = name
+        if "--exit-timeout" not in extra:
+            extra = (*extra, "--exit-timeout", "2")
         port = free_ports(1)[0]
         super().__init__(
             list(extra), ROOT / ".run" / f"test-{name}-{port}.out", workdir=ROOT / ".run" / f"test-{name}-{port}",

@@ -69,10 +69,10 @@ def test_256_concurrent_streams_with_the_default_stream_limit():
     """256 clients at once under the defaults (--max-batch 256, so --max-streams 256 and a Python backend pool of
     320 threads, where it was 64 streams before): all decode streams open at once, every answer is complete, the
     server stays up, and master lets go of every drained stream without a timed hold. (At 512 streams tritonserver
-    2.51 itself crashed in one of three runs: see sizing.default_max_streams.) On SmolLM2, whose steps are slow
-    enough that every stream is still open when the last one arrives: on random:tiny-test the first answers ended
-    before the last streams opened, and as few as 98 were open at once."""
-    s = Server("--kv-tokens", "16384", name="streams512")
+    2.51 itself crashed in one of three runs: see sizing.default_max_streams.) On random:tiny-test with answers of
+    60 tokens, long enough that every stream is still open when the last one arrives (with 24 tokens the first
+    answers ended before the last streams opened, and 97 were open at once); SmolLM2's steps took twice the time."""
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "16384", name="streams512")
     try:
         peak, stop = [0.0], threading.Event()
 
@@ -94,7 +94,7 @@ def test_256_concurrent_streams_with_the_default_stream_limit():
             StreamClient(
                 s.grpc_url,
                 text=f"Stream {i} of many:",
-                params={"max_tokens": 3 + i % 3, "temperature": 0, "ignore_eos": True},
+                params={"max_tokens": 60 + i % 3, "temperature": 0, "ignore_eos": True},
             )
             for i in range(STREAMS)
         ]
@@ -114,7 +114,7 @@ def test_256_concurrent_streams_with_the_default_stream_limit():
             c.close()
         errors = [r.error for r in results if r.error is not None]
         assert not errors, f"{len(errors)} of {STREAMS} failed, first: {errors[0]}"
-        assert all(len(r.ids) == 3 + i % 3 and r.finish_reason == "length" for i, r in enumerate(results))
+        assert all(len(r.ids) == 60 + i % 3 and r.finish_reason == "length" for i, r in enumerate(results))
         assert peak[0] > 128, f"at most {peak[0]:.0f} decode streams were open at once"  # the old limit was 64
         assert s.proc.poll() is None, "the server stopped"
         s.assert_released(timeout=10.0)

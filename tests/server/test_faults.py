@@ -87,7 +87,7 @@ def test_master_or_decode_stub_death_stops_the_server(role):
     """Triton 2.51 neither restarts a dead stub nor fails what it held: with master or decode gone, every client
     stream through it would hang (measured: no response for 40 s, while new requests failed at once). The launcher
     notices, stops tritonserver and exits non-zero; the open stream ends with an error."""
-    s = Server("--kv-tokens", "1024", "--exit-timeout", "2", name=f"kill-{role}")
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "1024", "--exit-timeout", "2", name=f"kill-{role}")
     try:
         c = StreamClient(s.grpc_url, text=long_prompt(0, 2), params={"max_tokens": 400, "ignore_eos": True})
         assert c.read(until_tokens=2, timeout=60).error is None
