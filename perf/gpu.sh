@@ -7,8 +7,9 @@
 #          random:qwen3-next-layout (with --profile) and random:qwen3.5-9b against their rooflines, tuned on the
 #          measured graph sizes; the device host's python3, no bundle. The kernel tests compile cold on a fresh
 #          machine and their 120 s can run out on an H100: run them as a command of their own where all must run;
-# startup: `perf/startup.py`: a decode instance of random:qwen3.5-9b started cold (no kernel or tuning cache), with
-#          the shipped tuning picks, and warm; the host's python3;
+# startup: `perf/startup.py`: a decode instance of random:qwen3.5-9b started cold (no kernel or tuning cache: its
+#          tuning files, every graph size's picks, go in the archive's cold/ for perf/tune_cache/), then as a fresh
+#          host with those picks (no kernel cache); each start's progress log too; the host's python3;
 # vision:  `perf/engine.py vision`: Qwen3.5's vision tower against transformers' Qwen3_5VisionModel (sdpa, bf16)
 #          at 448 and 1,344 pixels, one and four images; the host's python3;
 # fp8:     `perf/engine.py fp8`: the W8A8 matmul against cuBLAS FP8 (torch._scaled_mm) and bf16, then the decode
@@ -59,8 +60,11 @@ case "$WHAT" in
       --reps 20 --eager-batches --time-limit 170 --out "$W/qwen35.md"
     ;;
   startup)
-    step startup 570 python3 perf/startup.py --model random:qwen3.5-9b --start-limit 175 --out "$W/startup.json"
-    cp "$W/startup.json" "$OUT/" 2>/dev/null
+    step startup_cold 330 python3 perf/startup.py --model random:qwen3.5-9b --starts cold --start-limit 320 \
+      --keep "$W" --out "$W/startup-cold.json"
+    step startup_picks 240 python3 perf/startup.py --model random:qwen3.5-9b --starts picks --picks "$W/cold" \
+      --start-limit 230 --keep "$W" --out "$W/startup-picks.json"
+    cp "$W"/startup-*.json "$OUT/" 2>/dev/null
     ;;
   vision)
     step vision 300 python3 perf/engine.py vision --sizes 448 1344 --images 1 4 --reps 10 --time-limit 280 \

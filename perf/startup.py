@@ -6,13 +6,16 @@ Three starts in fresh processes, each measured against the others in the same ru
     cold    an empty Triton kernel cache and an empty tuning cache (a fresh GPU host: every kernel compiled and
             every projection timed)
     picks   an empty Triton kernel cache, the tuning picks shipped in perf/tune_cache/ (compiled, not timed,
-            where the GPU model has picks there)
+            where the GPU model has picks there), or with `--picks cold` the picks the cold start left
     warm    both caches as `cold` left them (a restart on the same host)
 
     python perf/startup.py --model random:qwen3.5-9b [--kv-tokens 8192] [--max-batch 256] [--out FILE.json]
+                           [--keep DIR]
 
 Each start has a wall-clock bound (--start-limit); a start that runs past it is recorded as such and the run goes
-on. Needs a CUDA GPU (the CPU path captures nothing)."""
+on. Each start's progress lines (stderr: the tuning of each graph size, the capture) go to DIR/startup-NAME.log and
+its tuning files to DIR/NAME/ with --keep: a cold start's files are the picks perf/tune_cache/ takes for that GPU.
+Needs a CUDA GPU (the CPU path captures nothing)."""
 
 from __future__ import annotations
 
@@ -43,19 +46,22 @@ print("STARTUP " + json.dumps({"import_s": t1 - t0, "load_capture_s": t2 - t1, "
 """
 
 
-def start(name: str, model: str, kv: int, batch: int, triton_cache: Path, tune_file: Path, limit: float) -> dict:
+def start(name: str, model: str, kv: int, batch: int, triton_cache: Path, tune_file: Path, limit: float,
+          log: Path) -> dict:  # fmt: skip
+    """One start in a fresh process; its stderr (progress lines) goes to `log`, written as it runs."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(triton_cache), TRITON_PD_TUNE_CACHE=str(tune_file),
                PYTHONUNBUFFERED="1")  # fmt: skip
     t = time.perf_counter()
-    try:
-        p = subprocess.run([sys.executable, "-c", CHILD, model, str(kv), str(batch)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=limit)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"start": name, "error": f"ran past {limit:.0f} s"}
+    with open(log, "w") as err:
+        try:
+            p = subprocess.run([sys.executable, "-c", CHILD, model, str(kv), str(batch)], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=err, text=True, timeout=limit)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"start": name, "error": f"ran past {limit:.0f} s"}
     row = {"start": name, "wall_s": time.perf_counter() - t}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("STARTUP ")]
     if p.returncode != 0 or not lines:
-        return dict(row, error=f"exit {p.returncode}: {p.stderr.strip()[-600:]}")
+        return dict(row, error=f"exit {p.returncode}: {log.read_text(errors='replace').strip()[-600:]}")
     return dict(row, **json.loads(lines[-1][len("STARTUP ") :]))
 
 
@@ -67,9 +73,15 @@ def main(argv=None) -> int:
     ap.add_argument("--starts", nargs="+", default=["cold", "picks", "warm"], choices=["cold", "picks", "warm"])
     ap.add_argument("--start-limit", type=float, default=240, help="seconds one start may take")
     ap.add_argument("--out", default=None, help="JSON rows, rewritten after every start")
+    ap.add_argument("--picks", default=str(ROOT / "perf" / "tune_cache"),
+                    help="folder of the picks start's tuning files (linear-tune.json, delta-tune.json), or 'cold': "
+                    "those the cold start before it left")  # fmt: skip
+    ap.add_argument("--keep", default=None, help="folder for each start's log and tuning files")
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="triton-pd-startup-"))
-    shipped = ROOT / "perf" / "tune_cache" / "linear-tune.json"
+    keep = Path(a.keep) if a.keep else work
+    keep.mkdir(parents=True, exist_ok=True)
+    shipped = (work / "cold" if a.picks == "cold" else Path(a.picks)) / "linear-tune.json"
     rows = []
     for name in a.starts:
         if name == "cold":
@@ -80,9 +92,14 @@ def main(argv=None) -> int:
             cache, tune = work / "picks-triton", work / "picks" / "linear-tune.json"
             tune.parent.mkdir(parents=True, exist_ok=True)
             for f in ("linear-tune.json", "delta-tune.json"):
-                shutil.copy(shipped.with_name(f), tune.with_name(f))
+                if shipped.with_name(f).exists():
+                    shutil.copy(shipped.with_name(f), tune.with_name(f))
         tune.parent.mkdir(parents=True, exist_ok=True)
-        row = start(name, a.model, a.kv_tokens, a.max_batch, cache, tune, a.start_limit)
+        row = start(name, a.model, a.kv_tokens, a.max_batch, cache, tune, a.start_limit, keep / f"startup-{name}.log")
+        if a.keep:  # the tuning files as this start left them (a start past its limit: what it had written)
+            (keep / name).mkdir(exist_ok=True)
+            for f in tune.parent.glob("*-tune.json"):
+                shutil.copy(f, keep / name / f.name)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.out:

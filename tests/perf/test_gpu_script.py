@@ -102,19 +102,21 @@ def test_each_mode_fits_one_device_command():
         assert sum(limits) <= 590, f"{mode}: steps' limits {limits} add up to {sum(limits)} s"
 
 
-def test_the_startup_command_parses_and_needs_a_gpu(monkeypatch, capsys):
-    """startup's `perf/startup.py` command gets past its parser; without a CUDA GPU each start is recorded as an
-    error (the child cannot capture) and the run exits 1 with every row written."""
+def test_the_startup_commands_parse_and_need_a_gpu(monkeypatch, tmp_path):
+    """startup's `perf/startup.py` commands (cold, then picks from cold's files) get past their parser; without a
+    CUDA GPU each start is recorded as an error (the child cannot capture) and the run exits 1 with its row
+    written."""
     import json
     import shlex
 
     from perf import startup
 
-    line = next(ln for ln in SCRIPT.splitlines() if "perf/startup.py" in ln and not ln.lstrip().startswith("#"))
-    args = shlex.split(line.split("perf/startup.py", 1)[1].replace('"$W/', '"/tmp/gpu-sh-'))
+    lines = [ln for ln in SCRIPT.splitlines() if "perf/startup.py" in ln and not ln.lstrip().startswith("#")]
     calls = []
     monkeypatch.setattr(startup, "start", lambda name, *a: calls.append(name) or {"start": name, "error": "no GPU"})
-    assert startup.main(args) == 1
-    assert calls == ["cold", "picks", "warm"]
-    out = json.loads(open("/tmp/gpu-sh-startup.json").read())
-    assert out["model"] == "random:qwen3.5-9b" and [r["start"] for r in out["rows"]] == calls
+    for line in lines:
+        args = shlex.split(line.split("perf/startup.py", 1)[1].replace('"$W', f'"{tmp_path}'))
+        assert startup.main(args) == 1
+        out = json.loads((tmp_path / f"startup-{calls[-1]}.json").read_text())
+        assert out["model"] == "random:qwen3.5-9b" and [r["start"] for r in out["rows"]] == calls[-1:]
+    assert calls == ["cold", "picks"]
