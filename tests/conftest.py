@@ -26,6 +26,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("server"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _interpreter_calls():
+    """In Triton's CPU interpreter, a kernel's calls of its @triton.jit helpers skip re-patching the language
+    modules the launch patched already (tests/interpreter_calls.py): a third of an interpreted model's time."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from tests import interpreter_calls
+
+    restore = interpreter_calls.install()
+    yield
+    restore()
+
+
 @pytest.fixture(scope="module")
 def ordered_dot():
     """For a module whose interpreted kernels are compared bit for bit: Triton's CPU interpreter computes tl.dot

@@ -1,0 +1,65 @@
+"""Fewer repeated patches in Triton's CPU interpreter: the kernel tests' main cost on a CPU.
+
+A kernel launch in the interpreter (`GridExecutor`) swaps triton.language's builtins for interpreted ones, runs the
+grid, then puts them back. Every call of a `@triton.jit` helper from inside a kernel (`InterpretedFunction.__call__`)
+patches the same modules again, walking each with `inspect.getmembers`: about 2 ms a call, a third of an
+interpreted hybrid model's time (cProfile of tests/kernels/test_gpu_hybrid.py, 12.9 of 40 s in `_patch_lang`). While
+a launch is running with a module patched, a helper that sees no other language module finds it patched already, so
+`install` skips its patching then; a helper that sees another (say `triton.language.core` where the kernel saw only
+`triton.language`) is patched as shipped. What the kernels compute is unchanged: the interpreted builtins are the
+same functions either way."""
+
+from __future__ import annotations
+
+import inspect
+
+
+def _langs(fn, tl) -> frozenset:
+    return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+
+def install():
+    """Patch the interpreter (with TRITON_INTERPRET=1); returns the function that puts the shipped code back."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original_patch = interpreter._patch_lang
+    original_call = interpreter.InterpretedFunction.__call__
+    active: list[frozenset] = []  # the modules each running launch patched, innermost last
+
+    class _Scope:  # a launch's patches (GridExecutor restores them when its grid is done)
+        def __init__(self, scope, langs):
+            self.scope, self.langs = scope, langs
+
+        def restore(self):
+            try:
+                self.scope.restore()
+            finally:
+                active.remove(self.langs)
+
+    def patch_lang(fn):  # called by GridExecutor only: the helpers' calls below go to original_patch
+        scope, langs = original_patch(fn), _langs(fn, tl)
+        active.append(langs)
+        return _Scope(scope, langs)
+
+    def call(self, *args, **kwargs):  # InterpretedFunction.__call__ as shipped, less the repeated patching
+        if active and _langs(self.fn, tl) <= active[-1]:
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+        interpreter._patch_lang = original_patch
+        try:
+            return original_call(self, *args, **kwargs)
+        finally:
+            interpreter._patch_lang = patch_lang
+
+    interpreter._patch_lang = patch_lang
+    interpreter.InterpretedFunction.__call__ = call
+
+    def restore() -> None:
+        interpreter._patch_lang = original_patch
+        interpreter.InterpretedFunction.__call__ = original_call
+
+    return restore
