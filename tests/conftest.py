@@ -8,6 +8,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from xdist.scheduler import LoadScopeScheduling  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton's interpreter for the kernel tests that run on the CPU: it must be on before triton is first
@@ -17,19 +18,44 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, torch.get_num_threads()))
 
 
+# the modules whose tests start a tritonserver (marked `server`): one work unit under `make test`'s pytest-xdist
+SERVER_MODULES = ("tests/server/", "tests/test_replay.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """`make test`'s work unit of a test: "server" for the tests of SERVER_MODULES, else the test itself."""
+    return "server" if nodeid.split("::", 1)[0].startswith(SERVER_MODULES) else nodeid
+
+
+class ServerUnit(LoadScopeScheduling):
+    """The tests of SERVER_MODULES as one work unit, run one after another in one worker as in a serial run
+    (module- and session-scoped servers started once) and sent first, as the largest unit; each other test a unit
+    of its own for either worker. xdist's own grouping by `xdist_group` marks renames node ids, which pytest 9.2's
+    structured ids ignore (pytest-xdist issue #1386): the server tests were spread over both workers, and a
+    module's server started again whenever a worker switched modules."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return work_unit(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (`make test`): ServerUnit."""
+    return ServerUnit(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`), every test that starts a tritonserver runs in one worker, one after
-    another (`--dist loadgroup`), as in a serial run, while the other worker takes the in-process tests."""
-    for item in items:
-        if item.get_closest_marker("server"):
-            item.add_marker(pytest.mark.xdist_group("server"))
+    """A test that starts a tritonserver must live in SERVER_MODULES (the scheduler above sees node ids only)."""
+    stray = [i.nodeid for i in items if i.get_closest_marker("server") and work_unit(i.nodeid) != "server"]
+    if stray:
+        raise pytest.UsageError(f"tests marked server outside {SERVER_MODULES} (tests/conftest.py): {stray}")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _interpreter_calls():
     """In Triton's CPU interpreter, a kernel's calls of its @triton.jit helpers skip re-patching the language
-    modules the launch patched already (tests/interpreter_calls.py): a third of an interpreted model's time."""
+    modules the launch patched already (tests/interpreter_calls.py): about a tenth of an interpreted model's time."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
