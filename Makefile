@@ -8,9 +8,12 @@ APT_PACKAGES := libb64-0d libpython3.11
 
 .PHONY: setup test lint serve clean test-fast
 
-# pytest workers of `make test` (pytest-xdist): the tests that start a tritonserver run one after another in one
-# of them (tests/conftest.py), the in-process tests on all of them
-TEST_WORKERS ?= 2
+# pytest workers of `make test` (pytest-xdist): the tests that start a tritonserver run in two units (tests/conftest.py),
+# each one after another in a worker of its own, mostly waiting on their servers; the in-process tests on the third
+# worker and on the others once their unit is done
+TEST_WORKERS ?= 3
+# `make test-fast` (no server tests): one worker per core
+FAST_WORKERS ?= 2
 # extra flags for `make serve`, e.g. make serve SERVE_ARGS="--kv-tokens 2048 --http-port 9000"; it serves this
 # host only (--address 127.0.0.1) unless SERVE_ADDRESS says otherwise (0.0.0.0: every interface)
 SERVE_ARGS ?=
@@ -45,7 +48,7 @@ test: setup
 
 # the edit loop: every in-process test, no tritonserver, on the same workers; `make test` runs them all
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not server and not slow" tests
+	$(PY) -m pytest -q -n $(FAST_WORKERS) -m "not server and not slow" tests
 
 serve: setup
 	$(VENV)/bin/triton-pd serve --address $(SERVE_ADDRESS) $(SERVE_ARGS)

@@ -18,21 +18,30 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, torch.get_num_threads()))
 
 
-# the modules whose tests start a tritonserver (marked `server`): one work unit under `make test`'s pytest-xdist
+# the modules whose tests start a tritonserver (marked `server`): under `make test`'s pytest-xdist, two work units
+# of about 7 minutes each on 2 cores, which run beside each other while a third worker takes the in-process tests;
+# the modules of SERVER_A form one unit, the others the second (the modules that share a session's server, such as
+# test_serving and test_openai, or test_churn and test_fuzz, must stay in one unit, or it starts twice)
 SERVER_MODULES = ("tests/server/", "tests/test_replay.py")
+SERVER_A = ("tests/server/test_faults.py", "tests/server/test_liveness.py", "tests/server/test_multiserver.py",
+            "tests/server/test_repository.py", "tests/test_replay.py")  # fmt: skip
 
 
 def work_unit(nodeid: str) -> str:
-    """`make test`'s work unit of a test: "server" for the tests of SERVER_MODULES, else the test itself."""
-    return "server" if nodeid.split("::", 1)[0].startswith(SERVER_MODULES) else nodeid
+    """`make test`'s work unit of a test: "server-a" or "server-b" for the tests of SERVER_MODULES, else the test
+    itself."""
+    path = nodeid.split("::", 1)[0]
+    if not path.startswith(SERVER_MODULES):
+        return nodeid
+    return "server-a" if path in SERVER_A else "server-b"
 
 
-class ServerUnit(LoadScopeScheduling):
-    """The tests of SERVER_MODULES as one work unit, run one after another in one worker as in a serial run
-    (module- and session-scoped servers started once) and sent first, as the largest unit; each other test a unit
-    of its own for either worker. xdist's own grouping by `xdist_group` marks renames node ids, which pytest 9.2's
-    structured ids ignore (pytest-xdist issue #1386): the server tests were spread over both workers, and a
-    module's server started again whenever a worker switched modules."""
+class ServerUnits(LoadScopeScheduling):
+    """The tests of SERVER_MODULES as two work units, each run one after another in one worker (module- and
+    session-scoped servers started once) and sent first, as the largest units; each other test a unit of its own
+    for any worker. xdist's own grouping by `xdist_group` marks renames node ids, which pytest 9.2's structured ids
+    ignore (pytest-xdist issue #1386): the server tests were spread test by test over the workers, and a module's
+    server started again whenever a worker switched modules."""
 
     def _split_scope(self, nodeid: str) -> str:
         return work_unit(nodeid)
@@ -40,14 +49,14 @@ class ServerUnit(LoadScopeScheduling):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` (`make test`): ServerUnit."""
-    return ServerUnit(config, log) if config.getvalue("dist") == "loadgroup" else None
+    """`--dist loadgroup` (`make test`): ServerUnits."""
+    return ServerUnits(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """A test that starts a tritonserver must live in SERVER_MODULES (the scheduler above sees node ids only)."""
-    stray = [i.nodeid for i in items if i.get_closest_marker("server") and work_unit(i.nodeid) != "server"]
+    stray = [i.nodeid for i in items if i.get_closest_marker("server") and work_unit(i.nodeid) == i.nodeid]
     if stray:
         raise pytest.UsageError(f"tests marked server outside {SERVER_MODULES} (tests/conftest.py): {stray}")
 
