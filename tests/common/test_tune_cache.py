@@ -40,7 +40,9 @@ def test_writers_merge_their_entries(tmp_path):
     b.put("y", None, TIMES)
     entries = json.loads(path.read_text())["entries"]
     assert sorted(entries) == ["x", "y"]
-    ctx = multiprocessing.get_context("spawn")
+    # forked, not spawned: a spawned child imports this module, torch and triton again (about 8 s of CPU each);
+    # what is tested is the lock and the whole-file replace between processes, not a fresh interpreter
+    ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_put, args=(path, f"p{i}")) for i in range(3)]
     for p in procs:
         p.start()
