@@ -61,18 +61,24 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests marked server outside {SERVER_MODULES} (tests/conftest.py): {stray}")
 
 
+def _interpreter_patch(name: str):
+    """A fixture's body: tests/<name>.py's patch of Triton's CPU interpreter (`install`) for the fixture's scope,
+    then the interpreter as shipped again; nothing on a GPU."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import importlib
+
+    restore = importlib.import_module(f"tests.{name}").install()
+    yield
+    restore()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _interpreter_calls():
     """In Triton's CPU interpreter, a kernel's calls of its @triton.jit helpers skip re-patching the language
     modules the launch patched already (tests/interpreter_calls.py): about a tenth of an interpreted model's time."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    from tests import interpreter_calls
-
-    restore = interpreter_calls.install()
-    yield
-    restore()
+    yield from _interpreter_patch("interpreter_calls")
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +86,7 @@ def ordered_dot():
     """For a module whose interpreted kernels are compared bit for bit: Triton's CPU interpreter computes tl.dot
     with a dot whose rounding does not depend on the BLAS build or the CPU (tests/interpreter_dot.py; the host's
     OPENBLAS_* variables are left as they are), for the module's tests, then as shipped again. On a GPU: nothing."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    from tests import interpreter_dot
-
-    restore = interpreter_dot.install()
-    yield
-    restore()
+    yield from _interpreter_patch("interpreter_dot")
 
 
 @pytest.fixture(scope="session")
