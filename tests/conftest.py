@@ -77,7 +77,7 @@ def _interpreter_patch(name: str):
 @pytest.fixture(scope="session", autouse=True)
 def _interpreter_calls():
     """In Triton's CPU interpreter, a kernel's calls of its @triton.jit helpers skip re-patching the language
-    modules the launch patched already (tests/interpreter_calls.py): about a tenth of an interpreted model's time."""
+    modules the launch patched already (tests/interpreter_calls.py): about a quarter of an interpreted model's time."""
     yield from _interpreter_patch("interpreter_calls")
 
 
