@@ -63,14 +63,20 @@ def test_offline_generate_plain_length():
 @pytest.mark.parametrize(
     "args,needle",
     [
+        # two in `make test-fast`, the rest in `make test` (each a CLI process importing torch: about 4 s)
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-        (["--model", "/nonexistent/model.gguf"], "GGUF file not found: /nonexistent/model.gguf"),
-        (["--model", "random:gpt-17"], "unknown random shape 'gpt-17'"),
         (["--max-tokens", "0"], "max_tokens: must be > 0"),
-        (["--top-p", "1.5"], "top_p: must be in (0, 1]"),
-        (["--top-p", "0"], "top_p: must be in (0, 1]"),
-        (["--temperature", "-1"], "temperature: must be a number >= 0"),
-        (["--prompt-file-too-long"], "prompt: has"),
+        *(
+            pytest.param(args, needle, marks=pytest.mark.slow)
+            for args, needle in [
+                (["--model", "/nonexistent/model.gguf"], "GGUF file not found: /nonexistent/model.gguf"),
+                (["--model", "random:gpt-17"], "unknown random shape 'gpt-17'"),
+                (["--top-p", "1.5"], "top_p: must be in (0, 1]"),
+                (["--top-p", "0"], "top_p: must be in (0, 1]"),
+                (["--temperature", "-1"], "temperature: must be a number >= 0"),
+                (["--prompt-file-too-long"], "prompt: has"),
+            ]
+        ),
     ],
 )
 def test_bad_input_one_line_error(args, needle):

@@ -169,6 +169,7 @@ def test_overlapped_decode_equals_synchronous(engine, runner, pool):
     assert (over.kept_beside_paused > 0) == (pool == 40)
 
 
+@pytest.mark.slow  # `make test` only: too long for `make test-fast` (16 s)
 def test_overlap_beside_paused_requests_keeps_rotation_turns(engine, runner):
     """Rotation on a pool that holds about one answer: schedules over an unread step while others are paused
     (the scheduler quiet until a turn falls due) give the same tokens, pauses, turns and recoveries as reading
