@@ -139,6 +139,6 @@ def tiny_server():
     """random:tiny-test, whose steps cost next to nothing, for the tests whose load is on the stubs and the relay
     rather than the model (test_churn's many short streams, test_fuzz's malformed requests): one server for both.
     Each test leaves it idle."""
-    s = Server("--model", "random:tiny-test", "--kv-tokens", "2048", "--exit-timeout", "2", name="tiny")
+    s = Server("--model", "random:tiny-test", "--kv-tokens", "2048", name="tiny")
     yield s
     s.stop()
