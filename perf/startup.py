@@ -90,11 +90,11 @@ def main(argv=None) -> int:
             cache, tune = work / "cold-triton", work / "cold" / "linear-tune.json"
         else:
             cache, tune = work / "picks-triton", work / "picks" / "linear-tune.json"
-            tune.parent.mkdir(parents=True, exist_ok=True)
+        tune.parent.mkdir(parents=True, exist_ok=True)
+        if name == "picks":
             for f in ("linear-tune.json", "delta-tune.json"):
                 if shipped.with_name(f).exists():
                     shutil.copy(shipped.with_name(f), tune.with_name(f))
-        tune.parent.mkdir(parents=True, exist_ok=True)
         row = start(name, a.model, a.kv_tokens, a.max_batch, cache, tune, a.start_limit, keep / f"startup-{name}.log")
         if a.keep:  # the tuning files as this start left them (a start past its limit: what it had written)
             (keep / name).mkdir(exist_ok=True)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores: one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs three workers on two cores: one thread each
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

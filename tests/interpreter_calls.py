@@ -27,6 +27,13 @@ def install():
     original_patch = interpreter._patch_lang
     original_call = interpreter.InterpretedFunction.__call__
     active: list[set] = []  # per running launch, the modules patched while it runs, innermost last
+    langs_of: dict = {}  # per function, the language modules its globals hold (they do not change after import)
+
+    def langs(fn) -> frozenset:
+        found = langs_of.get(fn)
+        if found is None:
+            found = langs_of[fn] = _langs(fn, tl)
+        return found
 
     class _Scope:  # a launch's patches (GridExecutor restores them when its grid is done)
         def __init__(self, scope, langs: set):
@@ -39,20 +46,20 @@ def install():
                 active[:] = [a for a in active if a is not self.langs]
 
     def patch_lang(fn):  # called by GridExecutor only: the helpers' calls below go to original_patch
-        scope, langs = original_patch(fn), set(_langs(fn, tl))
-        active.append(langs)
-        return _Scope(scope, langs)
+        scope, patched = original_patch(fn), set(langs(fn))
+        active.append(patched)
+        return _Scope(scope, patched)
 
     def call(self, *args, **kwargs):  # InterpretedFunction.__call__ as shipped, less the repeated patching
-        langs = _langs(self.fn, tl)
-        if active and langs <= active[-1]:
+        used = langs(self.fn)
+        if active and used <= active[-1]:
             fn = self.rewrite()
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
                 raise interpreter.InterpreterError(repr(e)) from e
         if active:  # the shipped call patches them and never restores them: patched for the rest of the launch
-            active[-1] |= langs
+            active[-1] |= used
         interpreter._patch_lang = original_patch
         try:
             return original_call(self, *args, **kwargs)
