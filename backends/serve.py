@@ -110,7 +110,7 @@ ROLE_OPTIONS = [
     "kv_tokens", "kv_memory_fraction", "prefill_kv_tokens", "cpu_threads", "max_batch", "chunk_size",
     "max_prefill_tokens", "prefill_max_batch", "prefill_concurrency", "max_inflight", "max_streams",
     "request_timeout", "on_decode_oom", "pause_policy", "fault_injection", "host_kv_tokens", "rotation_quantum",
-    "rotation_wait", "rotation_victims", "rotation_prefetch", "decode_overlap", "speculative",
+    "rotation_wait", "rotation_turns", "rotation_victims", "rotation_prefetch", "decode_overlap", "speculative",
     "state_pages", "deterministic", "stall_seconds", "max_images_per_request", "max_image_pixels",
 ]  # fmt: skip
 

@@ -87,6 +87,7 @@ class DecodeModel:
             host_pages=KVPool(host_pages) if host_pages > 0 else None,
             quantum=cfg.rotation_quantum,
             turn_wait=cfg.rotation_wait,
+            turns_per_wait=cfg.rotation_turns,
             rotation_victims=cfg.rotation_victims,
             prefetch_margin=PREFETCH_MARGIN if cfg.rotation_prefetch == "on" else None,
             costs=default_costs(

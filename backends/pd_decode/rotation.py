@@ -28,6 +28,9 @@ class Rotation:
         if not paused or now - paused[0].paused_at < self.turn_wait:
             return
         head = paused[0]
+        if now < self._next_turn_at():  # the turns' bound: each paused stream waits longer, no turn comes sooner
+            self._turn_retry = (head.rid, head.paused_at, self._next_turn_at())
+            return
         if self._prefetching(head):  # its slots are being written: its turn comes once the copy has answered
             self._turn_retry = (head.rid, head.paused_at, math.inf)
             return
@@ -66,6 +69,16 @@ class Rotation:
             self._pause(r, plan)
             plan.rotated.append(r)
             self.num_rotations += 1
+        self.num_turns += 1
+        self._last_turn = now
+
+    def _next_turn_at(self) -> float:
+        """The earliest time of the next turn under the turns' bound: at most `turns_per_wait` turns in any
+        `turn_wait` seconds, so that under a sustained overload (many paused, each turn swapping an answer's K/V
+        back in) a turn's swap is paid for by longer runs, while a few streams taking turns are not slowed."""
+        if self.turns_per_wait <= 0:
+            return -math.inf
+        return self._last_turn + self.turn_wait / self.turns_per_wait
 
     def _prefetch(self, plan: Plan) -> None:
         """Rotating with a host tier: half a quantum before the next paused request's turn, if it still does not
@@ -141,7 +154,7 @@ class Rotation:
         # a turn needs the head to have waited turn_wait and a running request to have run a quantum; its
         # prefetch starts half a quantum before the head's wait is over
         head, running = paused[0], self.by_state(ReqState.RUNNING)
-        due = head.paused_at + self.turn_wait
+        due = max(head.paused_at + self.turn_wait, self._next_turn_at())
         if running:
             due = max(due, min(r.running_since for r in running) + self.quantum)
         key = (head.rid, head.paused_at)

@@ -28,9 +28,12 @@ the request resumes at exactly the paused position.
 Rotation (`quantum` > 0): when a request has been paused for `turn_wait` seconds (at least `quantum`) and does not
 fit, requests that have run for at least `quantum` since they last resumed are paused to make room for it (by
 default those holding the fewest positions: the ones furthest along keep running and finish, and each turn swaps
-the least K/V back), and paused requests recover strictly in the order they paused. With k requests paused, a turn
-lasts about max(quantum, turn_wait / k) and a paused stream waits about max(turn_wait, k * quantum) while the pool is
-over-committed: few streams taking turns pay for few turns, and many still get one quantum each.
+the least K/V back), and paused requests recover strictly in the order they paused. With k requests paused, turns
+come about every max(quantum, turn_wait / k) and a paused stream waits about turn_wait while the pool is
+over-committed: few streams taking turns pay for few turns. At most `turns_per_wait` turns come in any `turn_wait`
+seconds: under a sustained overload (many paused) each then waits about k * turn_wait / turns_per_wait, and runs
+longer once resumed, so that the K/V swapped back in at each turn is paid for by more tokens instead of thrashing
+(perf/scenario.py overload-sim: swap-ins per output token, throughput against plain and restart).
 With a host tier, the next paused request's positions are copied back ahead of its turn into slots that are free
 or hold evictable cache (`Plan.swap_ins`, jobs with `prefetch`): it stays paused, and when the copy answers those
 positions go to the cache like a paused request's own KV, so at its turn they are a local hit and only the rest is
@@ -96,13 +99,15 @@ class DecodeScheduler(Admission, PauseRecovery, Rotation, HostCopies, Invariants
         prefetch_margin: int | None = 64,
         prefetch_min: int = 64,
         rotation_victims: str = "smallest",
+        turns_per_wait: int = 4,
     ):
         """prefetch_margin: with rotation and a host tier, the next paused request's positions are copied back
         ahead of its turn into free slots, leaving this many free per running request for their growth until
         then (None: no prefetch); prefetch_min: a smaller prefetch (unless it is all that is missing) is not worth
         a copy's overhead. turn_wait: with rotation, how long the longest-paused request waits before it takes
         running requests' place (never less than `quantum`); rotation_victims: which running requests give way
-        (see `_rotate`)."""
+        (see `_rotate`); turns_per_wait: with rotation, at most this many turns in any `turn_wait` seconds (0: no
+        bound), so that with k requests paused each waits about max(turn_wait, k * turn_wait / turns_per_wait)."""
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if rotation_victims not in ("smallest", "longest-running"):
@@ -139,6 +144,11 @@ class DecodeScheduler(Admission, PauseRecovery, Rotation, HostCopies, Invariants
         self.quantum = quantum if on_oom == "pause" else 0.0
         self.turn_wait = max(self.quantum, turn_wait) if self.quantum > 0 else 0.0
         self.rotation_victims = rotation_victims
+        if turns_per_wait < 0:
+            raise ValueError(f"turns_per_wait must be >= 0, got {turns_per_wait}")
+        self.turns_per_wait = turns_per_wait
+        self._last_turn = -math.inf  # when the last turn paused requests for a paused one
+        self.num_turns = 0
         self.prefetch_margin, self.prefetch_min = prefetch_margin, prefetch_min
         self.num_prefetches = 0
         self._prefetched: dict[str, float] = {}  # rid -> the pause (its paused_at) its one prefetch was made in

@@ -301,6 +301,38 @@ def test_a_longer_turn_wait_pays_for_fewer_turns_within_its_bound():
     assert longer.s.host_accounting() == (400, 0)
 
 
+def crowd(turns_per_wait, n=12):
+    """A sustained overload scaled down: twelve answers of 5 + 60 tokens on a pool that holds about three of them,
+    so about nine are paused at once (a step is 10 ms of the fake clock)."""
+    sim = Sim(pool=200, host=2000, quantum=0.03, turn_wait=0.1, max_tokens=60, turns_per_wait=turns_per_wait)
+    for i in range(n):
+        sim.add(f"c{i}", 5, base=100 * i)
+    turns = []
+    for _ in range(20000):
+        if sim.s.idle():
+            break
+        if sim.step().rotated:
+            turns.append(sim.clock.t)
+    assert sim.s.idle(), sim.s.counts()
+    return sim, turns
+
+
+def test_the_turns_bound_spaces_turns_and_swaps_back_less_under_a_crowd():
+    """--rotation-turns: with many paused, a turn every turn_wait / k swaps an answer's K/V back in at almost every
+    step; bounded to 2 turns per turn_wait, turns come at least turn_wait / 2 apart, each resumed answer runs longer,
+    fewer tokens are swapped in, the answers are the same and each paused one still gets its turns."""
+    free, bounded = crowd(0), crowd(2)
+    ref = reference([(f"c{i}", 5, 100 * i) for i in range(12)], max_tokens=60)
+    (fs, ft), (bs, bt) = free, bounded
+    assert fs.done == ref and bs.done == ref
+    assert min(b - a for a, b in zip(bt, bt[1:])) >= 0.05 - 1e-9, bt
+    assert min(b - a for a, b in zip(ft, ft[1:])) < 0.05  # without the bound turns come closer
+    assert len(bt) >= 10 and len(bt) <= 0.6 * len(ft), (len(bt), len(ft))
+    assert bs.s.swapped_tokens["in"] <= 0.6 * fs.s.swapped_tokens["in"], (bs.s.swapped_tokens, fs.s.swapped_tokens)
+    assert max(bs.max_gap(r) for r in ref) <= 12 * 0.1 / 2  # about k * turn_wait / turns at most
+    assert bs.s.host_accounting() == (2000, 0) and fs.s.host_accounting() == (2000, 0)
+
+
 def test_smallest_victims_let_the_longest_answer_run_and_swap_back_less():
     """--rotation-victims smallest (the default) against longest-running, the seed scenario at 1/20 (a pool for
     1.5 answers, three answers, turns of 0.3 s): the request furthest along keeps running, so the run takes no

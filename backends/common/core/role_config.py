@@ -185,9 +185,17 @@ class DecodeConfig(RoleConfig):
     rotation_wait: float = opt(
         0.3,
         "seconds: rotating, the longest-paused request takes its turn once it has waited this long (never less "
-        "than --rotation-quantum). With k requests paused a turn lasts about max(quantum, wait / k), so a few "
-        "streams taking turns pay for fewer turns while each still waits about this long; 0: a quantum",
+        "than --rotation-quantum). With k requests paused turns come about every max(quantum, wait / k), so a few "
+        "streams taking turns pay for fewer turns while each still waits about this long, and never more than "
+        "--rotation-turns per wait; 0: a quantum",
         minimum=0.0,
+    )
+    rotation_turns: int = opt(
+        4,
+        "rotating, at most this many turns in any --rotation-wait seconds: with k requests paused each waits about "
+        "max(wait, k x wait / turns), so under a sustained overload a turn's swap-in is paid for by longer runs "
+        "instead of thrashing, while a few streams taking turns are not slowed; 0: no bound",
+        minimum=0,
     )
     rotation_victims: str = opt(
         "smallest",
