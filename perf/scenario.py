@@ -15,6 +15,7 @@ TABLE = {
     "seed": ("seed_stalls", "the seed scenario on a real server, each policy against plain and roomy in one run"),
     "pause-vs-restart": ("pause_vs_restart", "pause and recover vs end and re-submit on a small pool, same run"),
     "rotation-sim": ("rotation_sim", "rotation policies vs plain in the scheduler's simulation: gaps, swap traffic"),
+    "overload-sim": ("overload_sim", "rotate vs plain and restart under the soak's sustained load, simulated"),
 }
 
 if __name__ == "__main__":
