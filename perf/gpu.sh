@@ -2,7 +2,7 @@
 # The benchmarks' runs on one GPU host, each step bounded in wall clock and every mode within one device command
 # (600 s), results under OUT: the reports (.md, .json) and every file of the run in OUT/files.tgz (logs, JSON rows,
 # tuning caches), few files for a device tool that returns only a few:
-#   bash perf/gpu.sh OUT bench|startup|vision|fp8|seed|seed-mtp|seed-dense [PHASE]
+#   bash perf/gpu.sh OUT bench|startup|vision|fp8|seed|seed-mtp|seed-dense|soak-policies [PHASE]
 # bench:   the hybrid kernel tests, then `perf/engine.py hybrid`: the decode step at batch 1, 32 and 128 for
 #          random:qwen3-next-layout (with --profile) and random:qwen3.5-9b against their rooflines, tuned on the
 #          measured graph sizes; the device host's python3, no bundle. The kernel tests compile cold on a fresh
@@ -19,14 +19,17 @@
 #          plain in one run, through the offline bundle (`triton-pd bundle .bundle`, carried);
 # seed-mtp: seed with --speculative mtp on both servers (the MTP head's verify steps);
 # seed-dense: the same as seed with the dense random:llama3.1-8b.
+# soak-policies: `perf/soak.py policies`: the H200 soak's load (random:llama3.1-8b, 16,384-token pool, --max-batch
+#          64, 30% long answers of ~1,500 tokens, 20% cancelled) against rotate, plain and restart in one run, one
+#          server each, 60 s measured after 15 s of warm-up; PHASE: the users (64 by default; 16 and 128 too).
 # PHASE: the seed phase (--phases): 3x5500 (default) or 4x4000.
 # The tuning caches (linear-tune.json, delta-tune.json) start from perf/tune_cache/'s and go in the archive unless
 # TRITON_PD_TUNE_CACHE names a file (the delta step's cache sits beside it): see perf/tune_cache/README.md.
 set -uo pipefail
 OUT=${1:?OUT folder}
-WHAT=${2:?bench, startup, vision, fp8, seed, seed-mtp or seed-dense}
+WHAT=${2:?bench, startup, vision, fp8, seed, seed-mtp, seed-dense or soak-policies}
 PHASE=${3:-3x5500}
-case "$WHAT" in bench|startup|vision|fp8|seed|seed-mtp|seed-dense) ;; *) echo "gpu.sh: bench, startup, vision, fp8, seed, seed-mtp or seed-dense, not $WHAT" >&2; exit 2 ;; esac
+case "$WHAT" in bench|startup|vision|fp8|seed|seed-mtp|seed-dense|soak-policies) ;; *) echo "gpu.sh: bench, startup, vision, fp8, seed, seed-mtp, seed-dense or soak-policies, not $WHAT" >&2; exit 2 ;; esac
 W="$OUT/files"
 mkdir -p "$W"
 if [ -z "${TRITON_PD_TUNE_CACHE:-}" ]; then
@@ -92,5 +95,13 @@ case "$WHAT" in
       --phases $PHASE --phase-limit 60 --time-limit 540
     cp /tmp/hybrid_gpu_seed_dense/report.md "$W/report_dense.md" 2>/dev/null
     cp /tmp/hybrid_gpu_seed_dense/summary.json "$W/summary_dense.json" 2>/dev/null
+    ;;
+  soak-policies)
+    USERS=${3:-64}
+    step soak_policies 575 bash .bundle/bootstrap.sh python3 perf/soak.py policies --users "$USERS" \
+      --duration 75 --warmup 15 --drain-timeout 15 --start-allowance 60 --deadline 470 --long-tokens 1500 \
+      --short-tokens 64 --model random:llama3.1-8b --serve-args "--device gpu --kv-tokens 16384 --max-batch 64" \
+      --out "$W/soak_policies_$USERS"
+    cp "$W/soak_policies_$USERS/soak_policies.md" "$W/soak_policies_$USERS.md" 2>/dev/null
     ;;
 esac

@@ -91,6 +91,11 @@ class Load:
         self.lock = threading.Lock()
         self.tokens = self.finished = self.cancelled = self.errors = 0
         self.error_samples: list[str] = []
+        # per answer sent at or after measure_from (time.monotonic()) and before the stop: the first token's wait
+        # and the gaps between the chunks that followed, as the client saw them
+        self.measure_from = float("inf")
+        self.ttft: list[float] = []
+        self.gaps: list[float] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self.user, args=(u,), daemon=True) for u in range(a.users)]
 
@@ -112,6 +117,7 @@ class Load:
             cancel_at = rng.randint(1, n - 1) if rng.random() < self.a.cancel_share else None
             text = f"User {u}, request {k}: write about the number {rng.randint(0, 10**6)} and its neighbours. " * 3
             params = {"max_tokens": n, "temperature": 0.7, "seed": rng.randrange(2**31), "ignore_eos": True}
+            sent = time.monotonic()
             try:
                 c = StreamClient(self.server.grpc_url, text=text, params=params)
             except Exception as e:  # the server refused the stream: an error of the soak, and the user goes on
@@ -146,6 +152,14 @@ class Load:
                     c.close()
                 else:
                     c.cancel()
+                self._latencies(sent, c.result.times)
+
+    def _latencies(self, sent: float, times: list[float]) -> None:
+        if sent < self.measure_from or self.stop.is_set() or not times:
+            return
+        with self.lock:
+            self.ttft.append(times[0] - sent)
+            self.gaps += [b - a for a, b in zip(times, times[1:])]
 
     def _error(self, message: str) -> None:
         with self.lock:

@@ -95,11 +95,28 @@ def test_each_mode_fits_one_device_command():
     """A device command ends at 600 s, and a command killed there returns nothing (the archive is packed on exit):
     the wall limits of each mode's steps add up to less."""
     modes = re.findall(r"^  ([a-z0-9-]+)\)\n(.*?)^    ;;", SCRIPT, re.M | re.S)
-    assert {m for m, _ in modes} == {"bench", "startup", "vision", "fp8", "seed", "seed-mtp", "seed-dense"}
+    assert {m for m, _ in modes} == {"bench", "startup", "vision", "fp8", "seed", "seed-mtp", "seed-dense",
+                                     "soak-policies"}  # fmt: skip
     for mode, body in modes:
         limits = [int(n) for n in re.findall(r"^\s*step \S+ (\d+) ", body, re.M)]
         assert limits, mode
         assert sum(limits) <= 590, f"{mode}: steps' limits {limits} add up to {sum(limits)} s"
+
+
+def test_the_soak_policies_command_parses_and_plans_every_policy_within_its_step():
+    """soak-policies: its `perf/soak.py policies` options parse, and the deadline leaves room for each policy's
+    start, load and drain, with the bundle's bootstrap (about 90 s) inside the step's limit."""
+    import shlex
+
+    from perf.tools import soak_policies
+
+    (line,) = [ln for ln in SCRIPT.splitlines() if "perf/soak.py policies" in ln and not ln.lstrip().startswith("#")]
+    step_limit = int(re.search(r"step soak_policies (\d+) ", line).group(1))
+    args = shlex.split(line.split("perf/soak.py policies", 1)[1].replace('"$USERS"', "64").replace("$W", "/tmp/x"))
+    a = soak_policies.parser().parse_args(args)
+    per_policy = a.start_allowance + a.duration + a.drain_timeout
+    assert len(a.policies) * per_policy <= a.deadline <= step_limit - 90, (a.deadline, per_policy, step_limit)
+    assert a.duration - a.warmup >= 60
 
 
 def test_the_startup_commands_parse_and_need_a_gpu(monkeypatch, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ class Result:
     error: str | None = None
     responses: int = 0
     chunks: list[list[int]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # time.monotonic() at which each chunk arrived
 
 
 def build_inputs(text=None, ids=None, params=None, stream=True, exclude_input=None, chat=False, raw_params=None,
@@ -37,7 +39,7 @@ class StreamClient:
     def __init__(self, url: str, model: str = "pd_master", **kw):
         self.q: queue.Queue = queue.Queue()
         self.client = grpcclient.InferenceServerClient(url)
-        self.client.start_stream(callback=lambda result, error: self.q.put((result, error)))
+        self.client.start_stream(callback=lambda result, error: self.q.put((result, error, time.monotonic())))
         self.client.async_stream_infer(
             model, kw.pop("inputs", None) or build_inputs(**kw), enable_empty_final_response=True
         )
@@ -49,7 +51,7 @@ class StreamClient:
             if until_tokens is not None and len(r.ids) >= until_tokens:
                 break
             try:
-                res, err = self.q.get(timeout=timeout)
+                res, err, at = self.q.get(timeout=timeout)
             except queue.Empty:
                 r.error = f"no response from the server for {timeout:.0f} s"
                 break
@@ -61,6 +63,7 @@ class StreamClient:
             if out is not None:
                 r.ids += out.tolist()
                 r.chunks.append(out.tolist())
+                r.times.append(at)
                 r.text += res.as_numpy("text_output")[0].decode()
                 fr = res.as_numpy("finish_reason")
                 if fr is not None and fr[0]:
