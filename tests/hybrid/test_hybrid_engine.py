@@ -121,15 +121,15 @@ def test_delta_rule_kernels_in_the_engine_give_the_same_tokens(hybrid_folder, en
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     shared = prompt(79, 66)  # past the first chunk of 64: a checkpoint to hit
-    prompts = [shared + prompt(80 + i, 1 + 12 * i) for i in range(3)]
+    prompts = [shared + prompt(80 + i, 1 + 12 * i) for i in range(2)]  # every token a few seconds interpreted
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = engine if device == "cpu" else make_engine(hybrid_folder, device=device, backend="torch")
     fast = make_engine(hybrid_folder, device=device, backend="triton")
     fast_model = fast.runner.model  # the graph step (GpuHybrid) over an eager model with the kernels
     assert getattr(fast_model, "eager", fast_model).kd is not None and ref.runner.model.kd is None
-    for batch in (prompts, prompts[::-1]):  # a prefill and 3 decode steps: each takes seconds interpreted
-        want = [o.output_ids for o in ref.generate(batch, greedy(4))]
-        assert [o.output_ids for o in fast.generate(batch, greedy(4))] == want
+    for batch in (prompts, prompts[::-1]):  # a prefill and 2 decode steps: each takes seconds interpreted
+        want = [o.output_ids for o in ref.generate(batch, greedy(3))]
+        assert [o.output_ids for o in fast.generate(batch, greedy(3))] == want
     assert fast.scheduler.num_cached_tokens > 0
     assert_idle(fast)
     assert_idle(ref)
