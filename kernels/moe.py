@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import _quantize_tile, supported
 from kernels.pdl import enter, launch
 
 BLOCK_M = 16
@@ -130,10 +131,13 @@ def _align_torch(top_i: torch.Tensor, num_experts: int, block_m: int, P: int):
 
 @triton.jit
 def _gate_up_kernel(
-    X, W, Inter, Pairs, BlockExpert, H, I, n_pairs, stride_x, stride_we, stride_wn,
-    K_TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    X, W, WS, Inter, Pairs, BlockExpert, H, I, n_pairs, stride_x, stride_we, stride_wn, stride_wse, stride_wsn,
+    K_TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
+    """FP8: W holds e4m3 weights and WS [E, 2I, H / BK] their row scales per column block (BK is the block):
+    each [BM, BK] tile of x is quantized per row (kernels.fp8's W8A8 scheme) and each block's product added in
+    float32 times both scales."""
     enter(PDL)
     b, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + b)
@@ -146,6 +150,7 @@ def _gate_up_kernel(
     rn = nb * BN + tl.arange(0, BN)
     mn = rn < I
     w_base = W + e.to(tl.int64) * stride_we
+    ws_base = WS + e.to(tl.int64) * stride_wse
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -154,18 +159,26 @@ def _gate_up_kernel(
         a = tl.load(X + tok[:, None] * stride_x + rk[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
         wg = tl.load(w_base + rn[None, :] * stride_wn + rk[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
         wu = tl.load(w_base + (I + rn)[None, :] * stride_wn + rk[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-        acc_g += tl.dot(a, wg)
-        acc_u += tl.dot(a, wu)
+        if FP8:
+            qa, sa = _quantize_tile(a.to(tl.float32))
+            sg = tl.load(ws_base + rn * stride_wsn + k0 // BK, mask=mn, other=0.0)
+            su = tl.load(ws_base + (I + rn) * stride_wsn + k0 // BK, mask=mn, other=0.0)
+            acc_g += tl.dot(qa, wg, out_dtype=tl.float32) * sa[:, None] * sg[None, :]
+            acc_u += tl.dot(qa, wu, out_dtype=tl.float32) * sa[:, None] * su[None, :]
+        else:
+            acc_g += tl.dot(a, wg)
+            acc_u += tl.dot(a, wu)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(Inter + rm.to(tl.int64)[:, None] * I + rn[None, :], h.to(Inter.dtype.element_ty), mask=mn[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    Inter, W, Wt, Out, Pairs, BlockExpert, H, I, n_pairs, stride_we, stride_wn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    Inter, W, WS, Wt, Out, Pairs, BlockExpert, H, I, n_pairs, stride_we, stride_wn, stride_wse, stride_wsn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
+    """FP8: as in _gate_up_kernel, the intermediate rows quantized per row and column block."""
     enter(PDL)
     b, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + b)
@@ -177,13 +190,19 @@ def _down_kernel(
     rn = nb * BN + tl.arange(0, BN)
     mn = rn < H
     w_base = W + e.to(tl.int64) * stride_we
+    ws_base = WS + e.to(tl.int64) * stride_wse
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         rk = k0 + tl.arange(0, BK)
         mk = rk < I
         a = tl.load(Inter + rm.to(tl.int64)[:, None] * I + rk[None, :], mask=mk[None, :], other=0.0)
         w = tl.load(w_base + rn[None, :] * stride_wn + rk[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-        acc += tl.dot(a, w)
+        if FP8:
+            qa, sa = _quantize_tile(a.to(tl.float32))
+            sw = tl.load(ws_base + rn * stride_wsn + k0 // BK, mask=mn, other=0.0)
+            acc += tl.dot(qa, w, out_dtype=tl.float32) * sa[:, None] * sw[None, :]
+        else:
+            acc += tl.dot(a, w)
     weight = tl.load(Wt + pair, mask=valid, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     dst = tl.where(valid, pair, 0).to(tl.int64)
@@ -348,13 +367,19 @@ SMALL_BATCH = 2  # tokens up to which `routed` takes the matrix-vector path (two
 SETTINGS = {"bn": 64, "bk": 128, "warps": 4, "stages": 3, "down_bn": 64, "down_bk": 64, "down_warps": 4,
             "down_stages": 3, "small_batch": SMALL_BATCH, "small_bn": 8, "small_bk": 512, "small_down_bn": 2,
             "small_down_bk": 512, "small_warps": 4, "small_down_warps": 4, "small_preload": True,
-            "route_warps": 1}  # fmt: skip
+            "route_warps": 1, "fp8_bn": 32}  # fmt: skip
+# fp8_bn: the FP8 gate/up GEMM's columns per program (BK is the scale block): compiled for sm_90 at 4 warps, 64
+# columns spill 720 bytes per thread, 32 none (perf/tools/kernel_regs.resource_use; not yet timed on a GPU)
 
 
-def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None) -> torch.Tensor:
+def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, settings=None,
+           fp8=None) -> torch.Tensor:  # fmt: skip
     """x [T, H]; top_i [T, K] expert ids; top_w [T, K] routing weights; gate_up [E, 2I, H]; down [E, H, I] (unit
     stride in the last dim); shared: None or (gate [T, 1] logits, out [T, H]) of a shared expert, added as
-    sigmoid(gate) * out. Returns the sum [T, H] in x's dtype, accumulated in fp32 in a fixed order."""
+    sigmoid(gate) * out. Returns the sum [T, H] in x's dtype, accumulated in fp32 in a fixed order.
+    fp8: (gate_up scales [E, 2I, ceil(H / group)], down scales [E, H, ceil(I / group)], group) when gate_up and
+    down hold e4m3 weights (fine-grained FP8, backends/common/model/fp8.py): the W8A8 scheme of kernels.fp8, the
+    activations quantized per row and group inside the grouped GEMMs (always the grouped path)."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     I = two_i // 2  # noqa: E741
@@ -363,21 +388,29 @@ def routed(x, top_i, top_w, gate_up, down, shared=None, block_m: int = BLOCK_M, 
         return torch.zeros_like(x)
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
     st = SETTINGS if settings is None else {**SETTINGS, **settings}
-    if T <= st["small_batch"] and shared is None:
+    if fp8 is not None:
+        gu_scale, down_scale, group = fp8
+        if not supported(group):
+            raise ValueError(f"routed: an FP8 column block must be a multiple of 32 up to 256, got {group}")
+        st = {**st, "bk": group, "down_bk": group, "bn": st["fp8_bn"]}
+    elif T <= st["small_batch"] and shared is None:
         return _routed_small(x, top_i, top_w, gate_up, down, st)
+    else:
+        gu_scale = down_scale = x  # not read
     pairs, block_expert = align(top_i, E, block_m)
     P = pairs.numel()
     inter = torch.empty((P, I), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(P // block_m, triton.cdiv(I, st["bn"]))](
-        x, gate_up, inter, pairs, block_expert, H, I, T * K, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K_TOP=K, BM=block_m, BN=st["bn"], BK=st["bk"], num_warps=st["warps"], num_stages=st["stages"],
-        **launch(x),
+        x, gate_up, gu_scale, inter, pairs, block_expert, H, I, T * K, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gu_scale.stride(0), gu_scale.stride(1), K_TOP=K, BM=block_m, BN=st["bn"], BK=st["bk"],
+        FP8=fp8 is not None, num_warps=st["warps"], num_stages=st["stages"], **launch(x),
     )  # fmt: skip
     per_pair = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
     _down_kernel[(P // block_m, triton.cdiv(H, st["down_bn"]))](
-        inter, down, top_w.reshape(-1).contiguous(), per_pair, pairs, block_expert, H, I, T * K,
-        down.stride(0), down.stride(1), BM=block_m, BN=st["down_bn"], BK=st["down_bk"], num_warps=st["down_warps"],
-        num_stages=st["down_stages"], **launch(x),
+        inter, down, down_scale, top_w.reshape(-1).contiguous(), per_pair, pairs, block_expert, H, I, T * K,
+        down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), BM=block_m, BN=st["down_bn"],
+        BK=st["down_bk"], FP8=fp8 is not None, num_warps=st["down_warps"], num_stages=st["down_stages"],
+        **launch(x),
     )  # fmt: skip
     out = torch.empty_like(x)
     gate, sh = shared if shared is not None else (per_pair, per_pair)

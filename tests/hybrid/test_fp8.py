@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.common.core.request import SamplingParams
-from backends.common.model import fp8
+from backends.common.model import fp8, loader
 from backends.common.model.loader import ModelError, load_config, load_weights, resolve
 from tests.hybrid.conftest import make_engine, prompt
 
@@ -309,3 +310,33 @@ def test_malformed_scales_are_refused_naming_the_tensor(llama_fp8, tmp_path, dam
     what = "model.layers.1.mlp.extra.weight" if damage == "orphan" else name
     with pytest.raises(ModelError, match=what.replace(".", r"\.")):
         load_weights(src_, torch.float32, "cpu", load_config(src_))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+def test_fp8_experts_in_the_fused_moe_kernels_equal_the_loop(block):
+    """random:tiny-hybrid with FP8 experts (and shared expert, folded into the stack as expert E) through
+    kernels.moe's W8A8 grouped GEMMs (Triton's interpreter here) against the per-expert loop over fp8.linear: the
+    same MoE layer outputs within float tolerance; a column block the kernels cannot take keeps the loop."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    from backends.common.core.config import SHAPES
+    from backends.common.model.hybrid_model import HybridModel
+
+    cfg = SHAPES["tiny-hybrid"]
+    models = []
+    for kernels in (False, True):
+        w = loader.random_hybrid_weights(cfg, torch.float32, "cpu", seed=4)
+        assert fp8.quantize_weights(w, block) > 0
+        models.append(HybridModel(cfg, w, kernels=kernels))
+    loop, fused = models
+    assert loop.k_moe is None and fused.k_moe is not None and fused.fold_shared is False
+    assert isinstance(fused.experts[1][0], fp8.Fp8Weight)
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    p = "model.layers.1.mlp."
+    want = loop.mlp(x, p, 1)
+    got = fused.mlp(x, p, 1)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got - want).abs().max()
+    w = loader.random_hybrid_weights(cfg, torch.float32, "cpu", seed=4)
+    fp8.quantize_weights(w, (32, 24))  # a column block of 24: not a multiple of the FP8 tensor cores' 32
+    assert HybridModel(cfg, w, kernels=True).k_moe is None

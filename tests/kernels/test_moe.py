@@ -118,3 +118,44 @@ def test_route_appends_the_shared_expert_as_the_last_pair():
     assert top_i.shape == (5, 4) and torch.equal(top_i[:, :3], plain_i) and (top_i[:, 3] == 16).all()
     assert torch.equal(top_w[:, :3], plain_w)
     torch.testing.assert_close(top_w[:, 3].float(), torch.sigmoid(logits[:, 16].float()).to(DTYPE).float())
+
+
+@pytest.mark.parametrize("T,E,K,H,I,group", [(1, 4, 2, 256, 64, 128), (19, 6, 3, 96, 80, 32)])
+def test_fp8_experts_equal_the_loop_over_the_w8a8_scheme(T, E, K, H, I, group):  # noqa: E741
+    """Experts with fine-grained FP8 weights (e4m3 and a float32 scale per row and column block, as the checkpoints
+    store them): `routed(fp8=...)` against the loop over experts with backends/common/model/fp8.py's W8A8 scheme
+    (activations quantized per token and column block, each block's product times both scales), column blocks
+    that do not divide the width included. A batch of one token takes the grouped path too."""
+    from backends.common.model import fp8
+
+    g = torch.Generator().manual_seed(T + group)
+    # activations whose channel groups differ in magnitude, as a residual stream's do
+    x = (torch.randn(T, H, generator=g) * torch.logspace(-1, 1, H)[None, :]).to(DEVICE, DTYPE)
+    probs = torch.softmax(torch.randn(T, E, generator=g), -1)
+    top_w, top_i = torch.topk(probs, K, dim=-1)
+    top_w, top_i = top_w.to(DEVICE, DTYPE), top_i.to(DEVICE)
+    gate_up = fp8.quantize((torch.randn(E, 2 * I, H, generator=g) * 0.1).to(DEVICE), (32, group))
+    down = fp8.quantize((torch.randn(E, H, I, generator=g) * 0.1).to(DEVICE), (32, group))
+    got = moe.routed(x, top_i, top_w, gate_up.q, down.q, fp8=(gate_up.scale, down.scale, group))
+    want = torch.zeros(T, H, dtype=torch.float32, device=DEVICE)
+    for e in top_i.unique().tolist():
+        tok, slot = torch.where(top_i == e)
+        gg, u = fp8.linear(x[tok].float(), gate_up[e], kernel=False).chunk(2, dim=-1)
+        want.index_add_(0, tok, fp8.linear(F.silu(gg) * u, down[e], kernel=False) * top_w[tok, slot, None].float())
+    acc = 2e-3 if DEVICE == "cuda" else 1e-5  # relative to the largest output (the FP8 tensor cores: test_fp8_kernel)
+    err = (got.float() - want).abs().max() / want.abs().max()
+    assert err <= acc, err
+    if T == 1:  # the activations' rounding shows: dequantized weights alone are further off than that
+        plain = moe.routed(x, top_i, top_w, gate_up.dequantize(DTYPE), down.dequantize(DTYPE))
+        assert (plain.float() - want).abs().max() / want.abs().max() > 10 * err
+
+
+def test_fp8_experts_refuse_a_column_block_the_kernel_cannot_take():
+    from backends.common.model import fp8
+
+    x = torch.randn(3, 48, device=DEVICE, dtype=DTYPE)
+    top_w, top_i = torch.topk(torch.softmax(torch.randn(3, 4), -1), 2, dim=-1)
+    w = fp8.quantize(torch.randn(4, 96, 48, device=DEVICE) * 0.1, (32, 24))
+    d = fp8.quantize(torch.randn(4, 48, 48, device=DEVICE) * 0.1, (32, 24))
+    with pytest.raises(ValueError, match="column block must be a multiple of 32"):
+        moe.routed(x, top_i.to(DEVICE), top_w.to(DEVICE, DTYPE), w.q, d.q, fp8=(w.scale, d.scale, 24))

@@ -49,7 +49,8 @@ def test_skinny_in_proj_tiles_compile_with_and_without_the_conv_epilogue(tmp_pat
 # the hybrid decode graph's gated decode attention (split-KV and not; with rope and the K/V store) and its norm
 # reading the residual before the PDL wait, compiled for sm_90 with perf.kernel_regs.resource_use: Triton's
 # interpreter, which the other tests run, accepts kernels that its compiler refuses (a helper returning a tensor in
-# one branch and a float in another); and skinny_linear's fused norm with glu, preload and prefetch
+# one branch and a float in another); skinny_linear's fused norm with glu, preload and prefetch; the fused MoE's
+# FP8 grouped GEMMs at their launch settings
 COMPILE_HYBRID = """
 import json
 from kernels import attention, norm
@@ -72,14 +73,26 @@ from perf.tools.kernel_regs import SKINNY_ALIGNED, SKINNY_PLAIN, SKINNY_POINTERS
 
 consts = dict(SKINNY_PLAIN, BLOCK_M=32, NORM=True, HAS_RES=True, PRELOAD=True, K_FIRST=128, GLU=True, PREFETCH=True)
 use["skinny norm"] = resource_use(linear._skinny_kernel, consts, 4, 90, 3, SKINNY_POINTERS, SKINNY_ALIGNED)
+from kernels import moe
+
+pointers = {"X": "*bf16", "W": "*fp8e4nv", "WS": "*fp32", "Inter": "*bf16", "Wt": "*bf16", "Out": "*fp32",
+            "Pairs": "*i32", "BlockExpert": "*i32"}
+consts = dict(K_TOP=8, BM=moe.BLOCK_M, BN=moe.SETTINGS["fp8_bn"], BK=128, FP8=True, PDL=True)
+use["moe fp8 gate_up"] = resource_use(moe._gate_up_kernel, consts, moe.SETTINGS["warps"], 90,
+                                      moe.SETTINGS["stages"], pointers, set())
+consts = dict(BM=moe.BLOCK_M, BN=moe.SETTINGS["down_bn"], BK=128, FP8=True, PDL=True)
+use["moe fp8 down"] = resource_use(moe._down_kernel, consts, moe.SETTINGS["down_warps"], 90,
+                                   moe.SETTINGS["down_stages"], pointers, set())
 print(json.dumps(use))
 """
 
 
-def test_the_hybrid_graphs_gated_attention_preloading_norm_and_fused_norm_compile_for_sm90():
+def test_the_hybrid_graphs_kernels_and_the_fp8_moe_gemms_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_HYBRID], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     use = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted(use) == ["attention 1", "attention 8", "attention 8 rope", "norm", "skinny norm"]
+    assert sorted(use) == ["attention 1", "attention 8", "attention 8 rope", "moe fp8 down", "moe fp8 gate_up",
+                           "norm", "skinny norm"]  # fmt: skip
     assert all(0 < u["REG"] <= 255 for u in use.values()), use
+    assert use["moe fp8 gate_up"]["STACK"] == 0 and use["moe fp8 down"]["STACK"] == 0, use  # no spills

@@ -189,8 +189,8 @@ class ModelRunner:
 
         kernels = pick_backend(backend, self.device) == "triton"
         self.hybrid = HybridModel(self.cfg, weights, kernels=kernels)
-        # FP8 hybrids run the eager layers (kernels.fp8's products, MoE experts one at a time): the decode graphs'
-        # fused projections read 16-bit weights
+        # FP8 hybrids run the eager layers (kernels.fp8's products, MoE experts in kernels.moe's W8A8 grouped
+        # GEMMs): the decode graphs' fused projections read 16-bit weights
         graphs = kernels and cuda_graphs and gpu_hybrid.supports(self.cfg) and not self.hybrid.quantized
         # the graph path keeps one extra KV slot and one extra state page that padded graph rows write
         self.kv = KVStore.allocate(

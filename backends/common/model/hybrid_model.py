@@ -119,6 +119,15 @@ def stack_experts(
     return gate_up, down
 
 
+def _fused_moe_takes(gate_up, down) -> bool:
+    """Whether kernels.moe.routed takes these stacked experts: 16-bit, or FP8 with one column block it supports."""
+    if not isinstance(gate_up, fp8.Fp8Weight):
+        return not isinstance(down, fp8.Fp8Weight)
+    from kernels.fp8 import supported
+
+    return isinstance(down, fp8.Fp8Weight) and down.group == gate_up.group and supported(gate_up.group)
+
+
 def stack_router(w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The router's rows with the shared expert's gate row after them ([E + 1, H]); the names in `w` become views."""
     gate, shared_gate = w[prefix + "gate.weight"], w[prefix + "shared_expert_gate.weight"]
@@ -137,7 +146,8 @@ class HybridModel:
         low_precision); None (the default) for 16-bit weights, where its 2.4e-4 is below the activations'
         rounding. False keeps TF32x3 (the tests that compare the kernels with the PyTorch model element by
         element)."""
-        # fine-grained FP8 projections (fp8.py): products through fp8.linear; MoE experts in the per-expert loop
+        # fine-grained FP8 projections (fp8.py): products through fp8.linear; MoE experts in the fused kernels'
+        # W8A8 form with the kernels (kernels.moe's fp8), else in the per-expert loop
         self.quantized = any(fp8.is_quantized(v) for v in weights.values())
         fuse_weights(cfg, weights)
         self.cfg, self.w = cfg, weights
@@ -166,7 +176,7 @@ class HybridModel:
         # shared expert as expert E when its size is the experts' (one pair more per token, no launches of its own)
         self.k_moe = None
         self.fold_shared = False
-        if kernels and cfg.num_experts and not self.quantized:
+        if kernels and cfg.num_experts:
             from kernels import moe
 
             self.k_moe = moe
@@ -182,6 +192,9 @@ class HybridModel:
             self.experts[key] = stack_experts(weights, prefix, cfg.num_experts, with_shared=self.fold_shared)
             if self.k_moe is not None:
                 self.router[key] = stack_router(weights, prefix)
+        if self.k_moe is not None and not all(_fused_moe_takes(*ex) for ex in self.experts.values()):
+            self.k_moe = None  # FP8 experts of a column block the kernels cannot take: the loop (a folded shared
+            # expert stays in the stack, never routed to, its names views of it)
 
     @property
     def num_kv_layers(self) -> int:
@@ -380,13 +393,17 @@ class HybridModel:
         fixed-order combine."""
         cfg, moe = self.cfg, self.k_moe
         gate_up, down = self.experts[key]
+        kw = {}
+        if isinstance(gate_up, fp8.Fp8Weight):  # e4m3 experts: the W8A8 scheme inside the grouped GEMMs
+            kw["fp8"] = (gate_up.scale, down.scale, gate_up.group)
+            gate_up, down = gate_up.q, down.q
         E = cfg.num_experts
         logits = router(x, self.router[key])  # [T, E + 1]: the last column is the shared expert's gate
         top_w, top_i = moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype, E, self.fold_shared)
         if self.fold_shared:
-            return moe.routed(x, top_i, top_w, gate_up, down)
+            return moe.routed(x, top_i, top_w, gate_up, down, **kw)
         shared = self._gated_mlp(x, p + "shared_expert.")
-        return moe.routed(x, top_i, top_w, gate_up, down, shared=(logits[:, E:], shared))
+        return moe.routed(x, top_i, top_w, gate_up, down, shared=(logits[:, E:], shared), **kw)
 
     # ---- forward -----------------------------------------------------------------------------------------------
     def _norm(self, h, weight):
