@@ -226,19 +226,24 @@ def burst(server, n: int, tokens: int, deadline: float) -> None:
         raise RuntimeError(f"{len(errors)} burst requests failed, first: {errors[0]}")
 
 
+def load_options(ap: argparse.ArgumentParser, users: int, long_tokens: int, short_tokens: int) -> None:
+    """The virtual users' options (`Load`), with these defaults."""
+    ap.add_argument("--users", type=int, default=users)
+    ap.add_argument("--long-tokens", type=int, default=long_tokens)
+    ap.add_argument("--short-tokens", type=int, default=short_tokens)
+    ap.add_argument("--long-share", type=float, default=0.3)
+    ap.add_argument("--cancel-share", type=float, default=0.2)
+    ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--seed", type=int, default=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=1800, help="seconds of load (the wall-clock bound)")
     ap.add_argument("--window", type=float, default=120, help="seconds per measured window")
     ap.add_argument("--warmup", type=float, default=None, help="seconds before the baseline (default: one window)")
     ap.add_argument("--compare", type=float, default=120, help="seconds compared at the start and at the end")
-    ap.add_argument("--users", type=int, default=24)
-    ap.add_argument("--long-tokens", type=int, default=400)
-    ap.add_argument("--short-tokens", type=int, default=32)
-    ap.add_argument("--long-share", type=float, default=0.3)
-    ap.add_argument("--cancel-share", type=float, default=0.2)
-    ap.add_argument("--request-timeout", type=float, default=600)
-    ap.add_argument("--seed", type=int, default=1)
+    load_options(ap, users=24, long_tokens=400, short_tokens=32)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--serve-args", default="--kv-tokens 2048", help="extra `triton-pd serve` options")
     ap.add_argument("--tolerance", type=float, default=0.05, help="allowed throughput change, end against start")

@@ -33,7 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # python3 perf/soak.py policies: the project root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from perf.tools.soak import GAUGES, Load  # noqa: E402
+from perf.tools.soak import GAUGES, Load, load_options  # noqa: E402
 from tests.server.conftest import Server  # noqa: E402
 
 POLICY_ARGS = {
@@ -157,14 +157,8 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds for the whole run: no policy starts that could not end before it")  # fmt: skip
     ap.add_argument("--start-allowance", type=float, default=60,
                     help="seconds a server's start is allowed for when --deadline is planned")  # fmt: skip
-    ap.add_argument("--users", type=int, default=64)
     ap.add_argument("--window", type=float, default=10, help="users start at random times within this many seconds")
-    ap.add_argument("--long-tokens", type=int, default=1500)
-    ap.add_argument("--short-tokens", type=int, default=64)
-    ap.add_argument("--long-share", type=float, default=0.3)
-    ap.add_argument("--cancel-share", type=float, default=0.2)
-    ap.add_argument("--request-timeout", type=float, default=600)
-    ap.add_argument("--seed", type=int, default=1)
+    load_options(ap, users=64, long_tokens=1500, short_tokens=64)
     ap.add_argument("--model", default="random:llama3.1-8b")
     ap.add_argument("--serve-args", default="--device gpu --kv-tokens 16384 --max-batch 64",
                     help="`triton-pd serve` options every policy's server gets")  # fmt: skip
