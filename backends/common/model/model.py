@@ -47,9 +47,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], tp=None):
+        """tp: a tensor_parallel.TPGroup when cfg and weights are one rank's shard (tensor_parallel.shard_llama):
+        the row-parallel projections' sums and the vocabulary slices are combined across the group's ranks."""
         self.cfg = cfg
         self.w = weights
+        self.tp = tp
         any_w = weights["model.embed_tokens.weight"]
         self.dtype, self.device = any_w.dtype, any_w.device
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
@@ -94,7 +97,7 @@ class LlamaModel:
         """Returns float32 logits [len(batch.logits_rows), vocab]."""
         cfg, w = self.cfg, self.w
         T = batch.input_ids.numel()
-        h = w["model.embed_tokens.weight"][batch.input_ids]
+        h = self._embed(batch.input_ids)
         cos, sin = self.rope(batch.positions)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -108,9 +111,23 @@ class LlamaModel:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kv.k(i)[batch.out_slots] = k
             kv.v(i)[batch.out_slots] = v
-            h = h + self._linear(self.attention(q, kv, i, batch), p + "self_attn.o_proj")
+            h = h + self._reduced(self._linear(self.attention(q, kv, i, batch), p + "self_attn.o_proj"))
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = self._linear(x, p + "mlp.gate_proj")
-            h = h + self._linear(F.silu(gate) * self._linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+            h = h + self._reduced(self._linear(F.silu(gate) * self._linear(x, p + "mlp.up_proj"), p + "mlp.down_proj"))
         h = rms_norm(h[batch.logits_rows], w["model.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        if self.tp is None:
+            return F.linear(h, self.lm_head).float()
+        return self.tp.all_gather_last(F.linear(h, self.lm_head).float())[:, : cfg.vocab_size]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = self.w["model.embed_tokens.weight"]
+        if self.tp is None:
+            return emb[ids]
+        lo, hi = self.tp.vocab_slice(self.cfg.vocab_size)
+        mine = (ids >= lo) & (ids < hi)
+        return self.tp.all_reduce(emb[torch.where(mine, ids - lo, 0)] * mine[:, None].to(emb.dtype))
+
+    def _reduced(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: this rank's partial sum, added across the ranks."""
+        return y if self.tp is None else self.tp.all_reduce(y)

@@ -1,0 +1,106 @@
+"""Tensor parallelism on the CPU (backends/common/model/tensor_parallel.py): a tiny Llama split across 2 and 4
+gloo ranks, one process each, gives TP 1's logits within float tolerance and its greedy tokens, through a ragged
+prefill of two prompts and batched decode steps; what cannot be split is refused naming the field."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from backends.common.core.config import SHAPES, ModelConfig
+from backends.common.model import loader
+from backends.common.model.batch import Span, build_batch
+from backends.common.model.kv_store import KVStore
+from backends.common.model.model import LlamaModel
+from backends.common.model.tensor_parallel import TPError, TPGroup, check, shard_llama
+
+# 8 query heads over 4 KV heads (4 ranks hold one KV head each), a vocabulary 4 ranks do not divide (padded)
+CFG = ModelConfig(
+    vocab_size=333, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
+    max_position_embeddings=1024, rope_theta=10000.0, eos_token_ids=[2],
+)  # fmt: skip
+PROMPTS = [[(7 * j + 3) % 333 for j in range(19)], [(11 * j + 5) % 333 for j in range(6)]]
+STEPS = 8
+
+
+def run(tp: TPGroup | None) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Each step's logits and the greedy tokens of both prompts: one ragged prefill, then STEPS decode steps."""
+    w = loader.random_weights(CFG, torch.float32, "cpu", seed=7)
+    cfg = CFG
+    if tp is not None:
+        cfg, w = shard_llama(CFG, w, tp)
+    model = LlamaModel(cfg, w, tp=tp)
+    kv = KVStore.allocate(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    slots = [list(range(0, 100)), list(range(100, 200))]
+    ids = [list(p) for p in PROMPTS]
+    logits = model.forward(build_batch([Span(p, 0, s, f"r{i}") for i, (p, s) in enumerate(zip(ids, slots))], "cpu"),
+                           kv)  # fmt: skip
+    seen = [logits.clone()]
+    for _ in range(STEPS):
+        for i, t in enumerate(logits.argmax(-1).tolist()):
+            ids[i].append(t)
+        spans = [Span(p[-1:], len(p) - 1, s, f"r{i}") for i, (p, s) in enumerate(zip(ids, slots))]
+        logits = model.forward(build_batch(spans, "cpu"), kv)
+        seen.append(logits.clone())
+    return seen, [p[len(q) :] for p, q in zip(ids, PROMPTS)]
+
+
+def rank_main(rank: int, size: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        seen, tokens = run(TPGroup(rank, size))
+        torch.save({"logits": seen, "tokens": tokens}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tp_ranks_give_tp1_logits_and_greedy_tokens(size, tmp_path):
+    want_logits, want_tokens = run(None)
+    mp.start_processes(rank_main, args=(size, free_port(), str(tmp_path)), nprocs=size, join=True,
+                       start_method="spawn")  # fmt: skip
+    for rank in range(size):  # every rank computed the whole logits (the LM head's slices gathered)
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["tokens"] == want_tokens
+        for step, (a, b) in enumerate(zip(got["logits"], want_logits)):
+            assert a.shape == b.shape == (2, CFG.vocab_size)
+            err = (a - b).abs().max().item()
+            assert err <= 1e-5 * b.abs().max().item(), (rank, step, err)
+
+
+def test_shards_hold_their_heads_and_vocabulary_rows():
+    w = loader.random_weights(CFG, torch.float32, "cpu", seed=7)
+    local, parts = shard_llama(CFG, w, TPGroup(3, 4))
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 64)
+    p = "model.layers.0."
+    D = CFG.head_dim
+    assert torch.equal(parts[p + "self_attn.q_proj.weight"], w[p + "self_attn.q_proj.weight"][6 * D : 8 * D])
+    assert torch.equal(parts[p + "self_attn.k_proj.weight"], w[p + "self_attn.k_proj.weight"][3 * D : 4 * D])
+    assert torch.equal(parts[p + "self_attn.o_proj.weight"], w[p + "self_attn.o_proj.weight"][:, 6 * D : 8 * D])
+    assert torch.equal(parts[p + "mlp.down_proj.weight"], w[p + "mlp.down_proj.weight"][:, 192:256])
+    emb = parts["model.embed_tokens.weight"]  # rows [252, 336): 81 real, 3 of padding
+    assert emb.shape == (84, CFG.hidden_size) and torch.equal(emb[:81], w["model.embed_tokens.weight"][252:])
+    assert not emb[81:].any()
+
+
+@pytest.mark.parametrize(
+    ("cfg", "size", "field"),
+    [(CFG, 8, "num_kv_heads"), (replace(CFG, num_heads=12, num_kv_heads=4), 8, "num_heads"),
+     (replace(CFG, intermediate_size=250), 4, "intermediate_size"), (SHAPES["tiny-hybrid"], 2, "hybrid")],
+)  # fmt: skip
+def test_what_the_ranks_cannot_split_is_refused_naming_it(cfg, size, field):
+    with pytest.raises(TPError, match=field):
+        check(cfg, size)
