@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from backends.common.core.config import ModelConfig
 from backends.common.model import delta_rule as dr
-from backends.common.model import fp8
+from backends.common.model import fp8, tensor_parallel
 from backends.common.model.batch import ForwardBatch
 from backends.common.model.kv_store import KVStore, StateStore
 
@@ -139,13 +139,16 @@ def stack_router(w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
 
 class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: bool = False,
-                 low_precision_scan: bool | None = None):  # fmt: skip
+                 low_precision_scan: bool | None = None, tp=None):  # fmt: skip
         """kernels: run the gated delta rule with the Triton kernels (kernels.delta_rule), in place in the state
         pages; otherwise with the PyTorch reference, gathering and scattering the pages.
         low_precision_scan: the chunked delta rule's matmuls in one TF32 pass (kernels.delta_rule.chunked's
         low_precision); None (the default) for 16-bit weights, where its 2.4e-4 is below the activations'
         rounding. False keeps TF32x3 (the tests that compare the kernels with the PyTorch model element by
-        element)."""
+        element).
+        tp: a tensor_parallel.TPGroup when cfg and weights are one rank's shard (tensor_parallel.shard_hybrid):
+        the row-parallel projections' sums and the vocabulary slices are combined across the group's ranks."""
+        self.tp = tp
         # fine-grained FP8 projections (fp8.py): products through fp8.linear; MoE experts in the fused kernels'
         # W8A8 form with the kernels (kernels.moe's fp8), else in the per-expert loop
         self.quantized = any(fp8.is_quantized(v) for v in weights.values())
@@ -420,20 +423,26 @@ class HybridModel:
             a = self.full_attention(x, prefix + "self_attn.", kv, kv_layer, batch, rope)
         else:
             a = self.linear_attention(x, prefix + "linear_attn.", state, self.state_index[i], batch)
+        a = self._reduced(a)
         ln2 = w[prefix + "post_attention_layernorm.weight"]
         if self.k_norm is not None:  # h += a and its norm in one launch
             x = self.k_norm.add_rms_norm(a, h, ln2, self.cfg.rms_norm_eps, offset=True)
-            h += self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key)
+            h += self._reduced(self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key))
             return h
         h = h + a
         x = self._norm(h, ln2)
-        return h + self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key)
+        return h + self._reduced(self.mlp(x, prefix + "mlp.", i if mlp_key is None else mlp_key))
+
+    def _reduced(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output (attention, linear attention, MLP or MoE with its shared expert): this rank's
+        partial sum, added across the ranks."""
+        return y if self.tp is None else self.tp.all_reduce(y)
 
     @torch.inference_mode()
     def hidden(self, batch: ForwardBatch, kv: KVStore, state: StateStore) -> torch.Tensor:
         """Final-norm hidden states of every row [T, hidden] (before the LM head)."""
         cfg = self.cfg
-        h = self.w["model.embed_tokens.weight"][batch.input_ids]
+        h = tensor_parallel.embed(self.tp, self.w["model.embed_tokens.weight"], batch.input_ids, cfg.vocab_size)
         for row, rows in batch.embeds or ():  # a prompt's image tokens: the vision tower's rows
             h[row : row + rows.shape[0]] = rows.to(h.dtype)
         rope = self.rope(batch.positions)
@@ -450,7 +459,7 @@ class HybridModel:
     def forward_hidden(self, batch: ForwardBatch, kv: KVStore, state: StateStore):
         """(float32 logits of batch.logits_rows, final-norm hidden states of those rows): what the MTP head reads."""
         h = self.hidden(batch, kv, state)[batch.logits_rows]
-        return F.linear(h, self.lm_head).float(), h
+        return tensor_parallel.lm_logits(self.tp, h, self.lm_head, self.cfg.vocab_size), h
 
     @torch.inference_mode()
     def mtp_logits(self, batch: ForwardBatch, hidden: torch.Tensor, kv: KVStore) -> torch.Tensor:
@@ -459,11 +468,11 @@ class HybridModel:
         Its one full-attention layer keeps K/V in the extra KV layer, at the slots of the main model's positions.
         float32 logits [len(batch.logits_rows), vocab]."""
         cfg, w = self.cfg, self.w
-        e = offset_rms_norm(w["model.embed_tokens.weight"][batch.input_ids], w["mtp.pre_fc_norm_embedding.weight"],
-                            cfg.rms_norm_eps)  # fmt: skip
+        e = tensor_parallel.embed(self.tp, w["model.embed_tokens.weight"], batch.input_ids, cfg.vocab_size)
+        e = offset_rms_norm(e, w["mtp.pre_fc_norm_embedding.weight"], cfg.rms_norm_eps)
         h = offset_rms_norm(hidden.to(e.dtype), w["mtp.pre_fc_norm_hidden.weight"], cfg.rms_norm_eps)
         h = fp8.linear(torch.cat((e, h), dim=-1), w["mtp.fc.weight"])
         rope = self.rope(batch.positions)
         h = self.layer(h, None, "mtp.layers.0.", kv, None, batch, rope, kv_layer=self.mtp_kv_layer, mlp_key="mtp")
         h = offset_rms_norm(h[batch.logits_rows], w["mtp.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return tensor_parallel.lm_logits(self.tp, h, self.lm_head, cfg.vocab_size)

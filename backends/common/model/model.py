@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.common.core.config import ModelConfig
-from backends.common.model import fp8
+from backends.common.model import fp8, tensor_parallel
 from backends.common.model.batch import ForwardBatch
 from backends.common.model.kv_store import KVStore
 
@@ -116,17 +116,10 @@ class LlamaModel:
             gate = self._linear(x, p + "mlp.gate_proj")
             h = h + self._reduced(self._linear(F.silu(gate) * self._linear(x, p + "mlp.up_proj"), p + "mlp.down_proj"))
         h = rms_norm(h[batch.logits_rows], w["model.norm.weight"], cfg.rms_norm_eps)
-        if self.tp is None:
-            return F.linear(h, self.lm_head).float()
-        return self.tp.all_gather_last(F.linear(h, self.lm_head).float())[:, : cfg.vocab_size]
+        return tensor_parallel.lm_logits(self.tp, h, self.lm_head, cfg.vocab_size)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        emb = self.w["model.embed_tokens.weight"]
-        if self.tp is None:
-            return emb[ids]
-        lo, hi = self.tp.vocab_slice(self.cfg.vocab_size)
-        mine = (ids >= lo) & (ids < hi)
-        return self.tp.all_reduce(emb[torch.where(mine, ids - lo, 0)] * mine[:, None].to(emb.dtype))
+        return tensor_parallel.embed(self.tp, self.w["model.embed_tokens.weight"], ids, self.cfg.vocab_size)
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output: this rank's partial sum, added across the ranks."""

@@ -64,15 +64,38 @@ class TPGroup:
         return self.rank * per, (self.rank + 1) * per
 
 
+SPLIT = ("num_heads", "num_kv_heads", "intermediate_size")
+SPLIT_HYBRID = ("linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
+                "shared_expert_intermediate_size")  # fmt: skip
+
+
 def check(cfg: ModelConfig, size: int) -> None:
     """Refuse, naming the field, a model that `size` ranks cannot split."""
     if size < 1:
         raise TPError(f"tp: the ranks of a tensor-parallel group must be 1 or more, got {size}")
-    if cfg.is_hybrid:
-        raise TPError("tp: tensor parallelism covers dense (Llama-family) models so far, not hybrid ones")
-    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+    for field in SPLIT + (SPLIT_HYBRID if cfg.is_hybrid else ()):
         if getattr(cfg, field) % size:
             raise TPError(f"tp: {field} ({getattr(cfg, field)}) is not divisible by the {size} ranks")
+
+
+def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """A rank's config: every split count and width divided by the ranks (the vocabulary stays whole)."""
+    return replace(cfg, **{f: getattr(cfg, f) // size for f in SPLIT + (SPLIT_HYBRID if cfg.is_hybrid else ())})
+
+
+def embed(tp: TPGroup | None, emb: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The embeddings of ids from this rank's vocabulary rows, summed across the ranks (tp None: emb[ids])."""
+    if tp is None:
+        return emb[ids]
+    lo, hi = tp.vocab_slice(vocab)
+    mine = (ids >= lo) & (ids < hi)
+    return tp.all_reduce(emb[torch.where(mine, ids - lo, 0)] * mine[:, None].to(emb.dtype))
+
+
+def lm_logits(tp: TPGroup | None, h: torch.Tensor, lm_head: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 logits [rows, vocab]: this rank's vocabulary slice of them gathered from every rank."""
+    logits = torch.nn.functional.linear(h, lm_head).float()
+    return logits if tp is None else tp.all_gather_last(logits)[:, :vocab]
 
 
 def shard_llama(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelConfig, dict]:
@@ -81,6 +104,8 @@ def shard_llama(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelConf
     from backends.common.model import fp8
 
     check(cfg, tp.size)
+    if cfg.is_hybrid:
+        raise TPError("tp: shard_llama takes dense models; hybrid ones: shard_hybrid")
     if any(fp8.is_quantized(v) for v in weights.values()):
         raise TPError("tp: tensor parallelism does not cover FP8 weights yet")
     n, r = tp.size, tp.rank
@@ -99,16 +124,83 @@ def shard_llama(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelConf
             out[name] = w[:, q_rows].clone()
         elif name.endswith(("gate_proj.weight", "up_proj.weight")):
             out[name] = w[mlp_rows].clone()
-        elif name.endswith("down_proj.weight"):
+        elif name.endswith(("down_proj.weight", "experts.down_proj")):
             out[name] = w[:, mlp_rows].clone()
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            part = torch.zeros(hi - lo, w.shape[1], dtype=w.dtype, device=w.device)
-            part[: max(0, min(hi, w.shape[0]) - lo)] = w[lo:hi]
-            out[name] = part
+            out[name] = _vocab_rows(w, lo, hi)
         elif name.endswith(("o_proj.bias", "down_proj.bias")):
             raise TPError(f"tp: {name}: a bias after a row-parallel projection is not supported")
         else:  # norms: whole on every rank
             out[name] = w.clone()
-    local = replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,
-                    intermediate_size=cfg.intermediate_size // n)  # fmt: skip
-    return local, out
+    return local_config(cfg, n), out
+
+
+def _vocab_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    part = torch.zeros(hi - lo, w.shape[1], dtype=w.dtype, device=w.device)
+    part[: max(0, min(hi, w.shape[0]) - lo)] = w[lo:hi]
+    return part
+
+
+def _part(total: int, tp: TPGroup, offset: int = 0, unit: int = 1) -> torch.Tensor:
+    """Indices of this rank's share of `total` items of `unit` rows each, starting at row `offset`."""
+    per = total // tp.size
+    return offset + torch.arange(tp.rank * per * unit, (tp.rank + 1) * per * unit)
+
+
+def shard_hybrid(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelConfig, dict]:
+    """As shard_llama, for the hybrid family (Qwen3-Next, Qwen3.5, their MoE and MTP head), from the projections
+    as `hybrid_model.fuse_weights` leaves them (call it first: a checkpoint's own names are refused):
+    - full attention: qkv_proj's rows of the rank's query heads, their gates, its KV heads; o_proj's columns;
+    - linear attention: in_proj's rows of the rank's key heads (q, k) and of their value heads (v, z, b, a), the
+      conv's channels of those q, k and v, A_log and dt_bias of the value heads, out_proj's columns; the state
+      pages hold the rank's heads only (the local config sizes them);
+    - MLPs, shared experts and every routed expert: gate and up rows, down columns (experts split by matrix, not
+      by expert: every rank holds every expert's slice, so routing stays whole on each rank);
+    - routers, gates of the shared expert, norms and the MTP head's fc: whole."""
+    from backends.common.model import fp8
+
+    check(cfg, tp.size)
+    if any(fp8.is_quantized(v) for v in weights.values()):
+        raise TPError("tp: tensor parallelism does not cover FP8 weights yet")
+    unfused = ("in_proj_qkvz.weight", "in_proj_qkv.weight", "self_attn.q_proj.weight", "mlp.gate_proj.weight")
+    name = next((n for n in weights if n.endswith(unfused) and ".experts." not in n), None)
+    if name is not None:
+        raise TPError(f"tp: {name}: shard_hybrid takes the fused projections (hybrid_model.fuse_weights first)")
+    D, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    hk, dk, hv, dv = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+                      cfg.linear_value_head_dim)  # fmt: skip
+    qkv = torch.cat([_part(H, tp, 0, D), _part(H, tp, H * D, D), _part(Hkv, tp, 2 * H * D, D),
+                     _part(Hkv, tp, 2 * H * D + Hkv * D, D)])  # fmt: skip
+    kd, vd = hk * dk, hv * dv
+    conv = torch.cat([_part(hk, tp, 0, dk), _part(hk, tp, kd, dk), _part(hv, tp, 2 * kd, dv)])
+    in_proj = torch.cat([conv, _part(hv, tp, 2 * kd + vd, dv), _part(hv, tp, 2 * kd + 2 * vd),
+                         _part(hv, tp, 2 * kd + 2 * vd + hv)])  # fmt: skip
+    lo, hi = tp.vocab_slice(cfg.vocab_size)
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+            out[name] = w[qkv].clone()
+        elif name.endswith("self_attn.o_proj.weight"):
+            out[name] = w[:, _part(H, tp, 0, D)].clone()
+        elif name.endswith("linear_attn.in_proj.weight"):
+            out[name] = w[in_proj].clone()
+        elif name.endswith("linear_attn.conv1d.weight"):
+            out[name] = w[conv].clone()
+        elif name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+            out[name] = w[_part(hv, tp)].clone()
+        elif name.endswith("linear_attn.out_proj.weight"):
+            out[name] = w[:, _part(hv, tp, 0, dv)].clone()
+        elif name.endswith(("gate_up_proj.weight", "experts.gate_up_proj")):  # [gate | up] rows ([E, 2I, H] too)
+            width = w.shape[-2] // 2
+            out[name] = w[..., torch.cat([_part(width, tp), _part(width, tp, width)]), :].clone()
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):  # a routed expert's own names
+            out[name] = w[..., _part(w.shape[-2], tp), :].clone()
+        elif name.endswith(("down_proj.weight", "experts.down_proj")):
+            out[name] = w[..., _part(w.shape[-1], tp)].clone()
+        elif name.endswith(("o_proj.bias", "down_proj.bias", "out_proj.bias")):
+            raise TPError(f"tp: {name}: a bias after a row-parallel projection is not supported")
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = _vocab_rows(w, lo, hi)
+        else:  # norms, routers, the shared expert's gate, the MTP head's fc: whole on every rank
+            out[name] = w.clone()
+    return local_config(cfg, tp.size), out
