@@ -19,7 +19,9 @@ over experts and no host synchronisation (so it can be captured in a CUDA graph)
   atomics) and adds the shared expert's sigmoid-gated output.
 
 Weights as the checkpoints stack them (backends.common.model.hybrid_model.stack_experts): gate_up [E, 2I, H] (gate rows,
-then up rows), down [E, H, I]. The PyTorch reference is HybridModel.mlp's loop over experts."""
+then up rows), down [E, H, I]. The PyTorch reference is HybridModel.mlp's loop over experts. Fine-grained FP8
+experts (`routed(..., fp8=...)`): the two grouped GEMMs read e4m3 tiles and their block scales and quantize their
+activation tiles per row and block (kernels.fp8's W8A8 scheme); they always take the grouped path."""
 
 from __future__ import annotations
 

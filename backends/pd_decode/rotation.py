@@ -69,7 +69,6 @@ class Rotation:
             self._pause(r, plan)
             plan.rotated.append(r)
             self.num_rotations += 1
-        self.num_turns += 1
         self._last_turn = now
 
     def _next_turn_at(self) -> float:

@@ -148,7 +148,6 @@ class DecodeScheduler(Admission, PauseRecovery, Rotation, HostCopies, Invariants
             raise ValueError(f"turns_per_wait must be >= 0, got {turns_per_wait}")
         self.turns_per_wait = turns_per_wait
         self._last_turn = -math.inf  # when the last turn paused requests for a paused one
-        self.num_turns = 0
         self.prefetch_margin, self.prefetch_min = prefetch_margin, prefetch_min
         self.num_prefetches = 0
         self._prefetched: dict[str, float] = {}  # rid -> the pause (its paused_at) its one prefetch was made in
