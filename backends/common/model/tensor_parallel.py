@@ -10,13 +10,16 @@ What is split how (rank r of n):
 - embeddings and LM head: vocabulary-parallel, each rank the rows [r V', (r+1) V') with V' = ceil(V / n) (the last
   slice padded with zero rows): a token outside a rank's slice embeds to zero there and the embeddings are summed
   across the ranks; the LM head's logits of each slice gathered and the padding dropped;
-- norms (and q/k norms, per head_dim) on every rank whole.
+- norms (and q/k norms, per head_dim) on every rank whole;
+- hybrid models (`shard_hybrid`): gated attention as above with each head's gate; linear attention by key heads
+  and the value heads that belong to them (its state pages hold the rank's heads); MoE experts by matrix (gate
+  and up rows, down columns of every expert; the router whole, so every rank routes every token as one process).
 
 So a layer costs two all-reduces of [tokens, hidden] and the LM head one all-gather of [rows, V'] per rank. The
 sums across ranks add the same terms in another order than one process does: logits agree within float
 tolerance, not bit for bit (deterministic mode is not covered). The head counts and the MLP's width must divide
 by n (a rank holds whole heads; KV heads are not replicated across ranks yet, so Hkv >= n); the vocabulary is
-padded. `LlamaModel(..., tp=group)` runs a rank's shard (`shard_llama`)."""
+padded. `LlamaModel(..., tp=group)` and `HybridModel(..., tp=group)` run a rank's shard."""
 
 from __future__ import annotations
 
