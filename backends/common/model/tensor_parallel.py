@@ -104,50 +104,21 @@ def lm_logits(tp: TPGroup | None, h: torch.Tensor, lm_head: torch.Tensor, vocab:
 def shard_llama(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelConfig, dict]:
     """(this rank's config, this rank's weights) of a dense model's whole weights: the config's head counts and
     MLP width are the rank's own; `weights` is left as it is (the shards are copies: the whole can be freed)."""
-    from backends.common.model import fp8
-
-    check(cfg, tp.size)
+    _refuse(cfg, weights, tp)
     if cfg.is_hybrid:
         raise TPError("tp: shard_llama takes dense models; hybrid ones: shard_hybrid")
-    if any(fp8.is_quantized(v) for v in weights.values()):
-        raise TPError("tp: tensor parallelism does not cover FP8 weights yet")
-    n, r = tp.size, tp.rank
-    D = cfg.head_dim
-    q_rows = slice(r * cfg.num_heads // n * D, (r + 1) * cfg.num_heads // n * D)
-    kv_rows = slice(r * cfg.num_kv_heads // n * D, (r + 1) * cfg.num_kv_heads // n * D)
-    mlp_rows = slice(r * cfg.intermediate_size // n, (r + 1) * cfg.intermediate_size // n)
-    lo, hi = tp.vocab_slice(cfg.vocab_size)
-    out = {}
-    for name, w in weights.items():
+    D, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+
+    def attention(name: str, w: torch.Tensor) -> torch.Tensor | None:
         if name.endswith(("q_proj.weight", "q_proj.bias")):
-            out[name] = w[q_rows].clone()
-        elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            out[name] = w[kv_rows].clone()
-        elif name.endswith("o_proj.weight"):
-            out[name] = w[:, q_rows].clone()
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-            out[name] = w[mlp_rows].clone()
-        elif name.endswith(("down_proj.weight", "experts.down_proj")):
-            out[name] = w[:, mlp_rows].clone()
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = _vocab_rows(w, lo, hi)
-        elif name.endswith(("o_proj.bias", "down_proj.bias")):
-            raise TPError(f"tp: {name}: a bias after a row-parallel projection is not supported")
-        else:  # norms: whole on every rank
-            out[name] = w.clone()
-    return local_config(cfg, n), out
+            return w[_part(H, tp, 0, D)]
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            return w[_part(Hkv, tp, 0, D)]
+        if name.endswith("o_proj.weight"):
+            return w[:, _part(H, tp, 0, D)]
+        return None
 
-
-def _vocab_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    part = torch.zeros(hi - lo, w.shape[1], dtype=w.dtype, device=w.device)
-    part[: max(0, min(hi, w.shape[0]) - lo)] = w[lo:hi]
-    return part
-
-
-def _part(total: int, tp: TPGroup, offset: int = 0, unit: int = 1) -> torch.Tensor:
-    """Indices of this rank's share of `total` items of `unit` rows each, starting at row `offset`."""
-    per = total // tp.size
-    return offset + torch.arange(tp.rank * per * unit, (tp.rank + 1) * per * unit)
+    return local_config(cfg, tp.size), _shard(cfg, weights, tp, attention)
 
 
 def shard_hybrid(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelConfig, dict]:
@@ -160,11 +131,7 @@ def shard_hybrid(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelCon
     - MLPs, shared experts and every routed expert: gate and up rows, down columns (experts split by matrix, not
       by expert: every rank holds every expert's slice, so routing stays whole on each rank);
     - routers, gates of the shared expert, norms and the MTP head's fc: whole."""
-    from backends.common.model import fp8
-
-    check(cfg, tp.size)
-    if any(fp8.is_quantized(v) for v in weights.values()):
-        raise TPError("tp: tensor parallelism does not cover FP8 weights yet")
+    _refuse(cfg, weights, tp)
     unfused = ("in_proj_qkvz.weight", "in_proj_qkv.weight", "self_attn.q_proj.weight", "mlp.gate_proj.weight")
     name = next((n for n in weights if n.endswith(unfused) and ".experts." not in n), None)
     if name is not None:
@@ -178,25 +145,39 @@ def shard_hybrid(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelCon
     conv = torch.cat([_part(hk, tp, 0, dk), _part(hk, tp, kd, dk), _part(hv, tp, 2 * kd, dv)])
     in_proj = torch.cat([conv, _part(hv, tp, 2 * kd + vd, dv), _part(hv, tp, 2 * kd + 2 * vd),
                          _part(hv, tp, 2 * kd + 2 * vd + hv)])  # fmt: skip
+
+    def attention(name: str, w: torch.Tensor) -> torch.Tensor | None:
+        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+            return w[qkv]
+        if name.endswith("self_attn.o_proj.weight"):
+            return w[:, _part(H, tp, 0, D)]
+        if name.endswith("linear_attn.in_proj.weight"):
+            return w[in_proj]
+        if name.endswith("linear_attn.conv1d.weight"):
+            return w[conv]
+        if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+            return w[_part(hv, tp)]
+        if name.endswith("linear_attn.out_proj.weight"):
+            return w[:, _part(hv, tp, 0, dv)]
+        return None
+
+    return local_config(cfg, tp.size), _shard(cfg, weights, tp, attention)
+
+
+def _shard(cfg: ModelConfig, weights: dict, tp: TPGroup, attention) -> dict:
+    """Every weight's shard for this rank (copies): `attention(name, w)` for a family's attention layers (None: not
+    one of them); then what both families split alike (MLPs, shared and routed experts: gate and up rows, down
+    columns; embeddings and LM head: vocabulary rows); everything else (norms, routers, gates) whole."""
     lo, hi = tp.vocab_slice(cfg.vocab_size)
     out = {}
     for name, w in weights.items():
-        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
-            out[name] = w[qkv].clone()
-        elif name.endswith("self_attn.o_proj.weight"):
-            out[name] = w[:, _part(H, tp, 0, D)].clone()
-        elif name.endswith("linear_attn.in_proj.weight"):
-            out[name] = w[in_proj].clone()
-        elif name.endswith("linear_attn.conv1d.weight"):
-            out[name] = w[conv].clone()
-        elif name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
-            out[name] = w[_part(hv, tp)].clone()
-        elif name.endswith("linear_attn.out_proj.weight"):
-            out[name] = w[:, _part(hv, tp, 0, dv)].clone()
+        part = attention(name, w)
+        if part is not None:
+            out[name] = part.clone()
         elif name.endswith(("gate_up_proj.weight", "experts.gate_up_proj")):  # [gate | up] rows ([E, 2I, H] too)
             width = w.shape[-2] // 2
             out[name] = w[..., torch.cat([_part(width, tp), _part(width, tp, width)]), :].clone()
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")):  # a routed expert's own names
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):  # unfused, or a routed expert's own names
             out[name] = w[..., _part(w.shape[-2], tp), :].clone()
         elif name.endswith(("down_proj.weight", "experts.down_proj")):
             out[name] = w[..., _part(w.shape[-1], tp)].clone()
@@ -206,4 +187,25 @@ def shard_hybrid(cfg: ModelConfig, weights: dict, tp: TPGroup) -> tuple[ModelCon
             out[name] = _vocab_rows(w, lo, hi)
         else:  # norms, routers, the shared expert's gate, the MTP head's fc: whole on every rank
             out[name] = w.clone()
-    return local_config(cfg, tp.size), out
+    return out
+
+
+def _refuse(cfg: ModelConfig, weights: dict, tp: TPGroup) -> None:
+    """What no family's shard takes: widths the ranks cannot split, FP8 weights."""
+    from backends.common.model import fp8
+
+    check(cfg, tp.size)
+    if any(fp8.is_quantized(v) for v in weights.values()):
+        raise TPError("tp: tensor parallelism does not cover FP8 weights yet")
+
+
+def _vocab_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    part = torch.zeros(hi - lo, w.shape[1], dtype=w.dtype, device=w.device)
+    part[: max(0, min(hi, w.shape[0]) - lo)] = w[lo:hi]
+    return part
+
+
+def _part(total: int, tp: TPGroup, offset: int = 0, unit: int = 1) -> torch.Tensor:
+    """Indices of this rank's share of `total` items of `unit` rows each, starting at row `offset`."""
+    per = total // tp.size
+    return offset + torch.arange(tp.rank * per * unit, (tp.rank + 1) * per * unit)
