@@ -58,8 +58,10 @@ def percentile(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))]
 
 
-def summarize(seconds: float, before: dict, after: dict, load: dict, ttft: list[float], gaps: list[float]) -> dict:
-    """One policy's row from the counters and the load's snapshot at the start and the end of the measured span."""
+def summarize(seconds: float, before: dict, after: dict, end_counts: dict, ttft: list[float],
+              gaps: list[float]) -> dict:  # fmt: skip
+    """One policy's row from the counters and the load's snapshot at the start and the end of the measured span;
+    end_counts: decode's gauges after the drain."""
     d = {k: after[k] - before[k] for k in before}
     tokens = d["tokens"]
     return {
@@ -73,7 +75,7 @@ def summarize(seconds: float, before: dict, after: dict, load: dict, ttft: list[
         "swapped_in_per_s": d["swapped_in"] / seconds if seconds > 0 else float("nan"),
         "swapped_out_per_s": d["swapped_out"] / seconds if seconds > 0 else float("nan"),
         "swapped_in_per_token": d["swapped_in"] / tokens if tokens else float("nan"),
-        "end_counts": load.get("end_counts", {}),
+        "end_counts": end_counts,
     }  # fmt: skip
 
 
@@ -140,7 +142,7 @@ def run_policy(policy: str, a, deadline: float) -> dict:
             gauges = server.read_metrics(GAUGES)
         with load.lock:
             ttft, gaps = list(load.ttft), list(load.gaps)
-        row = summarize(m1 - m0, c0 | s0, c1 | s1, {"end_counts": gauges}, ttft, gaps)
+        row = summarize(m1 - m0, c0 | s0, c1 | s1, gauges, ttft, gaps)
         row["error_samples"] = load.error_samples
         return row
     finally:

@@ -20,7 +20,7 @@ def row(tokens_per_s, swap_ratio, gaps, end=ZERO, errors=0):
     before = counters(1000, 500)
     after = counters(1000 + 10 * tokens_per_s, 500 + int(10 * tokens_per_s * swap_ratio), pauses=5, finished=7,
                      errors=errors)  # fmt: skip
-    return summarize(10.0, before, after, {"end_counts": end}, [0.2, 0.4], gaps)
+    return summarize(10.0, before, after, end, [0.2, 0.4], gaps)
 
 
 def test_a_row_is_the_span_between_its_two_snapshots():
