@@ -119,7 +119,11 @@ def simulate(a: argparse.Namespace, users: int, policy: dict) -> dict:
             break
         if clock.t > a.duration + a.drain_limit:
             raise RuntimeError(f"not drained {a.drain_limit} s after the load stopped: {s.counts()}")
-        if not stopping:
+        if stopping:  # the users have stopped: every open answer is cancelled, as the soak's end does
+            for rid in list(owner):
+                if s.cancel(rid) is not None:
+                    end(rid, True)
+        else:
             for user in people:
                 t = idle_until[user.u]
                 if t is not None and t <= clock.t:
@@ -170,18 +174,10 @@ def simulate(a: argparse.Namespace, users: int, policy: dict) -> dict:
                 s.after_decode(req, 7)
                 deliver(req.rid)
                 check_end(s, req.rid, owner, end)
-            if stopping:  # the users have stopped: every open answer is cancelled, as the soak's end does
-                for rid in list(owner):
-                    if s.cancel(rid) is not None:
-                        end(rid, True)
         elif pending:
             clock.t = max(clock.t, min(t for t, _ in pending))
         else:
             clock.t += 0.001
-            if stopping:
-                for rid in list(owner):
-                    if s.cancel(rid) is not None:
-                        end(rid, True)
     measured = a.duration - a.warmup
     free, used, cached = s.accounting()
     return {
