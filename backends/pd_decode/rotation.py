@@ -28,8 +28,9 @@ class Rotation:
         if not paused or now - paused[0].paused_at < self.turn_wait:
             return
         head = paused[0]
-        if now < self._next_turn_at():  # the turns' bound: each paused stream waits longer, no turn comes sooner
-            self._turn_retry = (head.rid, head.paused_at, self._next_turn_at())
+        next_turn = self._next_turn_at()
+        if now < next_turn:  # the turns' bound: each paused stream waits longer, no turn comes sooner
+            self._turn_retry = (head.rid, head.paused_at, next_turn)
             return
         if self._prefetching(head):  # its slots are being written: its turn comes once the copy has answered
             self._turn_retry = (head.rid, head.paused_at, math.inf)
