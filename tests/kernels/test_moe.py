@@ -21,12 +21,13 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TOL = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
 
 
-def loop_reference(x, top_i, top_w, gate_up, down):
-    out = torch.zeros_like(x, dtype=torch.float32)
+def loop_reference(x, top_i, top_w, gate_up, down, linear=lambda a, w: F.linear(a, w.float())):
+    """HybridModel.mlp's routed part, in float32; linear(x, an expert's matrix) is each product."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in top_i.unique().tolist():
         tok, slot = torch.where(top_i == e)
-        g, u = F.linear(x[tok].float(), gate_up[e].float()).chunk(2, dim=-1)
-        out.index_add_(0, tok, F.linear(F.silu(g) * u, down[e].float()) * top_w[tok, slot, None].float())
+        g, u = linear(x[tok].float(), gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, tok, linear(F.silu(g) * u, down[e]) * top_w[tok, slot, None].float())
     return out
 
 
@@ -137,11 +138,7 @@ def test_fp8_experts_equal_the_loop_over_the_w8a8_scheme(T, E, K, H, I, group): 
     gate_up = fp8.quantize((torch.randn(E, 2 * I, H, generator=g) * 0.1).to(DEVICE), (32, group))
     down = fp8.quantize((torch.randn(E, H, I, generator=g) * 0.1).to(DEVICE), (32, group))
     got = moe.routed(x, top_i, top_w, gate_up.q, down.q, fp8=(gate_up.scale, down.scale, group))
-    want = torch.zeros(T, H, dtype=torch.float32, device=DEVICE)
-    for e in top_i.unique().tolist():
-        tok, slot = torch.where(top_i == e)
-        gg, u = fp8.linear(x[tok].float(), gate_up[e], kernel=False).chunk(2, dim=-1)
-        want.index_add_(0, tok, fp8.linear(F.silu(gg) * u, down[e], kernel=False) * top_w[tok, slot, None].float())
+    want = loop_reference(x, top_i, top_w, gate_up, down, linear=lambda a, w: fp8.linear(a, w, kernel=False))
     acc = 2e-3 if DEVICE == "cuda" else 1e-5  # relative to the largest output (the FP8 tensor cores: test_fp8_kernel)
     err = (got.float() - want).abs().max() / want.abs().max()
     assert err <= acc, err
