@@ -28,7 +28,7 @@ class Rotation:
         if not paused or now - paused[0].paused_at < self.turn_wait:
             return
         head = paused[0]
-        next_turn = self._next_turn_at()
+        next_turn = self._next_turn_at(len(paused))
         if now < next_turn:  # the turns' bound: each paused stream waits longer, no turn comes sooner
             self._turn_retry = (head.rid, head.paused_at, next_turn)
             return
@@ -72,13 +72,16 @@ class Rotation:
             self.num_rotations += 1
         self._last_turn = now
 
-    def _next_turn_at(self) -> float:
-        """The earliest time of the next turn under the turns' bound: at most `turns_per_wait` turns in any
-        `turn_wait` seconds, so that under a sustained overload (many paused, each turn swapping an answer's K/V
-        back in) a turn's swap is paid for by longer runs, while a few streams taking turns are not slowed."""
+    def _next_turn_at(self, paused: int) -> float:
+        """The earliest time of the next turn under the turns' bound, with `paused` requests paused: while they
+        are at most `turns_per_wait`, up to that many turns in any `turn_wait` seconds (each paused stream waits
+        about turn_wait: a few streams taking turns are not slowed); with more paused, a sustained overload, one
+        turn per `turn_wait`, so that the K/V a turn swaps back in is paid for by a longer run instead of
+        thrashing (perf/scenario.py overload-sim, perf/soak.py policies)."""
         if self.turns_per_wait <= 0:
             return -math.inf
-        return self._last_turn + self.turn_wait / self.turns_per_wait
+        per_wait = self.turns_per_wait if paused <= self.turns_per_wait else 1
+        return self._last_turn + self.turn_wait / per_wait
 
     def _prefetch(self, plan: Plan) -> None:
         """Rotating with a host tier: half a quantum before the next paused request's turn, if it still does not
@@ -154,7 +157,7 @@ class Rotation:
         # a turn needs the head to have waited turn_wait and a running request to have run a quantum; its
         # prefetch starts half a quantum before the head's wait is over
         head, running = paused[0], self.by_state(ReqState.RUNNING)
-        due = max(head.paused_at + self.turn_wait, self._next_turn_at())
+        due = max(head.paused_at + self.turn_wait, self._next_turn_at(len(paused)))
         if running:
             due = max(due, min(r.running_since for r in running) + self.quantum)
         key = (head.rid, head.paused_at)

@@ -30,10 +30,11 @@ fit, requests that have run for at least `quantum` since they last resumed are p
 default those holding the fewest positions: the ones furthest along keep running and finish, and each turn swaps
 the least K/V back), and paused requests recover strictly in the order they paused. With k requests paused, turns
 come about every max(quantum, turn_wait / k) and a paused stream waits about turn_wait while the pool is
-over-committed: few streams taking turns pay for few turns. At most `turns_per_wait` turns come in any `turn_wait`
-seconds: under a sustained overload (many paused) each then waits about k * turn_wait / turns_per_wait, and runs
-longer once resumed, so that the K/V swapped back in at each turn is paid for by more tokens instead of thrashing
-(perf/scenario.py overload-sim: swap-ins per output token, throughput against plain and restart).
+over-committed: few streams taking turns pay for few turns. While at most `turns_per_wait` are paused, up to that
+many turns come in any `turn_wait` seconds; with more paused, a sustained overload, one turn per `turn_wait`: each
+paused stream then waits about k * turn_wait and runs longer once resumed, so that the K/V swapped back in at each
+turn is paid for by more tokens instead of thrashing (perf/scenario.py overload-sim and perf/soak.py policies:
+throughput against plain and restart, swap-ins per output token).
 With a host tier, the next paused request's positions are copied back ahead of its turn into slots that are free
 or hold evictable cache (`Plan.swap_ins`, jobs with `prefetch`): it stays paused, and when the copy answers those
 positions go to the cache like a paused request's own KV, so at its turn they are a local hit and only the rest is
@@ -106,8 +107,9 @@ class DecodeScheduler(Admission, PauseRecovery, Rotation, HostCopies, Invariants
         then (None: no prefetch); prefetch_min: a smaller prefetch (unless it is all that is missing) is not worth
         a copy's overhead. turn_wait: with rotation, how long the longest-paused request waits before it takes
         running requests' place (never less than `quantum`); rotation_victims: which running requests give way
-        (see `_rotate`); turns_per_wait: with rotation, at most this many turns in any `turn_wait` seconds (0: no
-        bound), so that with k requests paused each waits about max(turn_wait, k * turn_wait / turns_per_wait)."""
+        (see `_rotate`); turns_per_wait: with rotation and at most this many requests paused, at most this many
+        turns in any `turn_wait` seconds; with more paused, one (0: no bound); so that with k requests paused each
+        waits about turn_wait while k <= turns_per_wait, and k * turn_wait beyond."""
         if pause_policy not in ("latest", "oldest", "longest"):
             raise ValueError(f"pause_policy must be latest, oldest or longest, got {pause_policy!r}")
         if rotation_victims not in ("smallest", "longest-running"):

@@ -303,7 +303,8 @@ def test_a_longer_turn_wait_pays_for_fewer_turns_within_its_bound():
 
 def crowd(turns_per_wait, n=12):
     """A sustained overload scaled down: twelve answers of 5 + 60 tokens on a pool that holds about three of them,
-    so about nine are paused at once (a step is 10 ms of the fake clock)."""
+    so about nine are paused at once (a step is 10 ms of the fake clock). Returns the sim and each turn's (time,
+    requests paused when it came)."""
     sim = Sim(pool=200, host=2000, quantum=0.03, turn_wait=0.1, max_tokens=60, turns_per_wait=turns_per_wait)
     for i in range(n):
         sim.add(f"c{i}", 5, base=100 * i)
@@ -311,26 +312,53 @@ def crowd(turns_per_wait, n=12):
     for _ in range(20000):
         if sim.s.idle():
             break
+        paused = len(sim.s.by_state(ReqState.PAUSED))
         if sim.step().rotated:
-            turns.append(sim.clock.t)
+            turns.append((sim.clock.t, paused))
     assert sim.s.idle(), sim.s.counts()
     return sim, turns
 
 
 def test_the_turns_bound_spaces_turns_and_swaps_back_less_under_a_crowd():
     """--rotation-turns: with many paused, a turn every turn_wait / k swaps an answer's K/V back in at almost every
-    step; bounded to 2 turns per turn_wait, turns come at least turn_wait / 2 apart, each resumed answer runs longer,
-    fewer tokens are swapped in, the answers are the same and each paused one still gets its turns."""
+    step. Bounded (turns_per_wait 2): while more than 2 are paused, turns come at least turn_wait apart, and with 2
+    or fewer at least turn_wait / 2; each resumed answer runs longer, fewer tokens are swapped in, the answers are
+    the same and each paused one still gets its turns."""
     free, bounded = crowd(0), crowd(2)
     ref = reference([(f"c{i}", 5, 100 * i) for i in range(12)], max_tokens=60)
     (fs, ft), (bs, bt) = free, bounded
     assert fs.done == ref and bs.done == ref
-    assert min(b - a for a, b in zip(bt, bt[1:])) >= 0.05 - 1e-9, bt
-    assert min(b - a for a, b in zip(ft, ft[1:])) < 0.05  # without the bound turns come closer
+    spacing = [(b - a, k) for (a, _), (b, k) in zip(bt, bt[1:])]
+    assert all(d >= (0.1 if k > 2 else 0.05) - 1e-9 for d, k in spacing), spacing
+    assert any(k > 2 for _, k in spacing)  # the crowd's rule was exercised
+    assert min(b - a for (a, _), (b, _) in zip(ft, ft[1:])) < 0.05  # without the bound turns come closer
     assert len(bt) >= 10 and len(bt) <= 0.6 * len(ft), (len(bt), len(ft))
     assert bs.s.swapped_tokens["in"] <= 0.6 * fs.s.swapped_tokens["in"], (bs.s.swapped_tokens, fs.s.swapped_tokens)
-    assert max(bs.max_gap(r) for r in ref) <= 12 * 0.1 / 2  # about k * turn_wait / turns at most
+    assert max(bs.max_gap(r) for r in ref) <= 12 * 0.1  # about k * turn_wait at most
     assert bs.s.host_accounting() == (2000, 0) and fs.s.host_accounting() == (2000, 0)
+
+
+def test_a_few_paused_streams_take_turns_as_often_as_unbounded():
+    """The seed scenario's shape at small scale (four answers on a pool for two, so at most two paused, fewer than
+    turns_per_wait): the bound changes nothing: the same turns at the same times, each paused stream waiting about
+    turn_wait."""
+    runs = []
+    for turns_per_wait in (0, 4):
+        sim = Sim(pool=300, host=2000, quantum=0.03, turn_wait=0.1, max_tokens=120, turns_per_wait=turns_per_wait)
+        for i in range(4):
+            sim.add(f"f{i}", 10, base=1000 * i)
+        turns = []
+        for _ in range(20000):
+            if sim.s.idle():
+                break
+            if sim.step().rotated:
+                turns.append(sim.clock.t)
+        runs.append((sim, turns))
+    (free, ft), (bounded, bt) = runs
+    ref = reference([(f"f{i}", 10, 1000 * i) for i in range(4)], max_tokens=120)
+    assert free.done == bounded.done == ref
+    assert len(bt) >= 5 and bt == ft
+    assert max(bounded.max_gap(r) for r in ref) <= 0.1 + 0.05
 
 
 def test_smallest_victims_let_the_longest_answer_run_and_swap_back_less():

@@ -186,15 +186,16 @@ class DecodeConfig(RoleConfig):
         0.3,
         "seconds: rotating, the longest-paused request takes its turn once it has waited this long (never less "
         "than --rotation-quantum). With k requests paused turns come about every max(quantum, wait / k), so a few "
-        "streams taking turns pay for fewer turns while each still waits about this long, and never more than "
-        "--rotation-turns per wait; 0: a quantum",
+        "streams taking turns pay for fewer turns while each still waits about this long (within "
+        "--rotation-turns); 0: a quantum",
         minimum=0.0,
     )
     rotation_turns: int = opt(
         4,
-        "rotating, at most this many turns in any --rotation-wait seconds: with k requests paused each waits about "
-        "max(wait, k x wait / turns), so under a sustained overload a turn's swap-in is paid for by longer runs "
-        "instead of thrashing, while a few streams taking turns are not slowed; 0: no bound",
+        "rotating: while at most this many requests are paused, up to this many turns in any --rotation-wait "
+        "seconds, so each waits about the wait; with more paused (a sustained overload) one turn per wait, so "
+        "each of k paused waits about k x wait and a turn's swap-in is paid for by a longer run instead of "
+        "thrashing; 0: no bound",
         minimum=0,
     )
     rotation_victims: str = opt(
