@@ -64,7 +64,14 @@ def generate_offline(a: argparse.Namespace, params: SamplingParams) -> dict:
 
     loader.resolve(a.model)  # fail fast on a bad model spec, before loading anything
     engine = Engine(a.model, dtype=a.dtype, device=a.device, kv_tokens=a.kv_tokens, deterministic=a.deterministic,
-                    quantization=a.quantization)  # fmt: skip
+                    quantization=a.quantization, tp=a.tp)  # fmt: skip
+    try:
+        return _generate_with(engine, a, params)
+    finally:
+        engine.close()
+
+
+def _generate_with(engine, a: argparse.Namespace, params: SamplingParams) -> dict:
     tok = engine.tokenizer
     images = [_read_image(path) for path in a.image]
     if images:
@@ -136,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="offline: fp8 converts a 16-bit checkpoint's projections to fine-grained FP8 at load (serve's "
         "--quantization)",
     )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="offline, CPU: tensor parallelism over this many processes (default 1; the model's head counts and "
+        "widths must divide by it)",
+    )
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -151,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .common.core.request import ParamError
     from .common.engine.engine import EngineError
+    from .common.engine.tp_ranks import RankError
     from .common.model.loader import ModelError
+    from .common.model.tensor_parallel import TPError
     from .common.model.tokenizer import TemplateError
 
     try:
         return args.func(args)
-    except (CLIError, ModelError, ParamError, EngineError, TemplateError) as e:
+    except (CLIError, ModelError, ParamError, EngineError, TemplateError, TPError, RankError) as e:
         print(f"triton-pd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

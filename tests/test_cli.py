@@ -75,6 +75,7 @@ def test_offline_generate_plain_length():
                 (["--top-p", "0"], "top_p: must be in (0, 1]"),
                 (["--temperature", "-1"], "temperature: must be a number >= 0"),
                 (["--prompt-file-too-long"], "prompt: has"),
+                (["--model", "random:smollm2-135m", "--tp", "2"], "num_heads (9) is not divisible by the 2 ranks"),
             ]
         ),
     ],

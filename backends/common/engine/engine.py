@@ -59,14 +59,16 @@ class Engine:
         state_pages: int | None = None,
         deterministic: bool = False,
         quantization: str = "",
+        tp: int = 1,
     ):
         """The engine of the offline path and of prefill: a multimodal checkpoint's vision tower is loaded too
-        (`add_request`'s images). quantization: ModelRunner's ("fp8": a 16-bit checkpoint converted at load)."""
+        (`add_request`'s images). quantization: ModelRunner's ("fp8": a 16-bit checkpoint converted at load).
+        tp: ModelRunner's (tensor parallelism over that many processes, the PyTorch path; `close()` stops them)."""
         self.overlap = overlap
         self._pending: LaunchedStep | None = None
         self.runner = ModelRunner(
             model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs,
-            state_pages=state_pages, deterministic=deterministic, vision=True, quantization=quantization,
+            state_pages=state_pages, deterministic=deterministic, vision=True, quantization=quantization, tp=tp,
         )  # fmt: skip
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings
@@ -236,6 +238,10 @@ class Engine:
             req.state, req.finish_reason = ReqState.FINISHED, reason
             return
         self._finish(req, reason)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker ranks (nothing otherwise)."""
+        self.runner.close()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], images: list | None = None

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from backends.common.engine.tp_ranks import FORWARD, STATE_OPS, encode_spans
 from backends.common.model import loader
 from backends.common.model.batch import Span, build_batch
 from backends.common.model.kv_store import KVStore, StateStore
@@ -100,6 +101,8 @@ class ModelRunner:
         vision: bool = False,
         quantization: str = "",
         memory_fraction: float | None = None,
+        tp: int = 1,
+        tp_rank: int = 0,
     ):
         """deterministic: batch-invariant kernels on the GPU path (kernels.invariant; dense models only: a hybrid
         model on the GPU path is refused with loader.ModelError). The CPU path is exact without them.
@@ -111,11 +114,18 @@ class ModelRunner:
         checkpoint or a random `-fp8` shape is FP8 without it): backends/common/model/fp8.py.
         memory_fraction (a CUDA device, a hybrid model, state_pages not given): the state pages are cut so that this
         process's weights, KV pool and state pages stay within this fraction of the GPU's memory
-        (`state_pages_within`); decode passes its --kv-memory-fraction."""
+        (`state_pages_within`); decode passes its --kv-memory-fraction.
+        tp: tensor parallelism over that many ranks, one process each (the PyTorch path, CPU, for now): this
+        process is rank 0 and starts the others (backends/common/engine/tp_ranks.py), every forward broadcasts its
+        spans to them, and each rank holds its shard, K/V heads and state pages; `close()` stops them. tp_rank: a
+        worker rank's own (tp_ranks.main passes it; it starts nothing)."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)
         self.cfg = loader.load_config(self.source)
+        self.ranks = None  # rank 0 of a tensor-parallel instance: its workers (tp_ranks.Ranks)
+        self.tp = self._start_ranks(model_spec, dtype, kv_tokens, max_batch, state_pages, quantization, backend,
+                                    vision, tp, tp_rank)  # fmt: skip
         self.tokenizer = loader.load_tokenizer(self.source)
         self.quantization = quantization or self.cfg.quantization
         if self.quantization and self.device.type == "cpu" and self.dtype == torch.float32:
@@ -130,7 +140,7 @@ class ModelRunner:
                 f"{model_spec}: deterministic mode covers 16-bit and float32 weights; FP8 weights are not covered"
             )
         self.vision_missing = "it has no vision tower: text only"  # why `vision` is None, for a refusal
-        self.vision, self.images = self._load_vision() if vision else (None, None)
+        self.vision, self.images = self._load_vision() if vision and self.tp is None else (None, None)
         cfg = self.cfg
         self.state: StateStore | None = None
         self.num_state_pages = 0
@@ -145,6 +155,10 @@ class ModelRunner:
                               state_shm_name, graph_sizes, memory_fraction)  # fmt: skip
             return
         self.backend = pick_backend(backend, self.device)
+        if self.tp is not None:
+            from backends.common.model.tensor_parallel import shard_llama
+
+            cfg, weights = shard_llama(cfg, weights, self.tp)
         # the GPU path keeps one extra slot that padded graph rows read and write
         extra = 1 if self.backend == "triton" else 0
         self.kv = KVStore.allocate(
@@ -160,7 +174,36 @@ class ModelRunner:
                 graph_sizes=None if not cuda_graphs else graph_sizes, deterministic=deterministic,
             )  # fmt: skip
         else:
-            self.model = LlamaModel(cfg, weights)
+            self.model = LlamaModel(cfg, weights, tp=self.tp)
+
+    def _start_ranks(self, model_spec, dtype, kv_tokens, max_batch, state_pages, quantization, backend, vision, tp,
+                     tp_rank):  # fmt: skip
+        """This rank's TPGroup (None without tensor parallelism); rank 0 starts the workers first, so that they
+        load their shards while it loads its own."""
+        if tp <= 1:
+            return None
+        from backends.common.model.tensor_parallel import TPGroup, check
+
+        if self.device.type != "cpu" or pick_backend(backend, self.device) != "torch":
+            raise loader.ModelError(
+                f"tp: tensor parallelism runs on the PyTorch path (device cpu, backend torch) so far, not on "
+                f"{self.device.type} with the {pick_backend(backend, self.device)} backend"
+            )
+        check(self.cfg, tp)
+        if tp_rank == 0:
+            from backends.common.engine.tp_ranks import Ranks
+
+            args = ["--model", model_spec, "--dtype", dtype, "--kv-tokens", str(kv_tokens), "--max-batch",
+                    str(max_batch), "--state-pages", str(state_pages or 0), "--quantization", quantization,
+                    "--threads", str(torch.get_num_threads())]  # fmt: skip
+            self.ranks = Ranks(tp, args)
+        return TPGroup(tp_rank, tp)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel instance's workers (nothing otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def _load_vision(self):
         """(VisionTower, ImageProcessor) of a multimodal checkpoint folder, (None, None) for a text-only model."""
@@ -188,13 +231,20 @@ class ModelRunner:
         from backends.common.model.hybrid_model import HybridModel
 
         kernels = pick_backend(backend, self.device) == "triton"
-        self.hybrid = HybridModel(self.cfg, weights, kernels=kernels)
+        cfg = self.cfg
+        if self.tp is not None:
+            from backends.common.model.hybrid_model import fuse_weights
+            from backends.common.model.tensor_parallel import shard_hybrid
+
+            fuse_weights(cfg, weights)
+            cfg, weights = shard_hybrid(cfg, weights, self.tp)
+        self.hybrid = HybridModel(cfg, weights, kernels=kernels, tp=self.tp)
         # FP8 hybrids run the eager layers (kernels.fp8's products, MoE experts in kernels.moe's W8A8 grouped
         # GEMMs): the decode graphs' fused projections read 16-bit weights
         graphs = kernels and cuda_graphs and gpu_hybrid.supports(self.cfg) and not self.hybrid.quantized
         # the graph path keeps one extra KV slot and one extra state page that padded graph rows write
         self.kv = KVStore.allocate(
-            self.hybrid.num_kv_layers, kv_tokens + int(graphs), self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+            self.hybrid.num_kv_layers, kv_tokens + int(graphs), cfg.num_kv_heads, cfg.head_dim, self.dtype,
             self.device, shm_name=kv_shm_name,
         )  # fmt: skip
         self.num_slots = kv_tokens
@@ -211,7 +261,7 @@ class ModelRunner:
         # the pages the scheduler hands out, then one scratch page per batch row for speculative steps' rollback
         # (and the graph rows' padding page)
         scratch = self.num_state_pages + max_batch
-        self.state = StateStore.allocate(self.cfg, scratch + int(graphs), self.device, shm_name=state_shm_name)
+        self.state = StateStore.allocate(cfg, scratch + int(graphs), self.device, shm_name=state_shm_name)
         if graphs:
             self.backend = "triton"
             self.model = gpu_hybrid.GpuHybrid(
@@ -232,6 +282,7 @@ class ModelRunner:
 
     def forward_hidden(self, spans: list[Span]):
         """(logits, final-norm hidden states) of the spans' logits rows: hybrid models only (the MTP head's input)."""
+        self._single_rank("the MTP head")
         return self.hybrid.forward_hidden(build_batch(spans, self.device), self.kv, self.state)
 
     def mtp_logits(self, spans: list[Span], hidden) -> torch.Tensor:
@@ -241,6 +292,8 @@ class ModelRunner:
     def prepare_speculative(self, mode: str) -> None:
         """Decode speculates (`backends.common.core.speculative`): a hybrid model on the graph path captures its
         verification graphs (and its MTP head's, for mode "mtp"), so speculative steps do not run eagerly."""
+        if mode != "off":
+            self._single_rank("speculative decoding")
         if mode != "off" and self.hybrid is not None and self.backend == "triton":
             self.model.capture_speculative(mtp=mode == "mtp")
 
@@ -253,10 +306,26 @@ class ModelRunner:
     def apply_state_ops(self, ops: list[tuple[int, int]]) -> None:
         """Run the state-page copies the scheduler queued (see StatePages), before anything reads the pages."""
         if ops:
+            if self.ranks is not None:
+                self.ranks.send(STATE_OPS, torch.tensor(ops, dtype=torch.int64).flatten())
             self.state.apply(ops)
+
+    def _single_rank(self, what: str) -> None:
+        if self.tp is not None:
+            raise loader.ModelError(f"tp: {what} does not run with tensor parallelism yet")
 
     def forward(self, spans: list[Span]) -> torch.Tensor:
         """float32 logits [len(spans), vocab]: the next-token logits after each span's last token."""
+        if self.ranks is None:
+            return self.forward_local(spans)
+        self.ranks.send(FORWARD, encode_spans(spans))
+        try:
+            return self.forward_local(spans)
+        except RuntimeError as e:  # a collective inside the step: a worker gone or stuck
+            raise self.ranks.error(e) from e
+
+    def forward_local(self, spans: list[Span]) -> torch.Tensor:
+        """forward on this rank alone (a worker rank's step; with tp, the other ranks must run it too)."""
         if self.backend == "triton":
             return self.model.forward(spans)
         if self.state is not None:
