@@ -93,3 +93,64 @@ def test_what_cannot_run_split_is_refused_before_any_worker_starts():
         Engine("random:smollm2-135m", kv_tokens=256, backend="torch", tp=2)
     with pytest.raises(loader.ModelError, match="PyTorch path"):
         Engine("random:tiny-test", kv_tokens=256, backend="triton", tp=2)
+
+
+def greedy_after_handoff(prefill_tp: int, decode_tp: int, name: str) -> tuple[list[int], list[str]]:
+    """A prompt computed by a prefill runner split `prefill_tp` ways, its K/V handed to a decode runner split
+    `decode_tp` ways through their shared-memory pools' handles (kv_handoff.export_shards), then 8 greedy decode
+    steps there; returns the tokens and the /dev/shm files left after both close."""
+    from backends.common.engine.runner import ModelRunner
+    from backends.common.transfer.kv_handoff import HandoffCache, copy_rows_sharded, export_shards
+
+    prompt = [(7 * j + 3) % 300 for j in range(23)]
+    pre = ModelRunner("random:tiny-test", kv_tokens=64, backend="torch", tp=prefill_tp, kv_shm_name=f"{name}-p")
+    dec = ModelRunner("random:tiny-test", kv_tokens=96, backend="torch", tp=decode_tp, kv_shm_name=f"{name}-d")
+    peers = HandoffCache()
+    try:
+        src_slots = list(range(3, 3 + len(prompt)))
+        first = int(pre.forward([Span(prompt, 0, src_slots, "p")]).argmax(-1)[0])
+        dst = peers.open(export_shards(dec.kv_shards(), name))
+        slots = list(range(40, 40 + len(prompt)))
+        copy_rows_sharded([(s.buffer, lo, hi) for s, lo, hi in pre.kv_shards()], src_slots, dst.shards, slots)
+        out = [first]
+        for _ in range(8):
+            slots.append(40 + len(slots))
+            out.append(int(dec.forward([Span([out[-1]], len(slots) - 1, slots, "d")]).argmax(-1)[0]))
+    finally:
+        peers.close()
+        for runner in (pre, dec):
+            runner.close()  # the workers' pools
+            runner.kv.close(unlink=True)  # rank 0's, which its owner removes (a role's finalize)
+    return out, sorted(f for f in os.listdir("/dev/shm") if f.startswith(name))
+
+
+@pytest.mark.slow  # `make test` only: three worker processes
+def test_handoff_between_splits_gives_the_unsplit_tokens():
+    """Prefill TP 1 into decode TP 2 and prefill TP 2 into decode TP 1: each KV head's rows go from the rank that
+    computed them to the rank that reads them, and the greedy tokens equal TP 1 on both sides; no pool is left in
+    /dev/shm."""
+    tag = f"tpho{os.getpid()}"
+    ref, _ = greedy_after_handoff(1, 1, f"{tag}a")
+    for p, d in ((1, 2), (2, 1)):
+        got, left = greedy_after_handoff(p, d, f"{tag}{p}{d}")
+        assert got == ref, (p, d)
+        assert left == [], left
+
+
+def test_sharded_copy_moves_each_head_to_the_rank_that_holds_it():
+    import torch
+
+    from backends.common.transfer.kv_handoff import copy_rows_sharded
+
+    whole = torch.arange(2 * 2 * 6 * 4 * 3, dtype=torch.float32).view(2, 2, 6, 4, 3)  # 4 KV heads
+    halves = [torch.zeros(2, 2, 5, 2, 3), torch.zeros(2, 2, 5, 2, 3)]
+    copy_rows_sharded([(whole, 0, 4)], [1, 4], [(halves[0], 0, 2), (halves[1], 2, 4)], [3, 0])
+    for r, h in enumerate(halves):
+        assert torch.equal(h[:, :, 3], whole[:, :, 1, 2 * r : 2 * r + 2])
+        assert torch.equal(h[:, :, 0], whole[:, :, 4, 2 * r : 2 * r + 2])
+        assert h[:, :, [1, 2, 4]].abs().sum() == 0
+    back = torch.zeros_like(whole)
+    copy_rows_sharded([(halves[0], 0, 2), (halves[1], 2, 4)], [3, 0], [(back, 0, 4)], [1, 4])
+    assert torch.equal(back[:, :, [1, 4]], whole[:, :, [1, 4]])
+    with pytest.raises(ValueError, match="other KV heads"):
+        copy_rows_sharded([(whole, 0, 4)], [1], [(halves[0], 0, 2)], [0])

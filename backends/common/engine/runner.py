@@ -124,8 +124,15 @@ class ModelRunner:
         self.source = loader.resolve(model_spec)
         self.cfg = loader.load_config(self.source)
         self.ranks = None  # rank 0 of a tensor-parallel instance: its workers (tp_ranks.Ranks)
+        self.kv_shm_name = kv_shm_name
+        self._shards: list | None = None  # kv_shards(): every rank's store, rank 0's view of them
         self.tp = self._start_ranks(model_spec, dtype, kv_tokens, max_batch, state_pages, quantization, backend,
-                                    vision, tp, tp_rank)  # fmt: skip
+                                    vision, tp, tp_rank, kv_shm_name, state_shm_name)  # fmt: skip
+        if self.tp is not None:  # this rank's own segments
+            from backends.common.transfer.kv_handoff import shard_name
+
+            kv_shm_name = shard_name(kv_shm_name, tp_rank) if kv_shm_name else None
+            state_shm_name = shard_name(state_shm_name, tp_rank) if state_shm_name else None
         self.tokenizer = loader.load_tokenizer(self.source)
         self.quantization = quantization or self.cfg.quantization
         if self.quantization and self.device.type == "cpu" and self.dtype == torch.float32:
@@ -175,9 +182,44 @@ class ModelRunner:
             )  # fmt: skip
         else:
             self.model = LlamaModel(cfg, weights, tp=self.tp)
+        self._ready()
+
+    def _ready(self) -> None:
+        """Tensor parallelism: every rank has its shard and stores once this returns (a barrier of all ranks;
+        a worker that died loading fails rank 0 here, naming it)."""
+        if self.tp is None:
+            return
+        import torch.distributed as dist
+
+        try:
+            dist.barrier()
+        except RuntimeError as e:
+            if self.ranks is None:
+                raise
+            raise self.ranks.error(e) from e
+
+    def kv_shards(self) -> list[tuple[KVStore, int, int]]:
+        """Every rank's KV store with the KV heads [lo, hi) it holds, in rank order (rank 0 maps the workers'
+        shared-memory pools by name); one entry, all heads, without tensor parallelism."""
+        if self.tp is None:
+            return [(self.kv, 0, self.kv.num_kv_heads)]
+        if self._shards is None:
+            from backends.common.model.kv_store import SharedFile, tensor_on
+            from backends.common.transfer.kv_handoff import shard_name
+
+            if self.tp.rank != 0 or not self.kv_shm_name:
+                raise ValueError("kv_shards: rank 0 of a tensor-parallel runner with a kv_shm_name")
+            per = self.kv.num_kv_heads
+            shards = [(self.kv, 0, per)]
+            for r in range(1, self.tp.size):
+                shm = SharedFile(shard_name(self.kv_shm_name, r))
+                shards.append((KVStore(tensor_on(shm.map, self.kv.buffer.dtype, self.kv.buffer.shape), shm),
+                               r * per, (r + 1) * per))  # fmt: skip
+            self._shards = shards
+        return self._shards
 
     def _start_ranks(self, model_spec, dtype, kv_tokens, max_batch, state_pages, quantization, backend, vision, tp,
-                     tp_rank):  # fmt: skip
+                     tp_rank, kv_shm_name=None, state_shm_name=None):  # fmt: skip
         """This rank's TPGroup (None without tensor parallelism); rank 0 starts the workers first, so that they
         load their shards while it loads its own."""
         if tp <= 1:
@@ -196,11 +238,19 @@ class ModelRunner:
             args = ["--model", model_spec, "--dtype", dtype, "--kv-tokens", str(kv_tokens), "--max-batch",
                     str(max_batch), "--state-pages", str(state_pages or 0), "--quantization", quantization,
                     "--threads", str(torch.get_num_threads())]  # fmt: skip
-            self.ranks = Ranks(tp, args)
+            shm = [n for n in (kv_shm_name, state_shm_name) if n]
+            if kv_shm_name:
+                args += ["--kv-shm-name", kv_shm_name]
+            if state_shm_name:
+                args += ["--state-shm-name", state_shm_name]
+            self.ranks = Ranks(tp, args, shm_names=shm)
         return TPGroup(tp_rank, tp)
 
     def close(self) -> None:
-        """Stop a tensor-parallel instance's workers (nothing otherwise)."""
+        """Stop a tensor-parallel instance's workers and remove their shared-memory pools (nothing otherwise)."""
+        for store, _, _ in (self._shards or [])[1:]:
+            store.close()
+        self._shards = None
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
@@ -271,6 +321,7 @@ class ModelRunner:
         else:
             self.backend = "torch"
             self.model = self.hybrid
+        self._ready()
 
     @property
     def has_mtp(self) -> bool:

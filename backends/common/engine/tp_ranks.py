@@ -68,12 +68,14 @@ class Ranks:
     """Rank 0's side: the workers it started and the process group they share (torch.distributed's default one,
     gloo: one tensor-parallel instance per process)."""
 
-    def __init__(self, size: int, worker_args: list[str], timeout_s: float = 300.0):
+    def __init__(self, size: int, worker_args: list[str], timeout_s: float = 300.0, shm_names: list[str] = ()):
         """Start ranks 1..size-1 (`worker_args`: the runner's options, see tp_worker) and join the group with them;
-        a worker that exits before the group forms fails this with RankError."""
+        a worker that exits before the group forms fails this with RankError. shm_names: rank 0's shared-memory
+        pools, whose workers' counterparts (`kv_handoff.shard_name`) `kill` removes, whatever became of them."""
         import torch.distributed as dist
 
         self.size = size
+        self.shm_names = list(shm_names)
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         cmd = [sys.executable, "-m", "backends.common.engine.tp_worker", "--size", str(size), "--port", str(port),
@@ -158,8 +160,16 @@ class Ranks:
             dist.destroy_process_group()
 
     def kill(self) -> None:
+        from backends.common.transfer.kv_handoff import shard_name
+
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for name in self.shm_names:
+            for rank in range(1, self.size):
+                try:
+                    os.unlink(os.path.join("/dev/shm", shard_name(name, rank)))
+                except FileNotFoundError:
+                    pass
         self.procs = []

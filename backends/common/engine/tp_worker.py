@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-pages", type=int, default=0)
     ap.add_argument("--quantization", default="")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--kv-shm-name", default=None, help="rank 0's KV pool in shared memory (this rank's: .r<rank>)")
+    ap.add_argument("--state-shm-name", default=None, help="the same for the state pages")
     a = ap.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(a.parent,), daemon=True).start()
     import torch.distributed as dist
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=timedelta(seconds=300))  # fmt: skip
     runner = ModelRunner(a.model, a.dtype, "cpu", a.kv_tokens, backend="torch", max_batch=a.max_batch,
                          state_pages=a.state_pages or None, quantization=a.quantization, tp=a.size,
-                         tp_rank=a.rank)  # fmt: skip
+                         tp_rank=a.rank, kv_shm_name=a.kv_shm_name, state_shm_name=a.state_shm_name)  # fmt: skip
     header = torch.zeros(2, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0)

@@ -68,21 +68,46 @@ def _open_cuda(desc: dict) -> torch.Tensor:
     )
 
 
+def shard_name(name: str, rank: int) -> str:
+    """The shared-memory name of rank `rank`'s pool in a tensor-parallel instance whose rank 0 uses `name`."""
+    return name if rank == 0 else f"{name}.r{rank}"
+
+
+def export_shards(shards: list[tuple[KVStore, int, int]], instance_id: str, generation: int = 0) -> str:
+    """A tensor-parallel instance's KV pool: each rank's store (shared memory) with the KV heads [lo, hi) it holds,
+    in rank order. A peer copies each head range where it lives (`copy_rows_sharded`), whatever its own split."""
+    parts = [{**json.loads(export_handle(store, f"{instance_id}#{r}", generation)), "heads": [lo, hi]}
+             for r, (store, lo, hi) in enumerate(shards)]  # fmt: skip
+    return json.dumps({"instance": instance_id, "generation": generation, "kind": "shards", "shards": parts})
+
+
 class RemoteKV:
-    """A peer's KV store opened from its handle; kept open for the peer's (instance, generation)."""
+    """A peer's KV store opened from its handle; kept open for the peer's (instance, generation). A
+    tensor-parallel peer's (kind "shards") is its ranks' stores: `shards`, (buffer, lo, hi) per rank."""
 
     def __init__(self, desc: dict):
         self.key = (desc["instance"], desc["generation"])
         self.shm = None
-        if desc["kind"] == "shm":
+        self.parts: list[RemoteKV] = []
+        self.shards: list[tuple[torch.Tensor, int, int]] = []
+        if desc["kind"] == "shards":
+            self.parts = [RemoteKV(d) for d in desc["shards"]]
+            self.shards = [(p.buffer, *d["heads"]) for p, d in zip(self.parts, desc["shards"])]
+            self.buffer = None
+        elif desc["kind"] == "shm":
             self.shm = SharedFile(desc["name"])  # opened, not created: the decode instance owns the file
             self.buffer = tensor_on(self.shm.map, _DTYPES[desc["dtype"]], desc["shape"])
         elif desc["kind"] == "cuda_ipc":
             self.buffer = _open_cuda(desc)
         else:
             raise ValueError(f"unknown KV handle kind {desc['kind']!r}")
+        if self.buffer is not None:
+            self.shards = [(self.buffer, 0, self.buffer.shape[3])]
 
     def close(self) -> None:
+        for p in self.parts:
+            p.close()
+        self.parts, self.shards = [], []
         self.buffer = None
         if self.shm is not None:
             self.shm.close()
@@ -125,6 +150,35 @@ def copy_rows(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_sl
         dst.index_copy_(2, di, rows)
     # the peer reads these rows right after we answer
     for dev in {t.device for t in (src, dst) if t.is_cuda}:
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def copy_rows_sharded(srcs: list[tuple[torch.Tensor, int, int]], src_slots: list[int],
+                      dsts: list[tuple[torch.Tensor, int, int]], dst_slots: list[int]) -> None:  # fmt: skip
+    """copy_rows between pools split by KV heads (tensor parallelism; (buffer, lo, hi) per rank, heads [lo, hi)
+    of the whole model's): each head's rows go from the source rank that holds it to the destination rank that
+    does, so a prefill of one split writes into a decode of another. One shard each and the same heads: copy_rows."""
+    if len(srcs) == 1 and len(dsts) == 1 and srcs[0][1:] == dsts[0][1:]:
+        return copy_rows(srcs[0][0], src_slots, dsts[0][0], dst_slots)
+    if len(src_slots) != len(dst_slots):
+        raise ValueError(f"hand-off of {len(src_slots)} rows into {len(dst_slots)} slots")
+    heads = lambda shards: sorted(h for _, lo, hi in shards for h in range(lo, hi))  # noqa: E731
+    if heads(srcs) != heads(dsts):
+        raise ValueError(f"hand-off between pools of other KV heads: {heads(srcs)} into {heads(dsts)}")
+    if not src_slots:
+        return
+    for src, slo, shi in srcs:
+        si = torch.tensor(src_slots, dtype=torch.int64, device=src.device)
+        rows = None
+        for dst, dlo, dhi in dsts:
+            a, b = max(slo, dlo), min(shi, dhi)
+            if a >= b:
+                continue
+            rows = src.index_select(2, si) if rows is None else rows
+            part = rows[:, :, :, a - slo : b - slo].to(dst.device)
+            di = torch.tensor(dst_slots, dtype=torch.int64, device=dst.device)
+            dst[:, :, :, a - dlo : b - dlo].index_copy_(2, di, part)  # a view: written through into dst
+    for dev in {t.device for t, _, _ in srcs + dsts if t.is_cuda}:
         torch.cuda.current_stream(dev).synchronize()
 
 
