@@ -155,6 +155,8 @@ class Deployment:
             kv_transport=getattr(a, "kv_transport", None) or ("dist" if role == "decode" else "ipc"),
             kv_address=getattr(a, "kv_address", None) or (socket.gethostname() if role == "decode" else "127.0.0.1"),
         )  # fmt: skip
+        if decode.decode_tp > 1:
+            _check_decode_tp(decode, cfg, gpu)
         decode = resolve_decode(decode, cfg, gpu, parse_gpus(a.decode_gpus)[0] if gpu else 0, a.decode_instances)
         prefill = role_config.from_args(PrefillConfig, a, **wiring, cpu_threads=threads, state_pages=state_pages)
         prefill = resolve_prefill(prefill, cfg, gpu, a.prefill_instances)
@@ -223,3 +225,24 @@ class Deployment:
             f"{self.kv_tokens} tokens, on_decode_oom={self.decode.on_decode_oom}, {self.decode.cpu_threads} CPU "
             f"thread(s) per instance, {self.max_streams} decode streams"
         )
+
+
+def _check_decode_tp(decode, cfg, gpu: bool) -> None:
+    """What --decode-tp > 1 covers so far, refused otherwise naming the option that conflicts."""
+    from backends.common.model.tensor_parallel import TPError, check
+
+    n = decode.decode_tp
+    if gpu:
+        raise ValueError(f"--decode-tp {n}: tensor parallelism runs on the CPU path so far (--device cpu)")
+    if cfg.is_hybrid:
+        raise ValueError(f"--decode-tp {n}: hybrid models' state pages are not split on the hand-off yet")
+    if decode.kv_transport != "ipc":
+        raise ValueError(f"--decode-tp {n}: needs --kv-transport ipc (prefill on this host)")
+    if decode.host_kv_tokens:
+        raise ValueError(f"--decode-tp {n}: the host tier does not copy every rank's shard yet (--host-kv-tokens 0)")
+    if decode.speculative != "off":
+        raise ValueError(f"--decode-tp {n}: speculative decoding does not run with tensor parallelism yet")
+    try:
+        check(cfg, n)
+    except TPError as e:
+        raise ValueError(f"--decode-tp {n}: {e}") from None

@@ -7,6 +7,7 @@ around it; tests/inprocess runs it behind a fake Triton."""
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -17,6 +18,7 @@ from dataclasses import replace
 
 from backends.common.core.request import InferReq, ParamError, ReqState
 from backends.common.engine.postprocess import finish_reason
+from backends.common.engine.tp_ranks import RankError
 from backends.common.model.batch import Span
 from backends.common.serving.metrics import Metrics
 from backends.common.serving.streaming import Item, Stream, StreamSender
@@ -164,6 +166,12 @@ class DecodeLoop(LoopMetrics):
                     self.c_turn_host.increment(t4 - t1)
                 self._check_progress()
                 self._gauges()
+            except RankError as e:  # a tensor-parallel rank is gone: this instance cannot step again
+                self._log(f"decode instance failed: {e}")
+                try:
+                    self._fail_all(f"decode instance failed: {e}")
+                finally:
+                    os._exit(70)  # the stub dies, and the launcher stops the server naming it (as for a dead stub)
             except Exception as e:  # never let the loop die silently: fail what is running, keep serving
                 try:
                     self._fail_all(f"decode loop error: {e!r}")

@@ -64,7 +64,7 @@ class DecodeModel:
             cfg.model, cfg.dtype, device, kv_tokens, kv_shm_name=shm, max_batch=cfg.max_batch,
             state_pages=cfg.state_pages or None, state_shm_name=shm and shm + "_state",
             deterministic=cfg.deterministic == "on", quantization=cfg.quantization,
-            memory_fraction=cfg.kv_memory_fraction,
+            memory_fraction=cfg.kv_memory_fraction, tp=cfg.decode_tp,
         )  # fmt: skip
         state = self.runner.state
         self.mailbox = Mailbox(mailbox_dir(cfg))
@@ -113,8 +113,9 @@ class DecodeModel:
         """Where prefill's rows land: `ipc` (this host: prefill writes into the exported pool) or `dist`
         (torch.distributed; `kv_backend` auto: NCCL between two GPUs, gloo otherwise)."""
         kind = check_kind(cfg.kv_transport)
-        if kind == "ipc":
-            return IpcSink(self.runner.kv, self.runner.state, instance_id, self.mailbox)
+        if kind == "ipc":  # a tensor-parallel instance exports every rank's pool (kv_handoff.export_shards)
+            kv = self.runner.kv_shards() if self.runner.tp is not None else self.runner.kv
+            return IpcSink(kv, self.runner.state, instance_id, self.mailbox)
         backend, address = cfg.kv_backend, cfg.kv_address
         return DistSink(self.runner.kv, self.runner.state, instance_id, backend, address, log=self._log)
 

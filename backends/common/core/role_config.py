@@ -146,6 +146,12 @@ class DecodeConfig(RoleConfig):
     dtype: str = opt("", DTYPE, flag_default=None)
     quantization: str = opt("", QUANTIZATION, choices=("", "fp8"))
     cpu_threads: int = opt(0, THREADS, minimum=0)
+    decode_tp: int = opt(
+        1,
+        "tensor-parallel ranks of each decode instance, one process each: the instance's stub is rank 0 and starts "
+        "the others (so far the CPU path, dense models, the host tier off and prefill on this host)",
+        minimum=1,
+    )
     kv_tokens: int = opt(
         0, "decode KV pool size in tokens per instance (default: 16384 on CPU; on GPU from --kv-memory-fraction)",
         minimum=0, flag_default=None,

@@ -129,7 +129,7 @@ class ModelRunner:
         self.tp = self._start_ranks(model_spec, dtype, kv_tokens, max_batch, state_pages, quantization, backend,
                                     vision, tp, tp_rank, kv_shm_name, state_shm_name)  # fmt: skip
         if self.tp is not None:  # this rank's own segments
-            from backends.common.transfer.kv_handoff import shard_name
+            from backends.common.model.kv_store import shard_name
 
             kv_shm_name = shard_name(kv_shm_name, tp_rank) if kv_shm_name else None
             state_shm_name = shard_name(state_shm_name, tp_rank) if state_shm_name else None
@@ -204,8 +204,7 @@ class ModelRunner:
         if self.tp is None:
             return [(self.kv, 0, self.kv.num_kv_heads)]
         if self._shards is None:
-            from backends.common.model.kv_store import SharedFile, tensor_on
-            from backends.common.transfer.kv_handoff import shard_name
+            from backends.common.model.kv_store import SharedFile, shard_name, tensor_on
 
             if self.tp.rank != 0 or not self.kv_shm_name:
                 raise ValueError("kv_shards: rank 0 of a tensor-parallel runner with a kv_shm_name")

@@ -56,6 +56,19 @@ def decode_spans(t: torch.Tensor) -> list[Span]:
     return spans
 
 
+def python_executable() -> str:
+    """The Python to start workers with: this one's, or inside Triton's Python backend stub (whose executable is
+    the stub) the first python3 on PATH, which is the environment the stub takes its packages from."""
+    import shutil
+
+    if os.path.basename(sys.executable or "").startswith("python"):
+        return sys.executable
+    found = shutil.which("python3")
+    if found is None:
+        raise RankError("tp: no python3 on PATH to start the worker ranks with")
+    return found
+
+
 def free_port() -> int:
     import socket
 
@@ -78,7 +91,7 @@ class Ranks:
         self.shm_names = list(shm_names)
         port = free_port()
         self.procs: list[subprocess.Popen] = []
-        cmd = [sys.executable, "-m", "backends.common.engine.tp_worker", "--size", str(size), "--port", str(port),
+        cmd = [python_executable(), "-m", "backends.common.engine.tp_worker", "--size", str(size), "--port", str(port),
                "--parent", str(os.getpid()), *worker_args]  # fmt: skip
         for rank in range(1, size):
             self.procs.append(subprocess.Popen([*cmd, "--rank", str(rank)]))
@@ -160,7 +173,7 @@ class Ranks:
             dist.destroy_process_group()
 
     def kill(self) -> None:
-        from backends.common.transfer.kv_handoff import shard_name
+        from backends.common.model.kv_store import shard_name
 
         for p in self.procs:
             if p.poll() is None:

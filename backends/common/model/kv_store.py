@@ -43,6 +43,11 @@ class SharedFile:
                 pass
 
 
+def shard_name(name: str, rank: int) -> str:
+    """The shared-memory name of rank `rank`'s pool in a tensor-parallel instance whose rank 0 uses `name`."""
+    return name if rank == 0 else f"{name}.r{rank}"
+
+
 def tensor_on(buf, dtype: torch.dtype, shape) -> torch.Tensor:
     numel = 1
     for d in shape:

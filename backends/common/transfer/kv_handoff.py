@@ -68,11 +68,6 @@ def _open_cuda(desc: dict) -> torch.Tensor:
     )
 
 
-def shard_name(name: str, rank: int) -> str:
-    """The shared-memory name of rank `rank`'s pool in a tensor-parallel instance whose rank 0 uses `name`."""
-    return name if rank == 0 else f"{name}.r{rank}"
-
-
 def export_shards(shards: list[tuple[KVStore, int, int]], instance_id: str, generation: int = 0) -> str:
     """A tensor-parallel instance's KV pool: each rank's store (shared memory) with the KV heads [lo, hi) it holds,
     in rank order. A peer copies each head range where it lives (`copy_rows_sharded`), whatever its own split."""
@@ -101,7 +96,7 @@ class RemoteKV:
             self.buffer = _open_cuda(desc)
         else:
             raise ValueError(f"unknown KV handle kind {desc['kind']!r}")
-        if self.buffer is not None:
+        if self.buffer is not None and self.buffer.dim() == 5:  # a KV pool (a state buffer is [pages, floats])
             self.shards = [(self.buffer, 0, self.buffer.shape[3])]
 
     def close(self) -> None:

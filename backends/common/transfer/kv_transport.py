@@ -31,7 +31,14 @@ from datetime import timedelta
 
 import torch
 
-from backends.common.transfer.kv_handoff import HandoffCache, copy_rows, copy_state_page, export_handle
+from backends.common.transfer.kv_handoff import (
+    HandoffCache,
+    copy_rows,
+    copy_rows_sharded,
+    copy_state_page,
+    export_handle,
+    export_shards,
+)
 from backends.common.transfer.mailbox import Mailbox
 
 KINDS = ("ipc", "dist")
@@ -112,9 +119,11 @@ class IpcSink(KVSink):
     kind = "ipc"
 
     def __init__(self, kv, state, instance_id: str, mailbox=None):
+        """kv: the pool's KVStore, or a tensor-parallel instance's (store, lo, hi) per rank."""
         super().__init__()
         extra = {"mailbox": str(mailbox.root)} if mailbox is not None else {}
-        self.kv_handle = json.dumps({**json.loads(export_handle(kv, instance_id)), **extra})
+        handle = export_shards(kv, instance_id) if isinstance(kv, list) else export_handle(kv, instance_id)
+        self.kv_handle = json.dumps({**json.loads(handle), **extra})
         self.state_handle = export_handle(state, instance_id + ":state") if state is not None else ""
         self.mailbox = mailbox
 
@@ -423,7 +432,11 @@ class KVSource:
         """Rows src[:, :, src_slots] into decode's dst_slots; with a state_handle also state_row into its page."""
         desc = json.loads(kv_handle)
         if desc.get("kind") != "dist":
-            copy_rows(src, src_slots, self.ipc.open(kv_handle).buffer, dst_slots)
+            dst = self.ipc.open(kv_handle)
+            if dst.buffer is not None:
+                copy_rows(src, src_slots, dst.buffer, dst_slots)
+            else:  # a tensor-parallel decode: each KV head into the rank that holds it
+                copy_rows_sharded([(src, 0, src.shape[-2])], src_slots, dst.shards, dst_slots)
             if state_handle:
                 copy_state_page(state_row.unsqueeze(0), 0, self.ipc.open(state_handle).buffer, dst_state_page)
             return
