@@ -39,26 +39,11 @@ class DecodeLoop(LoopMetrics):
     """The scheduler loop and everything it owns. `start()` runs it on its own thread; `arrive()` is the only call
     other threads make (cancels come through the mailbox, transfer outcomes as events); `stop()` ends it."""
 
-    def __init__(
-        self,
-        runner,
-        sched: DecodeScheduler,
-        sink,
-        mailbox,
-        host_kv,
-        prefill: PrefillClient,
-        send: Callable[[Stream, DecodeResponse], None],
-        metrics: Metrics,
-        *,
-        send_flush: Callable[[], None] | None = None,
-        overlap: bool = True,
-        speculative: str = "off",
-        stall_seconds: float = 30.0,
-        prefill_concurrency: int = 16,
-        faults: frozenset[str] = frozenset(),
-        name: str = "pd_decode",
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, runner, sched: DecodeScheduler, sink, mailbox, host_kv, prefill: PrefillClient,
+                 send: Callable[[Stream, DecodeResponse], None], metrics: Metrics, *,
+                 send_flush: Callable[[], None] | None = None, overlap: bool = True, speculative: str = "off",
+                 stall_seconds: float = 30.0, prefill_concurrency: int = 16, faults: frozenset[str] = frozenset(),
+                 name: str = "pd_decode", clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.runner, self.sched, self.sink, self.mailbox, self.host_kv = runner, sched, sink, mailbox, host_kv
         self.prefill, self.clock, self.instance = prefill, clock, name
         self.eos = runner.cfg.eos_token_ids
