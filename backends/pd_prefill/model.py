@@ -223,7 +223,9 @@ class PrefillModel:
         """Copy positions [start, end) from this instance's cache into decode's slots; for a hybrid model also the
         state after all of input_ids (the checkpoint the finished job left at its end) into decode's page."""
         try:
-            slots, node = self.engine.scheduler.radix.match_prefix(req.cache_ids, kv_only=True)
+            # the job's own positions: the cache may hold more after them (the same prompt's tokens that an earlier
+            # recovery computed), and req's sampled token may be the next of those
+            slots, node = self.engine.scheduler.radix.match_prefix(req.cache_ids[: len(job.ids)], kv_only=True)
             if len(slots) != len(job.ids):
                 raise RuntimeError(f"prefill cache lost positions ({len(slots)} of {len(job.ids)})")
             msg = job.msg
