@@ -156,9 +156,11 @@ class Deployment:
             kv_address=getattr(a, "kv_address", None) or (socket.gethostname() if role == "decode" else "127.0.0.1"),
         )  # fmt: skip
         if decode.decode_tp > 1:
-            _check_decode_tp(decode, cfg, gpu)
+            _check_tp("--decode-tp", decode.decode_tp, cfg, gpu, decode)
         decode = resolve_decode(decode, cfg, gpu, parse_gpus(a.decode_gpus)[0] if gpu else 0, a.decode_instances)
         prefill = role_config.from_args(PrefillConfig, a, **wiring, cpu_threads=threads, state_pages=state_pages)
+        if prefill.prefill_tp > 1:
+            _check_tp("--prefill-tp", prefill.prefill_tp, cfg, gpu, decode)
         prefill = resolve_prefill(prefill, cfg, gpu, a.prefill_instances)
         master = role_config.from_args(
             MasterConfig, a, **wiring, mailbox_dir=str(mailbox), decode_urls=",".join(urls["decode"]),
@@ -227,22 +229,21 @@ class Deployment:
         )
 
 
-def _check_decode_tp(decode, cfg, gpu: bool) -> None:
-    """What --decode-tp > 1 covers so far, refused otherwise naming the option that conflicts."""
+def _check_tp(flag: str, n: int, cfg, gpu: bool, decode) -> None:
+    """What --prefill-tp and --decode-tp > 1 cover so far, refused otherwise naming the option that conflicts."""
     from backends.common.model.tensor_parallel import TPError, check
 
-    n = decode.decode_tp
     if gpu:
-        raise ValueError(f"--decode-tp {n}: tensor parallelism runs on the CPU path so far (--device cpu)")
+        raise ValueError(f"{flag} {n}: tensor parallelism runs on the CPU path so far (--device cpu)")
     if cfg.is_hybrid:
-        raise ValueError(f"--decode-tp {n}: hybrid models' state pages are not split on the hand-off yet")
+        raise ValueError(f"{flag} {n}: hybrid models' state pages are not split on the hand-off yet")
     if decode.kv_transport != "ipc":
-        raise ValueError(f"--decode-tp {n}: needs --kv-transport ipc (prefill on this host)")
-    if decode.host_kv_tokens:
-        raise ValueError(f"--decode-tp {n}: the host tier does not copy every rank's shard yet (--host-kv-tokens 0)")
-    if decode.speculative != "off":
-        raise ValueError(f"--decode-tp {n}: speculative decoding does not run with tensor parallelism yet")
+        raise ValueError(f"{flag} {n}: needs --kv-transport ipc (prefill and decode on this host)")
+    if flag == "--decode-tp" and decode.host_kv_tokens:
+        raise ValueError(f"{flag} {n}: the host tier does not copy every rank's shard yet (--host-kv-tokens 0)")
+    if flag == "--decode-tp" and decode.speculative != "off":
+        raise ValueError(f"{flag} {n}: speculative decoding does not run with tensor parallelism yet")
     try:
         check(cfg, n)
     except TPError as e:
-        raise ValueError(f"--decode-tp {n}: {e}") from None
+        raise ValueError(f"{flag} {n}: {e}") from None

@@ -111,7 +111,8 @@ ROLE_OPTIONS = [
     "max_prefill_tokens", "prefill_max_batch", "prefill_concurrency", "max_inflight", "max_streams",
     "request_timeout", "on_decode_oom", "pause_policy", "fault_injection", "host_kv_tokens", "rotation_quantum",
     "rotation_wait", "rotation_turns", "rotation_victims", "rotation_prefetch", "decode_overlap", "speculative",
-    "state_pages", "deterministic", "stall_seconds", "max_images_per_request", "max_image_pixels", "decode_tp",
+    "state_pages", "deterministic", "stall_seconds", "max_images_per_request", "max_image_pixels", "prefill_tp",
+    "decode_tp",
 ]  # fmt: skip
 
 

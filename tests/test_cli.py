@@ -112,6 +112,7 @@ def test_bad_input_one_line_error(args, needle):
         (["--decode-tp", "2", "--host-kv-tokens", "4096"], "--decode-tp 2: the host tier does not copy"),
         (["--decode-tp", "2", "--device", "gpu"], "--decode-tp 2: tensor parallelism runs on the CPU path"),
         (["--decode-tp", "2", "--speculative", "ngram"], "--decode-tp 2: speculative decoding does not run"),
+        (["--prefill-tp", "2", "--kv-transport", "dist"], "--prefill-tp 2: needs --kv-transport ipc"),
     ],
 )
 def test_serve_roles_refuse_incomplete_deployments(args, needle, tmp_path, capsys):

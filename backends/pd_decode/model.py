@@ -164,6 +164,7 @@ class DecodeModel:
         self.replies.close()
         if self.host_kv is not None:
             self.host_kv.close()
+        self.runner.close()  # a tensor-parallel instance's workers and their pools
         self.runner.kv.close(unlink=True)
         if self.runner.state is not None:
             self.runner.state.close(unlink=True)

@@ -61,6 +61,9 @@ class PrefillModel:
         self.key = read_key(cfg)
         cfg = self.cfg = resolve_prefill(cfg, load_config(resolve(cfg.model)), gpu, tio.instance_count(args))
         set_cpu_threads(cfg.cpu_threads)
+        instance = args.get("model_instance_name", "pd_prefill")
+        # a tensor-parallel instance's ranks keep their pools in shared memory, where its hand-off reads them
+        shm = f"tpd_{cfg.deployment}_{instance}" if cfg.prefill_tp > 1 else None
         self.engine = Engine(
             cfg.model,
             dtype=cfg.dtype,
@@ -78,6 +81,8 @@ class PrefillModel:
             state_pages=cfg.state_pages or None,
             deterministic=cfg.deterministic == "on",
             quantization=cfg.quantization,
+            tp=cfg.prefill_tp,
+            kv_shm_name=shm,
         )
         if self.engine.runner.images is not None:  # the deployment's limits (master checked them first)
             self.engine.runner.images.max_images = cfg.max_images_per_request
@@ -85,7 +90,6 @@ class PrefillModel:
         # test hooks: "slow_prefill" waits SLOW_PREFILL_SECONDS before each batch (watching for cancellations),
         # SLOW_RECOVERY_SECONDS for a batch with a recovery job with "slow_recovery" too
         self.faults = set(filter(None, cfg.fault_injection.split(",")))
-        instance = args.get("model_instance_name", "pd_prefill")
         self.source = KVSource(f"{cfg.deployment}:{instance}:{os.getpid()}", device)
         self.lock = threading.Lock()
         m = self.metrics = Metrics({"model": "pd_prefill", "instance": instance})
@@ -231,7 +235,7 @@ class PrefillModel:
             msg = job.msg
             state_row = self._state_row(node, job) if msg.state_handle else None
             self.source.send(
-                job.rid, job.epoch, msg.kv_handle, self.engine.runner.kv.buffer, slots[job.start :], msg.dst_slots,
+                job.rid, job.epoch, msg.kv_handle, self._kv_source(), slots[job.start :], msg.dst_slots,
                 msg.state_handle, state_row, msg.dst_state_page,
             )  # fmt: skip
             self.m_tokens.increment(len(job.ids) - job.start)
@@ -280,6 +284,16 @@ class PrefillModel:
         engine.runner.apply_state_ops(engine.state_pages.take_ops())  # the checkpoint may be a queued copy
         return engine.runner.state.buffer[page]
 
+    def _kv_source(self):
+        """This instance's pool, or a tensor-parallel instance's (buffer, lo, hi) per rank."""
+        runner = self.engine.runner
+        if runner.tp is None:
+            return runner.kv.buffer
+        return [(store.buffer, lo, hi) for store, lo, hi in runner.kv_shards()]
+
     def finalize(self):
         self.source.close()
         self.metrics.close()
+        self.engine.close()  # a tensor-parallel instance's workers and their pools
+        if self.engine.runner.tp is not None:
+            self.engine.runner.kv.close(unlink=True)

@@ -1,6 +1,7 @@
-"""`--decode-tp 2` through a real tritonserver (random:tiny-test on the CPU, prefill TP 1 writing each KV head
-into the decode rank that holds it): answers equal the offline engine's through pauses recovered by prefill, and
-close-all frees everything; a killed worker rank fails the decode instance naming the rank, and the server stops."""
+"""Tensor parallelism through a real tritonserver (random:tiny-test on the CPU). `--decode-tp 2` with prefill TP 1
+writing each KV head into the decode rank that holds it: answers equal the offline engine's through pauses
+recovered by prefill, and close-all frees everything; a killed worker rank fails the decode instance naming the
+rank, and the server stops. `--prefill-tp 2` into a decode of one rank: the same answers, and no pool left."""
 
 from __future__ import annotations
 
@@ -70,3 +71,26 @@ def _is_descendant(pid: int, root: int) -> bool:
         except OSError:
             return False
     return False
+
+
+def test_prefill_tp2_hands_off_into_a_decode_of_one_rank_exactly():
+    """--prefill-tp 2 with decode on one rank: each recovery's K/V comes from both prefill ranks' pools into
+    decode's; answers equal the offline engine's, everything is released, and the stop leaves no pool behind."""
+    e = Engine("random:tiny-test", kv_tokens=1024, backend="torch")
+    try:
+        want = [o.output_ids for o in e.generate(prompts(), SamplingParams(max_tokens=N_OUT, temperature=0))]
+    finally:
+        e.close()
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("tpd_")}
+    s = Server("--model", "random:tiny-test", "--kv-tokens", str(POOL), "--prefill-tp", "2", "--host-kv-tokens",
+               "0", "--fault-injection", "drop_paused_kv", name="ptp2")  # fmt: skip
+    try:
+        params = {"max_tokens": N_OUT, "temperature": 0, "ignore_eos": True}
+        results = grpc_generate_all(s.grpc_url, prompts(), [params] * 3)
+        assert [(r.error, r.ids) for r in results] == [(None, w) for w in want]
+        assert s.metric("pd_recoveries_total", path="prefill") > 0
+        s.assert_released(timeout=5.0)
+    finally:
+        s.stop()
+    # the workers' pools (".r1"; only the tests of this module make them) went with the server
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("tpd_") and ".r" in f]

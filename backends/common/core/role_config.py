@@ -283,6 +283,12 @@ class PrefillConfig(RoleConfig):
     dtype: str = opt("", DTYPE, flag_default=None)
     quantization: str = opt("", QUANTIZATION, choices=("", "fp8"))
     cpu_threads: int = opt(0, THREADS, minimum=0)
+    prefill_tp: int = opt(
+        1,
+        "tensor-parallel ranks of each prefill instance, one process each: the instance's stub is rank 0 and starts "
+        "the others (so far the CPU path, dense models and decode on this host)",
+        minimum=1,
+    )
     prefill_kv_tokens: int = opt(
         0,
         "prefill's own KV pool (its prefix cache) in tokens (default: max(8192, 2 x context) on CPU, 131072 on GPU)",

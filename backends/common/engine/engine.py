@@ -60,15 +60,18 @@ class Engine:
         deterministic: bool = False,
         quantization: str = "",
         tp: int = 1,
+        kv_shm_name: str | None = None,
     ):
         """The engine of the offline path and of prefill: a multimodal checkpoint's vision tower is loaded too
         (`add_request`'s images). quantization: ModelRunner's ("fp8": a 16-bit checkpoint converted at load).
-        tp: ModelRunner's (tensor parallelism over that many processes, the PyTorch path; `close()` stops them)."""
+        tp: ModelRunner's (tensor parallelism over that many processes, the PyTorch path; `close()` stops them);
+        kv_shm_name: its KV pool in shared memory (a tensor-parallel prefill's ranks' pools, read by its hand-off)."""
         self.overlap = overlap
         self._pending: LaunchedStep | None = None
         self.runner = ModelRunner(
             model, dtype, device, kv_tokens, backend=backend, max_batch=max_batch, cuda_graphs=cuda_graphs,
             state_pages=state_pages, deterministic=deterministic, vision=True, quantization=quantization, tp=tp,
+            kv_shm_name=kv_shm_name,
         )  # fmt: skip
         self.cfg, self.tokenizer = self.runner.cfg, self.runner.tokenizer
         self.max_context = self.cfg.max_position_embeddings

@@ -429,14 +429,18 @@ class KVSource:
     def send(self, rid: str, epoch: int, kv_handle: str, src: torch.Tensor, src_slots: list[int],
              dst_slots: list[int], state_handle: str = "", state_row: torch.Tensor | None = None,
              dst_state_page: int = -1) -> None:  # fmt: skip
-        """Rows src[:, :, src_slots] into decode's dst_slots; with a state_handle also state_row into its page."""
+        """Rows src[:, :, src_slots] into decode's dst_slots; with a state_handle also state_row into its page. src:
+        the pool, or a tensor-parallel prefill's (buffer, lo, hi) per rank (ipc only)."""
         desc = json.loads(kv_handle)
+        if isinstance(src, list) and desc.get("kind") == "dist":
+            raise ValueError("a tensor-parallel prefill hands off over ipc only (decode on this host)")
         if desc.get("kind") != "dist":
             dst = self.ipc.open(kv_handle)
-            if dst.buffer is not None:
+            if dst.buffer is not None and not isinstance(src, list):
                 copy_rows(src, src_slots, dst.buffer, dst_slots)
-            else:  # a tensor-parallel decode: each KV head into the rank that holds it
-                copy_rows_sharded([(src, 0, src.shape[-2])], src_slots, dst.shards, dst_slots)
+            else:  # tensor parallelism on either side: each KV head from the rank that has it to the one that reads it
+                srcs = src if isinstance(src, list) else [(src, 0, src.shape[-2])]
+                copy_rows_sharded(srcs, src_slots, dst.shards, dst_slots)
             if state_handle:
                 copy_state_page(state_row.unsqueeze(0), 0, self.ipc.open(state_handle).buffer, dst_state_page)
             return
