@@ -239,8 +239,6 @@ def _check_tp(flag: str, n: int, cfg, gpu: bool, decode) -> None:
         raise ValueError(f"{flag} {n}: hybrid models' state pages are not split on the hand-off yet")
     if decode.kv_transport != "ipc":
         raise ValueError(f"{flag} {n}: needs --kv-transport ipc (prefill and decode on this host)")
-    if flag == "--decode-tp" and decode.host_kv_tokens:
-        raise ValueError(f"{flag} {n}: the host tier does not copy every rank's shard yet (--host-kv-tokens 0)")
     if flag == "--decode-tp" and decode.speculative != "off":
         raise ValueError(f"{flag} {n}: speculative decoding does not run with tensor parallelism yet")
     try:

@@ -109,7 +109,6 @@ def test_bad_input_one_line_error(args, needle):
         (["--rotation-wait", "-0.5"], "--rotation-wait: must be >= 0, got -0.5"),
         (["--prefill-concurrency", "0"], "--prefill-concurrency: must be >= 1, got 0"),
         (["--decode-tp", "3"], "--decode-tp 3: tp: num_heads (4) is not divisible by the 3 ranks"),
-        (["--decode-tp", "2", "--host-kv-tokens", "4096"], "--decode-tp 2: the host tier does not copy"),
         (["--decode-tp", "2", "--device", "gpu"], "--decode-tp 2: tensor parallelism runs on the CPU path"),
         (["--decode-tp", "2", "--speculative", "ngram"], "--decode-tp 2: speculative decoding does not run"),
         (["--prefill-tp", "2", "--kv-transport", "dist"], "--prefill-tp 2: needs --kv-transport ipc"),

@@ -76,7 +76,8 @@ class DecodeModel:
         host_tokens = cfg.host_kv_tokens
         # hybrid models: one host state page per host copy (a paused request's state at its end)
         host_pages = default_host_pages(cfg.max_batch) if state is not None and host_tokens > 0 else 0
-        self.host_kv = HostKV(self.runner.kv, host_tokens, state, host_pages) if host_tokens > 0 else None
+        shards = self.runner.kv_shards() if self.runner.tp is not None else None  # every rank's pool, to copy
+        self.host_kv = HostKV(self.runner.kv, host_tokens, state, host_pages, shards) if host_tokens > 0 else None
         self.sched = DecodeScheduler(
             KVPool(kv_tokens),
             max_running=cfg.max_batch,

@@ -121,6 +121,20 @@ def test_recovery_by_prefill_under_a_new_epoch_is_exact(serve, expected):
     released(s)
 
 
+@pytest.mark.slow  # `make test` only: a worker process for decode's second rank
+def test_decode_split_two_ways_pauses_and_swaps_through_host_memory_exactly(serve, expected):
+    """decode_tp 2 (rank 1 a worker process): rotation's host swaps copy each KV head from and back to the rank
+    that holds it; the answers equal the unpaused ones and everything is released."""
+    s = serve(decode={"kv_tokens": 96, "max_batch": 4, "rotation_quantum": 0.003, "rotation_wait": 0.006,
+                      "decode_tp": 2})  # fmt: skip
+    answers = run_all(s)
+    assert [(a.error, a.ids) for a in answers] == [(None, x) for x in expected]
+    sched = s.decode.sched
+    assert sched.num_recoveries["host"] > 0 and sched.swapped_tokens["in"] > 0
+    assert s.decode.host_kv.shards is not None and len(s.decode.runner.kv_shards()) == 2
+    released(s)
+
+
 @pytest.mark.slow  # `make test` only: too long for `make test-fast`
 def test_fp8_weights_pause_and_recover_exactly(tmp_path):
     """The same model with fine-grained FP8 projections (converted at load): answers paused and recovered through

@@ -149,7 +149,7 @@ class DecodeConfig(RoleConfig):
     decode_tp: int = opt(
         1,
         "tensor-parallel ranks of each decode instance, one process each: the instance's stub is rank 0 and starts "
-        "the others (so far the CPU path, dense models, the host tier off and prefill on this host)",
+        "the others (so far the CPU path, dense models and prefill on this host)",
         minimum=1,
     )
     kv_tokens: int = opt(

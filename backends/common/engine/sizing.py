@@ -100,8 +100,6 @@ def resolve_decode(c, model_cfg, gpu: bool, device: int, instances: int):
         model_cfg, per_token, gpu, c.kv_memory_fraction, device, c.state_pages, c.max_batch
     )
     host = c.host_kv_tokens
-    if host is None and getattr(c, "decode_tp", 1) > 1:
-        host = 0  # the host tier copies one pool; a tensor-parallel instance has one per rank
     if host is None:  # hybrid models: their host state pages come out of the same share of memory
         pages = host_state_bytes(model_cfg, c.max_batch) if model_cfg.is_hybrid else 0
         host = default_host_kv_tokens(per_token, kv, instances, pages)
