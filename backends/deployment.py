@@ -237,8 +237,6 @@ def _check_tp(flag: str, n: int, cfg, gpu: bool, decode) -> None:
         raise ValueError(f"{flag} {n}: tensor parallelism runs on the CPU path so far (--device cpu)")
     if cfg.is_hybrid:
         raise ValueError(f"{flag} {n}: hybrid models' state pages are not split on the hand-off yet")
-    if decode.kv_transport != "ipc":
-        raise ValueError(f"{flag} {n}: needs --kv-transport ipc (prefill and decode on this host)")
     if flag == "--decode-tp" and decode.speculative != "off":
         raise ValueError(f"{flag} {n}: speculative decoding does not run with tensor parallelism yet")
     try:

@@ -111,7 +111,7 @@ def test_bad_input_one_line_error(args, needle):
         (["--decode-tp", "3"], "--decode-tp 3: tp: num_heads (4) is not divisible by the 3 ranks"),
         (["--decode-tp", "2", "--device", "gpu"], "--decode-tp 2: tensor parallelism runs on the CPU path"),
         (["--decode-tp", "2", "--speculative", "ngram"], "--decode-tp 2: speculative decoding does not run"),
-        (["--prefill-tp", "2", "--kv-transport", "dist"], "--prefill-tp 2: needs --kv-transport ipc"),
+        (["--prefill-tp", "2", "--model", "random:tiny-hybrid"], "--prefill-tp 2: hybrid models' state pages"),
     ],
 )
 def test_serve_roles_refuse_incomplete_deployments(args, needle, tmp_path, capsys):

@@ -114,11 +114,12 @@ class DecodeModel:
         """Where prefill's rows land: `ipc` (this host: prefill writes into the exported pool) or `dist`
         (torch.distributed; `kv_backend` auto: NCCL between two GPUs, gloo otherwise)."""
         kind = check_kind(cfg.kv_transport)
-        if kind == "ipc":  # a tensor-parallel instance exports every rank's pool (kv_handoff.export_shards)
-            kv = self.runner.kv_shards() if self.runner.tp is not None else self.runner.kv
+        # a tensor-parallel instance: every rank's pool (ipc exports them all; dist lands each head where it lives)
+        kv = self.runner.kv_shards() if self.runner.tp is not None else self.runner.kv
+        if kind == "ipc":
             return IpcSink(kv, self.runner.state, instance_id, self.mailbox)
         backend, address = cfg.kv_backend, cfg.kv_address
-        return DistSink(self.runner.kv, self.runner.state, instance_id, backend, address, log=self._log)
+        return DistSink(kv, self.runner.state, instance_id, backend, address, log=self._log)
 
     def execute(self, requests):
         for request in requests:

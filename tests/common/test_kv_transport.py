@@ -33,7 +33,10 @@ def _prefill(jobs: list[dict], done, hold: float = 0.0, dtype: str = "float32") 
     source = KVSource("test-prefill")
     for job in jobs:
         state_row = torch.arange(job["state_floats"], dtype=torch.float32) + 0.5 if job["state_floats"] else None
-        source.send(job["rid"], job["epoch"], job["handle"], src.buffer, job["src"], job["dst"],
+        pool = src.buffer
+        if job.get("split"):  # a tensor-parallel prefill: each rank's pool holds one KV head
+            pool = [(src.buffer[:, :, :, h : h + 1].contiguous(), h, h + 1) for h in range(HEADS)]
+        source.send(job["rid"], job["epoch"], job["handle"], pool, job["src"], job["dst"],
                     job["handle"] if state_row is not None else "", state_row, job.get("page", -1))  # fmt: skip
     done.set()
     time.sleep(hold)  # stays connected (a test kills it here)
@@ -90,6 +93,27 @@ def test_rows_land_in_the_reserved_slots(sink):
     assert p.exitcode == 0
     # prefill closed its side on the way out: decode's receiver for it ended instead of waiting forever
     assert _poll(sink.live_peers, 0) == 0
+
+
+def test_rows_from_a_split_source_land_in_each_rank_of_a_split_pool():
+    """Tensor parallelism on both ends of the network transport: prefill's ranks' rows travel with every KV head
+    and each head lands in the decode rank that holds it."""
+    halves = [KVStore.allocate(LAYERS, 16, 1, DIM, torch.float32, "cpu") for _ in range(HEADS)]
+    s = DistSink([(h, i, i + 1) for i, h in enumerate(halves)], None, "decode-split", "gloo", "127.0.0.1",
+                 log=lambda m: None)  # fmt: skip
+    try:
+        exp = s.expect("r9", 0, [9, 3, 5], -1)
+        p, _ = _spawn([{**_job(exp, [0, 1, 2]), "split": True}])
+        assert s.landed(exp, 30)
+        src = _src_pool()
+        for i, half in enumerate(halves):
+            assert torch.equal(half.buffer[:, :, [9, 3, 5]], src.buffer[:, :, [0, 1, 2], i : i + 1])
+            assert half.buffer[:, :, [0, 1, 2, 4]].abs().sum() == 0
+        s.forget(exp)
+        p.join(30)
+        assert p.exitcode == 0
+    finally:
+        s.close()
 
 
 def test_stale_epoch_superseded_attempt_and_cancelled_transfer_are_dropped(sink):

@@ -149,7 +149,7 @@ class DecodeConfig(RoleConfig):
     decode_tp: int = opt(
         1,
         "tensor-parallel ranks of each decode instance, one process each: the instance's stub is rank 0 and starts "
-        "the others (so far the CPU path, dense models and prefill on this host)",
+        "the others (so far the CPU path and dense models)",
         minimum=1,
     )
     kv_tokens: int = opt(
@@ -286,7 +286,7 @@ class PrefillConfig(RoleConfig):
     prefill_tp: int = opt(
         1,
         "tensor-parallel ranks of each prefill instance, one process each: the instance's stub is rank 0 and starts "
-        "the others (so far the CPU path, dense models and decode on this host)",
+        "the others (so far the CPU path and dense models)",
         minimum=1,
     )
     prefill_kv_tokens: int = opt(

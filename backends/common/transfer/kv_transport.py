@@ -186,9 +186,15 @@ class DistSink(KVSink):
     kind = "dist"
 
     def __init__(self, kv, state, instance_id: str, backend: str, address: str, port: int = 0, log=None):
+        """kv: the pool's KVStore, or a tensor-parallel instance's (store, lo, hi) per rank (the CPU path): rows
+        then arrive with every KV head and each head lands in the rank that holds it."""
         import torch.distributed as dist
 
         super().__init__()
+        self.shards = None
+        if isinstance(kv, list):
+            self.shards = [(store.buffer, lo, hi) for store, lo, hi in kv]
+            kv = kv[0][0]
         if backend == "nccl" and not kv.buffer.is_cuda:
             raise ValueError("kv_transport dist with nccl needs decode on a GPU; use gloo on CPU")
         self.kv, self.state, self.backend = kv, state, backend
@@ -198,7 +204,8 @@ class DistSink(KVSink):
         self.store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=CONNECT_TIMEOUT)
         self.address, self.port = address, self.store.port
         self.instance, self.generation = instance_id, secrets.token_hex(4)
-        self.row_shape = [kv.num_layers, 2, kv.num_kv_heads, kv.head_dim]
+        heads = self.shards[-1][2] if self.shards is not None else kv.num_kv_heads
+        self.row_shape = [kv.num_layers, 2, heads, kv.head_dim]
         self.stop = threading.Event()
         self._waiting: dict[int, str] = {}  # thread number (0: the joiner) -> the store key it waits for
         self._threads = [threading.Thread(target=self._join_loop, name="pd-kv-join", daemon=True)]
@@ -324,7 +331,8 @@ class DistSink(KVSink):
             kv_bytes = rows * self._row_bytes()
             src = payload[:kv_bytes].view(self.kv.buffer.dtype).view(layers, two, rows, heads, dim)
             di = torch.tensor(exp.dst_slots, dtype=torch.int64, device=self.device)
-            self.kv.buffer.index_copy_(2, di, src.to(self.device, non_blocking=True))
+            for buf, lo, hi in self.shards or [(self.kv.buffer, 0, heads)]:  # each head into the rank holding it
+                buf.index_copy_(2, di, src[:, :, :, lo:hi].to(self.device, non_blocking=True))
             if state_floats and exp.dst_state_page >= 0 and self.state is not None:
                 page = payload[kv_bytes:].view(torch.float32)
                 self.state.buffer[exp.dst_state_page].copy_(page.to(self.device, non_blocking=True))
@@ -432,8 +440,6 @@ class KVSource:
         """Rows src[:, :, src_slots] into decode's dst_slots; with a state_handle also state_row into its page. src:
         the pool, or a tensor-parallel prefill's (buffer, lo, hi) per rank (ipc only)."""
         desc = json.loads(kv_handle)
-        if isinstance(src, list) and desc.get("kind") == "dist":
-            raise ValueError("a tensor-parallel prefill hands off over ipc only (decode on this host)")
         if desc.get("kind") != "dist":
             dst = self.ipc.open(kv_handle)
             if dst.buffer is not None and not isinstance(src, list):
@@ -446,10 +452,15 @@ class KVSource:
             return
         if len(src_slots) != len(dst_slots):
             raise ValueError(f"hand-off of {len(src_slots)} rows into {len(dst_slots)} slots")
-        if list(src.shape[:2]) + list(src.shape[3:]) != desc["row_shape"] or str(src.dtype) != desc["dtype"]:
+        srcs = src if isinstance(src, list) else [(src, 0, src.shape[3])]  # every head, from the rank holding it
+        src = srcs[0][0]
+        shape = list(src.shape[:2]) + [srcs[-1][2]] + list(src.shape[4:])
+        if shape != desc["row_shape"] or str(src.dtype) != desc["dtype"]:
             raise ValueError(f"decode's pool rows are {desc['row_shape']} {desc['dtype']}: not this model's")
         si = torch.tensor(src_slots, dtype=torch.int64, device=src.device)
-        parts = [src.index_select(2, si).contiguous().view(-1).view(torch.uint8)]
+        rows = torch.cat([buf.index_select(2, si) for buf, _, _ in srcs], dim=3) if len(srcs) > 1 else None
+        rows = rows if rows is not None else src.index_select(2, si)
+        parts = [rows.contiguous().view(-1).view(torch.uint8)]
         floats = 0
         if state_handle:
             if state_row is None or state_row.numel() != desc["state_floats"]:
