@@ -24,7 +24,8 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, tor
 # test_serving and test_openai, or test_churn and test_fuzz, must stay in one unit, or it starts twice)
 SERVER_MODULES = ("tests/server/", "tests/test_replay.py")
 SERVER_A = ("tests/server/test_faults.py", "tests/server/test_liveness.py", "tests/server/test_multiserver.py",
-            "tests/server/test_repository.py", "tests/test_replay.py")  # fmt: skip
+            "tests/server/test_repository.py", "tests/server/test_tensor_parallel.py",
+            "tests/test_replay.py")  # fmt: skip
 
 
 def work_unit(nodeid: str) -> str:
