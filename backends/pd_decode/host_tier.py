@@ -22,7 +22,7 @@ import torch
 
 from backends.common.core.config import ModelConfig
 from backends.common.core.state_pages import ZERO
-from backends.common.model.kv_store import KVStore, StateStore
+from backends.common.model.kv_store import KVStore, StateStore, gather_heads, scatter_heads
 
 from .scheduler import RecoveryCosts, SwapOut, TransferJob
 
@@ -65,18 +65,17 @@ class HostKV:
         instance on the CPU, `ModelRunner.kv_shards`): every rank's pool and its KV heads; a host slot then holds
         every head, each copied from and back to the rank that holds it."""
         self.dev = store.buffer
-        self.shards = [(s.buffer, lo, hi) for s, lo, hi in shards] if shards and len(shards) > 1 else None
-        layers, two, _, heads, dim = self.dev.shape
-        if self.shards is not None:
-            if self.dev.is_cuda or state is not None:
-                raise ValueError("the host tier of a tensor-parallel instance: the CPU path and dense models only")
-            heads = self.shards[-1][2]
+        layers, two, _, _, dim = self.dev.shape
+        self.shards = [(s.buffer, lo, hi) for s, lo, hi in shards or [(store, 0, store.num_kv_heads)]]
+        if len(self.shards) > 1 and (self.dev.is_cuda or state is not None):
+            raise ValueError("the host tier of a tensor-parallel instance: the CPU path and dense models only")
+        heads = self.shards[-1][2]
         self.cuda = self.dev.is_cuda
         # Resident from the start: pinned memory is, and on the CPU the buffer is written once here, so that the
         # process takes its host tier when it starts, not page by page as slots are first used (which read as a
         # leak over hours: +200 MB of RSS in a 30-minute CPU soak, perf/results/soak_cpu).
         self.buffer = _resident((num_slots, layers, two, heads, dim), self.dev.dtype, self.cuda)
-        self.bytes_per_slot = store.bytes_per_slot * (len(self.shards) if self.shards is not None else 1)
+        self.bytes_per_slot = store.bytes_per_slot * len(self.shards)
         self.dev_state = state.buffer if state is not None else None
         self.state = (
             _resident((num_pages, state.buffer.shape[1]), torch.float32, self.cuda) if state is not None else None
@@ -112,23 +111,10 @@ class HostKV:
         device_slots, host_slots = by_host_slot(job.device_slots, job.host_slots)
         for c in range(0, len(device_slots), CHUNK):
             d, h = device_slots[c : c + CHUNK], host_slots[c : c + CHUNK]
-            rows = self._gather(self._index(d)).permute(2, 0, 1, 3, 4)  # [n, layers, 2, heads, dim]
+            rows = gather_heads(self.shards, self._index(d)).permute(2, 0, 1, 3, 4)  # [n, layers, 2, heads, dim]
             rows = rows.contiguous()
             for off, first, n in runs(h):
                 self.buffer[first : first + n].copy_(rows[off : off + n], non_blocking=self.cuda)
-
-    def _gather(self, index: torch.Tensor) -> torch.Tensor:
-        """The device rows of `index`, every head ([layers, 2, n, heads, dim]), from each rank that holds some."""
-        if self.shards is None:
-            return self.dev.index_select(2, index)
-        return torch.cat([buf.index_select(2, index) for buf, _, _ in self.shards], dim=3)
-
-    def _scatter(self, index: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.shards is None:
-            self.dev.index_copy_(2, index, rows)
-            return
-        for buf, lo, hi in self.shards:
-            buf.index_copy_(2, index, rows[:, :, :, lo:hi])
 
     def _index(self, slots: np.ndarray) -> torch.Tensor:
         """Device slot numbers for index_select / index_copy_, on a GPU through pinned memory, so that the copy is
@@ -167,7 +153,7 @@ class HostKV:
             )
             for off, first, n in runs(h):
                 rows[off : off + n].copy_(self.buffer[first : first + n], non_blocking=self.cuda)
-            self._scatter(self._index(d), rows.permute(1, 2, 0, 3, 4))
+            scatter_heads(self.shards, self._index(d), rows.permute(1, 2, 0, 3, 4))
 
     def done(self) -> list[TransferJob]:
         """Swap-ins whose copies have finished, in the order they were started."""

@@ -118,7 +118,7 @@ class ModelRunner:
         tp: tensor parallelism over that many ranks, one process each (the PyTorch path, CPU, for now): this
         process is rank 0 and starts the others (backends/common/engine/tp_ranks.py), every forward broadcasts its
         spans to them, and each rank holds its shard, K/V heads and state pages; `close()` stops them. tp_rank: a
-        worker rank's own (tp_ranks.main passes it; it starts nothing)."""
+        worker rank's own (tp_worker.main passes it; it starts nothing)."""
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype)
         self.source = loader.resolve(model_spec)

@@ -84,7 +84,7 @@ class Ranks:
     def __init__(self, size: int, worker_args: list[str], timeout_s: float = 300.0, shm_names: list[str] = ()):
         """Start ranks 1..size-1 (`worker_args`: the runner's options, see tp_worker) and join the group with them;
         a worker that exits before the group forms fails this with RankError. shm_names: rank 0's shared-memory
-        pools, whose workers' counterparts (`kv_handoff.shard_name`) `kill` removes, whatever became of them."""
+        pools, whose workers' counterparts (`kv_store.shard_name`) `kill` removes, whatever became of them."""
         import torch.distributed as dist
 
         self.size = size
@@ -158,9 +158,8 @@ class Ranks:
         if not self.procs:
             return
         try:
-            if self._dead() is None:
-                self.send(STOP)
-        except RankError:
+            self.send(STOP)
+        except RankError:  # one is gone already: the rest are killed below
             pass
         deadline = time.monotonic() + 10
         for p in self.procs:
@@ -173,7 +172,7 @@ class Ranks:
             dist.destroy_process_group()
 
     def kill(self) -> None:
-        from backends.common.model.kv_store import shard_name
+        from backends.common.model.kv_store import SHM_DIR, shard_name
 
         for p in self.procs:
             if p.poll() is None:
@@ -182,7 +181,7 @@ class Ranks:
         for name in self.shm_names:
             for rank in range(1, self.size):
                 try:
-                    os.unlink(os.path.join("/dev/shm", shard_name(name, rank)))
+                    os.unlink(os.path.join(SHM_DIR, shard_name(name, rank)))
                 except FileNotFoundError:
                     pass
         self.procs = []

@@ -48,6 +48,21 @@ def shard_name(name: str, rank: int) -> str:
     return name if rank == 0 else f"{name}.r{rank}"
 
 
+def gather_heads(shards: list[tuple[torch.Tensor, int, int]], index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of a pool split by KV heads ((buffer, lo, hi) per rank, in head order; one entry: a whole
+    pool), every head of them: [layers, 2, len(index), heads, head_dim]."""
+    if len(shards) == 1:
+        return shards[0][0].index_select(2, index)
+    return torch.cat([buf.index_select(2, index) for buf, _, _ in shards], dim=3)
+
+
+def scatter_heads(shards: list[tuple[torch.Tensor, int, int]], index: torch.Tensor, rows: torch.Tensor) -> None:
+    """The reverse of gather_heads: rows [layers, 2, len(index), heads, head_dim] into slots `index`, each rank's
+    heads into its buffer."""
+    for buf, lo, hi in shards:
+        buf.index_copy_(2, index, rows[:, :, :, lo:hi])
+
+
 def tensor_on(buf, dtype: torch.dtype, shape) -> torch.Tensor:
     numel = 1
     for d in shape:

@@ -31,9 +31,9 @@ from datetime import timedelta
 
 import torch
 
+from backends.common.model.kv_store import gather_heads, scatter_heads
 from backends.common.transfer.kv_handoff import (
     HandoffCache,
-    copy_rows,
     copy_rows_sharded,
     copy_state_page,
     export_handle,
@@ -191,10 +191,9 @@ class DistSink(KVSink):
         import torch.distributed as dist
 
         super().__init__()
-        self.shards = None
-        if isinstance(kv, list):
-            self.shards = [(store.buffer, lo, hi) for store, lo, hi in kv]
-            kv = kv[0][0]
+        shards = kv if isinstance(kv, list) else [(kv, 0, kv.num_kv_heads)]
+        self.shards = [(store.buffer, lo, hi) for store, lo, hi in shards]
+        kv = shards[0][0]
         if backend == "nccl" and not kv.buffer.is_cuda:
             raise ValueError("kv_transport dist with nccl needs decode on a GPU; use gloo on CPU")
         self.kv, self.state, self.backend = kv, state, backend
@@ -204,8 +203,7 @@ class DistSink(KVSink):
         self.store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=CONNECT_TIMEOUT)
         self.address, self.port = address, self.store.port
         self.instance, self.generation = instance_id, secrets.token_hex(4)
-        heads = self.shards[-1][2] if self.shards is not None else kv.num_kv_heads
-        self.row_shape = [kv.num_layers, 2, heads, kv.head_dim]
+        self.row_shape = [kv.num_layers, 2, self.shards[-1][2], kv.head_dim]
         self.stop = threading.Event()
         self._waiting: dict[int, str] = {}  # thread number (0: the joiner) -> the store key it waits for
         self._threads = [threading.Thread(target=self._join_loop, name="pd-kv-join", daemon=True)]
@@ -331,8 +329,7 @@ class DistSink(KVSink):
             kv_bytes = rows * self._row_bytes()
             src = payload[:kv_bytes].view(self.kv.buffer.dtype).view(layers, two, rows, heads, dim)
             di = torch.tensor(exp.dst_slots, dtype=torch.int64, device=self.device)
-            for buf, lo, hi in self.shards or [(self.kv.buffer, 0, heads)]:  # each head into the rank holding it
-                buf.index_copy_(2, di, src[:, :, :, lo:hi].to(self.device, non_blocking=True))
+            scatter_heads(self.shards, di, src.to(self.device, non_blocking=True))  # each head into its rank
             if state_floats and exp.dst_state_page >= 0 and self.state is not None:
                 page = payload[kv_bytes:].view(torch.float32)
                 self.state.buffer[exp.dst_state_page].copy_(page.to(self.device, non_blocking=True))
@@ -438,29 +435,22 @@ class KVSource:
              dst_slots: list[int], state_handle: str = "", state_row: torch.Tensor | None = None,
              dst_state_page: int = -1) -> None:  # fmt: skip
         """Rows src[:, :, src_slots] into decode's dst_slots; with a state_handle also state_row into its page. src:
-        the pool, or a tensor-parallel prefill's (buffer, lo, hi) per rank (ipc only)."""
+        the pool, or a tensor-parallel prefill's (buffer, lo, hi) per rank."""
         desc = json.loads(kv_handle)
-        if desc.get("kind") != "dist":
-            dst = self.ipc.open(kv_handle)
-            if dst.buffer is not None and not isinstance(src, list):
-                copy_rows(src, src_slots, dst.buffer, dst_slots)
-            else:  # tensor parallelism on either side: each KV head from the rank that has it to the one that reads it
-                srcs = src if isinstance(src, list) else [(src, 0, src.shape[-2])]
-                copy_rows_sharded(srcs, src_slots, dst.shards, dst_slots)
+        srcs = src if isinstance(src, list) else [(src, 0, src.shape[3])]  # every head, from the rank holding it
+        if desc.get("kind") != "dist":  # (one pool each, the same heads: copy_rows)
+            copy_rows_sharded(srcs, src_slots, self.ipc.open(kv_handle).shards, dst_slots)
             if state_handle:
                 copy_state_page(state_row.unsqueeze(0), 0, self.ipc.open(state_handle).buffer, dst_state_page)
             return
         if len(src_slots) != len(dst_slots):
             raise ValueError(f"hand-off of {len(src_slots)} rows into {len(dst_slots)} slots")
-        srcs = src if isinstance(src, list) else [(src, 0, src.shape[3])]  # every head, from the rank holding it
         src = srcs[0][0]
         shape = list(src.shape[:2]) + [srcs[-1][2]] + list(src.shape[4:])
         if shape != desc["row_shape"] or str(src.dtype) != desc["dtype"]:
             raise ValueError(f"decode's pool rows are {desc['row_shape']} {desc['dtype']}: not this model's")
         si = torch.tensor(src_slots, dtype=torch.int64, device=src.device)
-        rows = torch.cat([buf.index_select(2, si) for buf, _, _ in srcs], dim=3) if len(srcs) > 1 else None
-        rows = rows if rows is not None else src.index_select(2, si)
-        parts = [rows.contiguous().view(-1).view(torch.uint8)]
+        parts = [gather_heads(srcs, si).contiguous().view(-1).view(torch.uint8)]
         floats = 0
         if state_handle:
             if state_row is None or state_row.numel() != desc["state_floats"]:
